@@ -1,0 +1,65 @@
+"""The `specjax` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from specjax.config import ConfigError, SamplingConfig
+
+
+def _generate(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences "PyTorch was not found"
+    from transformers import AutoTokenizer
+
+    from specjax.decoding import generate
+    from specjax.models import hf
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    model = hf.load(args.model, param_dtype=args.param_dtype, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
+    if tokenizer.bos_token_id is not None:
+        prompt = [tokenizer.bos_token_id, *prompt]
+    start = time.perf_counter()
+    result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                      eos_token_ids=hf.eos_token_ids(args.model), seeds=args.seed)
+    seconds = time.perf_counter() - start
+    tokens = result.sequences()[0]
+    print(args.prompt + tokenizer.decode(tokens, skip_special_tokens=True))
+    print(f"\n[{len(tokens)} tokens in {seconds:.2f} s including compilation; "
+          f"{'stopped at EOS' if result.stopped_by_eos[0] else 'token budget reached'}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text from a Hugging Face checkpoint folder")
+    gen.add_argument("--model", type=Path, required=True, help="folder with config.json, safetensors, tokenizer")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1 disables")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--param-dtype", default=None, help="weights dtype (default: the checkpoint's)")
+    gen.add_argument("--dtype", default=None, help="compute dtype (default: the weights')")
+    gen.set_defaults(run=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"specjax {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Frozen, validated configuration dataclasses.
+
+Every config is a frozen (hashable) dataclass so that it can be a static argument of `jax.jit`. Values
+are checked when the object is built: a bad value raises `ConfigError` naming the field, the value and
+what is allowed, so nothing wrong gets as far as a trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and what is allowed."""
+
+
+def _require(ok: bool, owner: str, field: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{owner}.{field} = {value!r} is invalid: allowed {allowed}")
+
+
+DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+}
+
+
+def dtype_from_name(name: str, field: str = "dtype"):
+    """Maps a dtype name ('bfloat16', ...) to the jnp dtype; an unknown name is a ConfigError."""
+    if name not in DTYPES:
+        raise ConfigError(f"{field} = {name!r} is invalid: allowed {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `llama3` is Llama 3.1's piecewise rule; `linear` divides all frequencies."""
+
+    rope_type: Literal["llama3", "linear"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        _require(self.rope_type in ("llama3", "linear"), "RopeScaling", "rope_type", self.rope_type,
+                 "'llama3' or 'linear'")
+        _require(self.factor >= 1.0, "RopeScaling", "factor", self.factor, "a float >= 1")
+        if self.rope_type == "llama3":
+            _require(self.high_freq_factor > self.low_freq_factor, "RopeScaling", "high_freq_factor",
+                     self.high_freq_factor, f"a value > low_freq_factor ({self.low_freq_factor})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flavour of a decoder-only LM.
+
+    One dataclass covers the Llama / Qwen2 / Mistral family (RMSNorm, RoPE, gated SiLU MLP) and GPT-2
+    (LayerNorm, learned positions, GELU MLP); `specjax.models.hf` maps Hugging Face config.json files
+    onto it.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int = 4096
+    norm: Literal["rms", "layer"] = "rms"
+    norm_eps: float = 1e-6
+    position: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    mlp: Literal["gated_silu", "gelu_tanh"] = "gated_silu"
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    # Storage dtype of the weights, and the dtype activations and matmuls run in.
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    init_std: float = 0.02
+    # Hugging Face architecture name this config round-trips to (LlamaForCausalLM, GPT2LMHeadModel, ...).
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, "ModelConfig", name, value, "an integer >= 1")
+        _require(self.num_heads % self.num_kv_heads == 0, "ModelConfig", "num_kv_heads", self.num_kv_heads,
+                 f"a divisor of num_heads ({self.num_heads})")
+        _require(self.norm in ("rms", "layer"), "ModelConfig", "norm", self.norm, "'rms' or 'layer'")
+        _require(self.position in ("rope", "learned"), "ModelConfig", "position", self.position,
+                 "'rope' or 'learned'")
+        _require(self.mlp in ("gated_silu", "gelu_tanh"), "ModelConfig", "mlp", self.mlp,
+                 "'gated_silu' or 'gelu_tanh'")
+        _require(self.norm_eps > 0, "ModelConfig", "norm_eps", self.norm_eps, "a float > 0")
+        _require(self.sliding_window is None or self.sliding_window >= 1, "ModelConfig", "sliding_window",
+                 self.sliding_window, "None or an integer >= 1")
+        _require(self.rope_scaling is None or self.position == "rope", "ModelConfig", "rope_scaling",
+                 self.rope_scaling, "None when position is 'learned'")
+        dtype_from_name(self.param_dtype, "ModelConfig.param_dtype")
+        dtype_from_name(self.dtype, "ModelConfig.dtype")
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per KV head (1 for MHA, num_heads for MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def jnp_param_dtype(self):
+        return DTYPES[self.param_dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How a token is drawn from logits: temperature, then top-k, then top-p (vLLM's order).
+
+    temperature 0 is greedy decoding (argmax; top-k and top-p are then irrelevant). top_k 0 and
+    top_p 1.0 switch those filters off.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        _require(self.temperature >= 0.0, "SamplingConfig", "temperature", self.temperature,
+                 "a float >= 0 (0 means greedy)")
+        _require(isinstance(self.top_k, int) and self.top_k >= 0, "SamplingConfig", "top_k", self.top_k,
+                 "an integer >= 0 (0 disables top-k)")
+        _require(0.0 < self.top_p <= 1.0, "SamplingConfig", "top_p", self.top_p,
+                 "a float in (0, 1] (1 disables top-p)")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,253 @@
+"""Decoder-only transformer LM in functional Flax NNX: the Llama / Qwen2 / Mistral family and GPT-2.
+
+The call is pure: `model(tokens, positions, cache) -> (logits, hidden, new_cache)` mutates nothing and
+returns a new cache, so the model (an NNX module, hence a pytree) goes straight into `jax.jit` and a
+`lax.while_loop` carry. Layer weights are stacked on a leading layer axis and the layers run as one
+`lax.scan`, which keeps compile time flat in depth and lines the weights up with the cache's layer axis.
+
+Dimension names in shapes and einsum strings: B batch, T new tokens, S cache slots, D hidden size,
+H query heads, K key/value heads, G query heads per KV head (H = K * G), E head dim, F MLP width,
+V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from specjax.config import ModelConfig
+from specjax.models.kv_cache import KVCache
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("final", "layers"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class Hidden:
+    """Hidden states of a forward pass.
+
+    final: the last layer's output after the final norm (what the LM head reads; EAGLE and Medusa's
+      feature). layers: the residual stream entering each layer asked for in `hidden_layers`
+      (index i < L is the input of layer i, index L the last layer's output before the final norm),
+      stacked as [len(hidden_layers), B, T, D]; None when none was asked for.
+    """
+
+    final: Float[Array, "B T D"]
+    layers: Float[Array, "N B T D"] | None
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """Per-pair rotation frequencies [E/2], with Llama-3 or linear scaling applied (float64, host)."""
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength = old_context / scaling.low_freq_factor
+    high_freq_wavelength = old_context / scaling.high_freq_factor
+    scaled = np.where(wavelength > low_freq_wavelength, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return np.where(in_band, blended, scaled)
+
+
+def apply_rope(x: Float[Array, "B T N E"], positions: Int[Array, "B T"], inv_freq: np.ndarray):
+    """Rotates pairs (i, i + E/2) of each head by position * frequency (the rotate-half convention)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, T, E/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    first, second = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def normalize(x: Float[Array, "... D"], scale, bias, config: ModelConfig):
+    """RMSNorm (bias None) or LayerNorm, computed in float32 and returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    if config.norm == "layer":
+        xf = xf - xf.mean(-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + config.norm_eps)
+    out = xf.astype(x.dtype) * scale.astype(x.dtype)
+    return out if bias is None else out + bias.astype(x.dtype)
+
+
+def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[Array, "B S K E"],
+              query_slots: Int[Array, "B T"], config: ModelConfig) -> Float[Array, "B T H E"]:
+    """Causal (optionally sliding-window) GQA attention by cache slot: query at slot t sees slots <= t.
+
+    Slots past a row's fill level are never visible: every query slot is below lengths + T, and slots
+    between are exactly the ones written by this call.
+    """
+    batch, num_new, _, head_dim = q.shape
+    q = q.reshape(batch, num_new, config.num_kv_heads, config.num_query_groups, head_dim)
+    scores = jnp.einsum("btkge,bske->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(head_dim)
+    key_slots = jnp.arange(k.shape[1])[None, None, :]
+    visible = key_slots <= query_slots[:, :, None]  # [B, T, S]
+    if config.sliding_window is not None:
+        visible &= key_slots > query_slots[:, :, None] - config.sliding_window
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v)
+    return out.reshape(batch, num_new, config.num_heads, head_dim)
+
+
+def _param(rngs: nnx.Rngs, shape, config: ModelConfig, kind: str = "normal") -> nnx.Param:
+    dtype = config.jnp_param_dtype
+    if kind == "ones":
+        return nnx.Param(jnp.ones(shape, dtype))
+    if kind == "zeros":
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param(config.init_std * jax.random.normal(rngs.params(), shape, dtype))
+
+
+class DecoderLayers(nnx.Module):
+    """Every decoder layer's weights, stacked on a leading L axis. Absent weights (biases, the gate of
+    a GELU MLP, LayerNorm shifts) are None."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        L, D, H, K, E, F = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                            c.intermediate_size)
+
+        def weight(*shape):
+            return _param(rngs, (L, *shape), c)
+
+        def bias(present: bool, *shape):
+            return _param(rngs, (L, *shape), c, "zeros") if present else None
+
+        layer_norm = c.norm == "layer"
+        self.attn_norm = _param(rngs, (L, D), c, "ones")
+        self.attn_norm_bias = bias(layer_norm, D)
+        self.wq, self.wk, self.wv = weight(D, H, E), weight(D, K, E), weight(D, K, E)
+        self.bq, self.bk, self.bv = bias(c.qkv_bias, H, E), bias(c.qkv_bias, K, E), bias(c.qkv_bias, K, E)
+        self.wo, self.bo = weight(H, E, D), bias(c.out_bias, D)
+        self.mlp_norm = _param(rngs, (L, D), c, "ones")
+        self.mlp_norm_bias = bias(layer_norm, D)
+        gated = c.mlp == "gated_silu"
+        self.w_gate, self.b_gate = (weight(D, F), bias(c.mlp_bias, F)) if gated else (None, None)
+        self.w_up, self.b_up = weight(D, F), bias(c.mlp_bias, F)
+        self.w_down, self.b_down = weight(F, D), bias(c.mlp_bias, D)
+
+
+def _value(param, dtype):
+    return None if param is None else param[...].astype(dtype)
+
+
+def _project(x, w, b, spec: str, dtype):
+    y = jnp.einsum(spec, x, _value(w, dtype))
+    return y if b is None else y + _value(b, dtype)
+
+
+def _mlp(x: Float[Array, "B T D"], layer: DecoderLayers, config: ModelConfig) -> Float[Array, "B T D"]:
+    dtype = config.jnp_dtype
+    up = _project(x, layer.w_up, layer.b_up, "btd,df->btf", dtype)
+    if config.mlp == "gated_silu":
+        gate = _project(x, layer.w_gate, layer.b_gate, "btd,df->btf", dtype)
+        act = jax.nn.silu(gate) * up
+    else:
+        act = jax.nn.gelu(up, approximate=True)
+    return _project(act, layer.w_down, layer.b_down, "btf,fd->btd", dtype)
+
+
+class Transformer(nnx.Module):
+    """A decoder-only LM. See the module docstring for the call contract."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        c = config
+        self.embed = _param(rngs, (c.vocab_size, c.hidden_size), c)
+        self.pos_embed = (_param(rngs, (c.max_position_embeddings, c.hidden_size), c)
+                          if c.position == "learned" else None)
+        self.layers = DecoderLayers(c, rngs=rngs)
+        self.final_norm = _param(rngs, (c.hidden_size,), c, "ones")
+        self.final_norm_bias = _param(rngs, (c.hidden_size,), c, "zeros") if c.norm == "layer" else None
+        self.lm_head = None if c.tie_word_embeddings else _param(rngs, (c.hidden_size, c.vocab_size), c)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache | None = None,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        compute_logits: bool = True,
+    ) -> tuple[Float[Array, "B T V"] | None, Hidden, KVCache | None]:
+        """Runs T new tokens per row.
+
+        With a cache, row b's tokens go to slots lengths[b] .. lengths[b] + T - 1 and attend to every
+        earlier slot; the returned cache has lengths + T (callers lower it for padding or rejected
+        drafts). Without one, the T tokens attend causally among themselves (a full forward).
+        Logits are float32; with compute_logits=False they are None (see `unembed`).
+        """
+        c = self.config
+        dtype = c.jnp_dtype
+        for index in hidden_layers:
+            if not 0 <= index <= c.num_layers:
+                raise ValueError(f"hidden_layers entry {index} is out of range: allowed 0..{c.num_layers}")
+        x = self.embed[...][tokens]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[...][positions]
+        x = x.astype(dtype)
+        inv_freq = rope_inverse_frequencies(c) if c.position == "rope" else None
+        num_new = tokens.shape[1]
+        offsets = jnp.zeros(tokens.shape[0], jnp.int32) if cache is None else cache.lengths
+        query_slots = offsets[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+
+        def layer_step(carry, scanned):
+            x, cache = carry
+            layer, index = scanned
+            h = normalize(x, layer.attn_norm[...], _value(layer.attn_norm_bias, dtype), c)
+            q = _project(h, layer.wq, layer.bq, "btd,dhe->bthe", dtype)
+            k = _project(h, layer.wk, layer.bk, "btd,dke->btke", dtype)
+            v = _project(h, layer.wv, layer.bv, "btd,dke->btke", dtype)
+            if inv_freq is not None:
+                q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            if cache is not None:
+                cache = cache.write(index, k, v)
+                k, v = cache.k[index].astype(dtype), cache.v[index].astype(dtype)
+            attn = attention(q, k, v, query_slots, c)
+            x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype)
+            h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
+            x = x + _mlp(h, layer, c)
+            return (x, cache), (carry[0] if hidden_layers else None)
+
+        (x, cache), layer_inputs = jax.lax.scan(
+            layer_step, (x, cache), (self.layers, jnp.arange(c.num_layers)))
+        layers = None
+        if hidden_layers:
+            stream = jnp.concatenate([layer_inputs, x[None]], axis=0)  # [L + 1, B, T, D]
+            layers = stream[jnp.asarray(hidden_layers)]
+        final = normalize(x, self.final_norm[...], _value(self.final_norm_bias, dtype), c)
+        if cache is not None:
+            cache = cache.with_lengths(cache.lengths + num_new)
+        logits = self.unembed(final) if compute_logits else None
+        return logits, Hidden(final=final, layers=layers), cache
+
+    def unembed(self, final_hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
+        """Float32 logits from final hidden states (the tied embedding or the LM head)."""
+        dtype = self.config.jnp_dtype
+        x = final_hidden.astype(dtype)
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", x, self.embed[...].astype(dtype),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", x, self.lm_head[...].astype(dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model (normal(0, init_std) weights, unit norms, zero biases)."""
+    return Transformer(config, rngs=nnx.Rngs(params=seed))
