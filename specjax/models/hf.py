@@ -32,7 +32,8 @@ SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "GPT2LMHeadModel")
 # Buffers some checkpoints carry that are recomputed, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
-_TORCH_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# Parameter dtypes kept as stored; any other checkpoint dtype loads as float32.
+_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class CheckpointError(ValueError):
@@ -173,12 +174,12 @@ def config_to_hf(config: ModelConfig) -> dict:
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_eps,
-        "hidden_act": "silu", "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_word_embeddings,
-        "initializer_range": c.init_std,
+        "hidden_act": "silu", "tie_word_embeddings": c.tie_word_embeddings, "initializer_range": c.init_std,
+        # transformers >= 5 keeps theta and scaling together in rope_parameters.
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
     }
     if c.rope_scaling is not None:
-        hf["rope_scaling"] = {"rope_type": c.rope_scaling.rope_type, **{
-            k: v for k, v in dataclasses.asdict(c.rope_scaling).items() if k != "rope_type"}}
+        hf["rope_parameters"].update(dataclasses.asdict(c.rope_scaling))
     family = LLAMA_FAMILY[c.architecture]
     if family == "llama":
         hf["attention_bias"], hf["mlp_bias"] = c.qkv_bias, c.mlp_bias
@@ -312,30 +313,44 @@ class _TensorReader:
     """Reads tensors by key from a single-file or sharded (index.json) safetensors checkpoint."""
 
     def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self._handles: dict[Path, Any] = {}
         index = model_dir / INDEX_FILE
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {key: model_dir / name for key, name in weight_map.items()}
         elif (model_dir / SINGLE_FILE).exists():
-            with safe_open(model_dir / SINGLE_FILE, framework="flax") as f:
-                self.files = {key: model_dir / SINGLE_FILE for key in f.keys()}
+            self.files = {key: model_dir / SINGLE_FILE for key in self._open(model_dir / SINGLE_FILE).keys()}
         else:
             raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} found")
-        self.model_dir = model_dir
-        self._handles: dict[Path, Any] = {}
 
     def keys(self) -> set[str]:
         return set(self.files)
+
+    def resolve(self, key: str) -> str:
+        """The stored name of a tensor: original GPT-2 checkpoints drop the "transformer." prefix."""
+        if key not in self.files and key.removeprefix("transformer.") in self.files:
+            return key.removeprefix("transformer.")
+        return key
 
     def get(self, key: str) -> jax.Array:
         if key not in self.files:
             raise CheckpointError(f"{self.model_dir}: tensor {key!r} is missing")
         path = self.files[key]
+        if not path.exists():
+            raise CheckpointError(f"{path}: shard named in {INDEX_FILE} does not exist")
+        try:
+            return self._open(path).get_tensor(key)
+        except Exception as error:  # safetensors raises its own error types for corrupt data
+            raise CheckpointError(f"{path}: cannot read tensor {key!r}: {error}") from error
+
+    def _open(self, path: Path):
         if path not in self._handles:
-            if not path.exists():
-                raise CheckpointError(f"{path}: shard named in {INDEX_FILE} does not exist")
-            self._handles[path] = safe_open(path, framework="flax")
-        return self._handles[path].get_tensor(key)
+            try:
+                self._handles[path] = safe_open(path, framework="flax")
+            except Exception as error:
+                raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from error
+        return self._handles[path]
 
     def dtype(self) -> str:
         first = self.get(next(iter(sorted(self.files))))
@@ -353,16 +368,17 @@ def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | 
     """Loads a checkpoint folder. param_dtype defaults to the checkpoint's; dtype to param_dtype."""
     model_dir = Path(model_dir)
     reader = _TensorReader(model_dir)
-    param_dtype = param_dtype or _TORCH_DTYPE_NAMES.get(reader.dtype(), "float32")
+    stored = reader.dtype()
+    param_dtype = param_dtype or (stored if stored in _CHECKPOINT_DTYPES else "float32")
     config = dataclasses.replace(load_config(model_dir), param_dtype=param_dtype, dtype=dtype or param_dtype)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     used: set[str] = set()
     for rule in rules_for(config):
         layers = range(config.num_layers) if rule.per_layer else [None]
         per_layer_values = []
+        shapes = _expected_hf_shapes(model, rule)
         for i in layers:
-            keys = [key.format(i=i) for key in rule.hf]
-            shapes = _expected_hf_shapes(model, rule)
+            keys = [reader.resolve(key.format(i=i)) for key in rule.hf]
             tensors = []
             for key, expected in zip(keys, shapes):
                 tensor = reader.get(key)
@@ -379,6 +395,10 @@ def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | 
             values = [v[n] for v in per_layer_values]
             value = jnp.stack(values) if rule.per_layer else values[0]
             _get_param(model, name).set_value(value.astype(config.jnp_param_dtype))
+    unset = [path for path, leaf in jax.tree_util.tree_leaves_with_path(model)
+             if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if unset:  # a rule table that misses a parameter is a bug here, not in the checkpoint
+        raise AssertionError(f"parameters not covered by the {config.architecture} rules: {unset}")
     unexpected = sorted(k for k in reader.keys() - used if not k.endswith(_IGNORED_SUFFIXES)
                         and not (config.tie_word_embeddings and k == "lm_head.weight"))
     if unexpected:
@@ -407,7 +427,7 @@ def save(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int = 4 
     model_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
     hf_config = {**config_to_hf(config), **(extra_config or {})}
-    hf_config["torch_dtype"] = _TORCH_DTYPE_NAMES.get(config.param_dtype, "float32")
+    hf_config["dtype"] = config.param_dtype if config.param_dtype in _CHECKPOINT_DTYPES else "float32"
     tensors: dict[str, jax.Array] = {}
     for rule in rules_for(config):
         values = [_get_param(model, name)[...] for name in rule.ours]

@@ -1,0 +1,63 @@
+"""The `specjax` command and the README's main job, end to end."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specjax import cli
+from specjax.config import ModelConfig
+from specjax.data.tokenizer import train_bpe_tokenizer
+from specjax.decoding import generate
+from specjax.models import hf
+from specjax.models.transformer import init_model
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    tokenizer = train_bpe_tokenizer(TEXT, vocab_size=300)
+    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                         head_dim=16, intermediate_size=64, init_std=0.3)
+    hf.save(init_model(config, seed=3), folder, extra_config={"eos_token_id": tokenizer.eos_token_id})
+    tokenizer.save_pretrained(folder)
+    return folder, tokenizer
+
+
+def test_generate_prints_the_prompt_and_the_models_continuation(checkpoint, capsys):
+    folder, tokenizer = checkpoint
+    code = cli.main(["generate", "--model", str(folder), "--prompt", "def add(", "--max-new-tokens", "9",
+                     "--temperature", "0.8", "--top-k", "20", "--seed", "4"])
+    assert code == 0
+    out = capsys.readouterr()
+    prompt = [tokenizer.bos_token_id, *tokenizer.encode("def add(", add_special_tokens=False)]
+    from specjax.config import SamplingConfig
+    expected = generate(hf.load(folder), [prompt], max_new_tokens=9, seeds=4,
+                        sampling=SamplingConfig(temperature=0.8, top_k=20),
+                        eos_token_ids=[tokenizer.eos_token_id]).sequences()[0]
+    assert out.out == "def add(" + tokenizer.decode(expected, skip_special_tokens=True) + "\n"
+    assert "tokens in" in out.err
+
+
+def test_bad_arguments_exit_with_a_message(checkpoint, capsys):
+    folder, _ = checkpoint
+    assert cli.main(["generate", "--model", str(folder), "--prompt", "x", "--top-p", "2"]) == 2
+    assert "SamplingConfig.top_p = 2.0 is invalid" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(folder / "nope"), "--prompt", "x"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_main_job_runs_end_to_end(tmp_path):
+    """What `make demo` runs, minus the install."""
+    model = tmp_path / "demo_model"
+    subprocess.run([sys.executable, str(REPO / "scripts/make_demo_model.py"), "--out", str(model),
+                    "--num-files", "20"], check=True, cwd=REPO)
+    run = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--model", str(model),
+                          "--prompt", "def fibonacci(n):", "--max-new-tokens", "16"],
+                         check=True, cwd=REPO, capture_output=True, text=True)
+    assert run.stdout.startswith("def fibonacci(n):")
+    assert "16 tokens in" in run.stderr or "stopped at EOS" in run.stderr

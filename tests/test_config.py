@@ -1,0 +1,37 @@
+"""Configs refuse bad values with a message naming the field, the value and what is allowed."""
+
+import dataclasses
+
+import pytest
+
+from specjax.config import ConfigError, ModelConfig, RopeScaling, dtype_from_name
+
+BASE = dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4,
+            intermediate_size=32)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_kv_heads=3), r"ModelConfig.num_kv_heads = 3 is invalid: allowed a divisor of num_heads \(4\)"),
+    (dict(num_layers=0), r"ModelConfig.num_layers = 0 is invalid: allowed an integer >= 1"),
+    (dict(norm="batch"), r"ModelConfig.norm = 'batch' is invalid: allowed 'rms' or 'layer'"),
+    (dict(dtype="float64"), r"ModelConfig.dtype = 'float64' is invalid: allowed \["),
+    (dict(sliding_window=0), r"ModelConfig.sliding_window = 0 is invalid"),
+    (dict(position="learned", rope_scaling=RopeScaling("linear", 2.0)), r"ModelConfig.rope_scaling = .* None when"),
+])
+def test_bad_model_config_names_the_field(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**{**BASE, **changes})
+
+
+def test_rope_scaling_is_checked():
+    with pytest.raises(ConfigError, match=r"RopeScaling.rope_type = 'yarn' is invalid"):
+        RopeScaling("yarn", 2.0)
+    with pytest.raises(ConfigError, match=r"RopeScaling.high_freq_factor = 1.0 is invalid"):
+        RopeScaling("llama3", 8.0, low_freq_factor=1.0, high_freq_factor=1.0)
+
+
+def test_configs_are_hashable_static_arguments():
+    config = ModelConfig(**BASE)
+    assert hash(config) == hash(dataclasses.replace(config))
+    assert config.num_query_groups == 2
+    assert dtype_from_name("bfloat16").__name__ == "bfloat16"

@@ -1,0 +1,149 @@
+"""generate(): one compiled program, exact sampling distribution, per-row seeds, budgets and EOS,
+and clear errors for requests that cannot run."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import chi_square_pvalue, fixture_dir, golden
+
+from specjax.config import ModelConfig, SamplingConfig
+from specjax.decoding import decode_loop, generate, pad_request
+from specjax.models import hf
+from specjax.models.transformer import init_model
+
+TINY = ModelConfig(vocab_size=8, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+                   intermediate_size=32, max_position_embeddings=64, init_std=0.6)
+PROMPT = [1, 5, 2]
+
+
+def exact_first_two_tokens(model, sampling: SamplingConfig) -> np.ndarray:
+    """P(t1, t2 | PROMPT) enumerated from full forwards of the model, processed like the sampler."""
+    from specjax.verify.sampling import processed_probs
+
+    vocab = model.config.vocab_size
+    contexts = jnp.asarray([PROMPT + [t] for t in range(vocab)])
+    positions = jnp.broadcast_to(jnp.arange(contexts.shape[1]), contexts.shape)
+    logits, _, _ = model(contexts, positions)
+    p1 = np.asarray(processed_probs(logits[0, len(PROMPT) - 1], sampling), np.float64)
+    p2 = np.asarray(processed_probs(logits[:, len(PROMPT)], sampling), np.float64)
+    return p1[:, None] * p2  # [t1, t2]
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0),
+                                      SamplingConfig(temperature=0.7, top_p=0.9),
+                                      SamplingConfig(temperature=1.2, top_k=4)], ids=str)
+def test_generated_tokens_follow_the_model_distribution(sampling):
+    model = init_model(TINY, seed=1)
+    num_rows = 32768
+    result = generate(model, [PROMPT] * num_rows, max_new_tokens=2, sampling=sampling, seeds=range(num_rows))
+    pairs = result.tokens[:, 0] * TINY.vocab_size + result.tokens[:, 1]
+    counts = np.bincount(pairs, minlength=TINY.vocab_size ** 2)
+    assert chi_square_pvalue(counts, exact_first_two_tokens(model, sampling)) > 1e-3
+    # Negative control: the same counts against the unprocessed (temperature 1) distribution fail.
+    if sampling != SamplingConfig(temperature=1.0):
+        wrong = exact_first_two_tokens(model, SamplingConfig(temperature=1.0))
+        assert chi_square_pvalue(counts, wrong) < 1e-6
+
+
+def test_a_row_depends_on_its_seed_and_prompt_only():
+    model = init_model(TINY, seed=1)
+    sampling = SamplingConfig(temperature=1.0)
+    alone = generate(model, [PROMPT], max_new_tokens=20, sampling=sampling, seeds=7).sequences()[0]
+    batched = generate(model, [[4, 4], PROMPT, [3] * 9], max_new_tokens=[5, 20, 11], sampling=sampling,
+                       seeds=[1, 7, 2]).sequences()
+    assert batched[1] == alone
+    again = generate(model, [PROMPT], max_new_tokens=20, sampling=sampling, seeds=7).sequences()[0]
+    other = generate(model, [PROMPT], max_new_tokens=20, sampling=sampling, seeds=8).sequences()[0]
+    assert again == alone and other != alone
+
+
+def test_rows_stop_at_their_own_budget_and_eos():
+    model = hf.load(fixture_dir("llama_gqa"))
+    ref = golden("llama_gqa")
+    greedy = [ref[f"greedy_{i}"].tolist() for i in range(3)]
+    eos = greedy[0][4]
+    first_eos = [seq.index(eos) if eos in seq else None for seq in greedy]
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+    result = generate(model, prompts, max_new_tokens=[12, 3, 0], eos_token_ids=[eos])
+    assert result.sequences()[0] == greedy[0][:first_eos[0] + 1]  # EOS kept, nothing after it
+    assert result.stopped_by_eos[0]
+    expected_1 = greedy[1][:3] if first_eos[1] is None or first_eos[1] >= 3 else greedy[1][:first_eos[1] + 1]
+    assert result.sequences()[1] == expected_1
+    assert result.sequences()[2] == [] and result.num_generated[2] == 0
+    assert result.tokens.shape == (3, 12) and not result.tokens[0, first_eos[0] + 1:].any()
+
+
+def _primitives(jaxpr, depth=0):
+    """(primitive name, nesting depth) for every equation, descending into sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name, depth
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _primitives(inner, depth + 1)
+
+
+def _loop_args(model, prompts, max_new_tokens):
+    request = pad_request(model, prompts, max_new_tokens)
+    keys = jax.vmap(jax.random.key)(jnp.asarray(request.seeds))
+    args = (model, jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets), keys)
+    return args, dict(sampling=SamplingConfig(temperature=0.9, top_k=5), eos_token_ids=(2,),
+                      cache_size=request.cache_size)
+
+
+def test_generation_is_one_program_with_one_while_loop_and_no_host_callback():
+    model = hf.load(fixture_dir("llama_gqa"))
+    args, static = _loop_args(model, [[1, 2, 3], [4] * 9], 10)
+    jaxpr = jax.make_jaxpr(functools.partial(decode_loop, **static))(*args)
+    prims = list(_primitives(jaxpr.jaxpr))
+    (outer_jit,) = [name for name, depth in prims if depth == 0]  # everything inside one jitted call
+    assert outer_jit in ("pjit", "jit")
+    loops = [name for name, depth in prims if name == "while" and depth == 1]
+    assert loops == ["while"], "the decode steps must run as one while loop"
+    assert {name for name, _ in prims if name == "scan"}, "layers run as a scan"
+    assert not [name for name, _ in prims if "callback" in name or "feed" in name]
+    hlo = decode_loop.lower(*args, **static).as_text()
+    assert "callback" not in hlo and "outfeed" not in hlo and "infeed" not in hlo
+
+
+def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
+    model = hf.load(fixture_dir("llama_gqa"))
+    generate(model, [[1, 2, 3]], max_new_tokens=8)
+    compiled = decode_loop._cache_size()
+    generate(model, [[5, 6, 7, 8, 9, 10, 11]], max_new_tokens=8)  # 7 tokens: still the 16 bucket
+    generate(model, [[5, 6], [9] * 13], max_new_tokens=5)  # batch 2: a new batch bucket
+    assert decode_loop._cache_size() == compiled + 1
+
+
+def test_bucket_padding_does_not_change_greedy_outputs():
+    model = hf.load(fixture_dir("qwen2"))
+    prompt = golden("qwen2")["prompt_1"].tolist()
+    alone = generate(model, [prompt], max_new_tokens=12).sequences()[0]
+    padded = generate(model, [prompt] + [[1]] * 4, max_new_tokens=12, cache_size=256).sequences()[0]
+    assert alone == padded == golden("qwen2")["greedy_1"].tolist()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[[1] * 60], max_new_tokens=10, cache_size=64),
+     r"row 0: prompt \(60 tokens\) \+ max_new_tokens \(10\) = 70 does not fit cache_size 64"),
+    (dict(prompts=[[1, 2], [3, 400]], max_new_tokens=4), r"prompt 1 has token id 400: allowed 0..127"),
+    (dict(prompts=[[1, 2]], max_new_tokens=-1), r"max_new_tokens for row 0 is -1: allowed >= 0"),
+    (dict(prompts=[[1], []], max_new_tokens=3), r"prompt 1 is empty"),
+    (dict(prompts=[], max_new_tokens=3), r"prompts is empty"),
+])
+def test_bad_requests_are_refused_with_the_reason(kwargs, message):
+    model = hf.load(fixture_dir("llama_gqa"))
+    with pytest.raises(ValueError, match=message):
+        generate(model, **kwargs)
+
+
+def test_learned_positions_bound_the_request():
+    model = hf.load(fixture_dir("gpt2"))  # n_positions 64
+    with pytest.raises(ValueError, match=r"= 70 exceeds max_position_embeddings \(64\)"):
+        generate(model, [[1] * 50], max_new_tokens=20)
+
+

@@ -1,0 +1,72 @@
+"""The model with its KV cache: ragged prefill plus token-by-token decode equals one full forward,
+row by row, and each row of a ragged batch equals that prompt run alone."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fixture_dir, positions_like
+
+from specjax.models import hf
+from specjax.models.kv_cache import KVCache
+
+PROMPT_LENGTHS = (5, 9, 2)
+DECODE_STEPS = 7
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral", "llama_head_dim_mqa", "gpt2", "qwen2"])
+def test_ragged_prefill_then_decode_equals_full_forward_of_each_row(name):
+    model = hf.load(fixture_dir(name))
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, model.config.vocab_size, n + DECODE_STEPS) for n in PROMPT_LENGTHS]
+    width = max(PROMPT_LENGTHS)
+    prompts = np.zeros((len(sequences), width), np.int32)  # right-padded with token 0
+    for row, n in enumerate(PROMPT_LENGTHS):
+        prompts[row, :n] = sequences[row][:n]
+    lengths = jnp.asarray(PROMPT_LENGTHS)
+
+    cache = KVCache.create(model.config, len(sequences), 32)
+    logits, _, cache = model(jnp.asarray(prompts), positions_like(prompts), cache)
+    cache = cache.with_lengths(lengths)  # drop the padding: only lengths say what is valid
+    incremental = [[np.asarray(logits[row, :n])] for row, n in enumerate(PROMPT_LENGTHS)]
+    for step in range(DECODE_STEPS):
+        positions = lengths + step
+        tokens = jnp.asarray([[seq[n + step]] for seq, n in zip(sequences, PROMPT_LENGTHS)])
+        logits, _, cache = model(tokens, positions[:, None], cache)
+        for row in range(len(sequences)):
+            incremental[row].append(np.asarray(logits[row]))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + DECODE_STEPS)
+
+    for row, seq in enumerate(sequences):
+        alone, _, _ = model(jnp.asarray(seq[None]), positions_like(seq[None]), None)
+        np.testing.assert_allclose(np.concatenate(incremental[row]), np.asarray(alone[0]), atol=1e-5, rtol=0,
+                                   err_msg=f"row {row}")
+
+
+def test_rollback_is_only_resetting_lengths():
+    """Write garbage past a row's length, roll back, continue: the result ignores the garbage."""
+    model = hf.load(fixture_dir("llama_gqa"))
+    seq = jnp.asarray([[3, 14, 15, 92, 65, 35]])
+    positions = positions_like(seq)
+    full, _, _ = model(seq, positions, None)
+    cache = KVCache.create(model.config, 1, 16)
+    _, _, cache = model(seq[:, :3], positions[:, :3], cache)
+    _, _, cache = model(jnp.asarray([[7, 7, 7, 7]]), jnp.arange(3, 7)[None], cache)  # drafts, rejected
+    cache = cache.with_lengths(jnp.asarray([3]))
+    logits, _, _ = model(seq[:, 3:], positions[:, 3:], cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, 3:]), atol=1e-5, rtol=0)
+
+
+def test_hidden_layers_out_of_range_is_refused():
+    model = hf.load(fixture_dir("llama_gqa"))
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match=r"hidden_layers entry 3 is out of range: allowed 0..2"):
+        model(tokens, positions_like(tokens), hidden_layers=(3,))
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 10)))
+    f32, _, _ = hf.load(fixture_dir("llama_gqa"))(tokens, positions_like(tokens))
+    bf16_model = hf.load(fixture_dir("llama_gqa"), param_dtype="bfloat16")
+    bf16, hidden, _ = bf16_model(tokens, positions_like(tokens))
+    assert bf16.dtype == jnp.float32 and hidden.final.dtype == jnp.bfloat16
+    assert np.abs(np.asarray(bf16) - np.asarray(f32)).max() < 0.15 * np.abs(np.asarray(f32)).max()
