@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
-from specjax.config import SamplingConfig
+from specjax.config import DTYPES, SamplingConfig, dtype_from_name
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.verify.sampling import sample
@@ -76,7 +76,7 @@ def decode_loop(
     """Prefill and decode as one program. Prompts are right-padded; budgets may be 0 (padding rows)."""
     batch, prompt_len = prompt_tokens.shape
     rows = jnp.arange(batch)
-    cache = KVCache.create(model.config, batch, cache_size, cache_dtype and jnp.dtype(cache_dtype))
+    cache = KVCache.create(model.config, batch, cache_size, cache_dtype and DTYPES[cache_dtype])
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
     _, hidden, cache = model(prompt_tokens, positions, cache, compute_logits=False)
     logits = model.unembed(hidden.final[rows, prompt_lengths - 1])
@@ -185,6 +185,8 @@ def generate(
     first EOS (which is kept in its output). cache_size defaults to what the padded request needs.
     """
     request = pad_request(model, prompts, max_new_tokens, seeds, cache_size)
+    if cache_dtype is not None:
+        dtype_from_name(cache_dtype, "cache_dtype")
     keys = jax.vmap(jax.random.key)(jnp.asarray(request.seeds))
     state = decode_loop(model, jnp.asarray(request.tokens), jnp.asarray(request.lengths),
                         jnp.asarray(request.budgets), keys, sampling=sampling,

@@ -147,3 +147,20 @@ def test_learned_positions_bound_the_request():
         generate(model, [[1] * 50], max_new_tokens=20)
 
 
+
+
+def test_cache_dtype_is_separate_from_the_model_and_checked():
+    from specjax.config import ConfigError
+    from specjax.models.kv_cache import KVCache
+
+    model = hf.load(fixture_dir("llama_gqa"))
+    tokens = jnp.asarray([golden("llama_gqa")["prompt_2"]])
+    positions = jnp.arange(tokens.shape[1])[None]
+    full, _, _ = model(tokens, positions)
+    cache = KVCache.create(model.config, 1, 16, jnp.bfloat16)
+    logits, _, cache = model(tokens, positions, cache)
+    assert cache.k.dtype == jnp.bfloat16 and model.embed[...].dtype == jnp.float32
+    assert 0 < np.abs(np.asarray(logits - full)).max() < 0.05 * np.abs(np.asarray(full)).max()
+    assert generate(model, [[1, 2]], max_new_tokens=4, cache_dtype="bfloat16").num_generated[0] == 4
+    with pytest.raises(ConfigError, match=r"cache_dtype = 'int8' is invalid: allowed \["):
+        generate(model, [[1, 2]], max_new_tokens=2, cache_dtype="int8")
