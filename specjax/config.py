@@ -149,3 +149,77 @@ class SamplingConfig:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding, with vLLM's `SpeculativeConfig` names and meanings.
+
+    method: the drafter (a name in `specjax.proposers.PROPOSERS`).
+    num_speculative_tokens: K, tokens drafted per step.
+    rejection_sample_method: 'standard' (Leviathan et al.), 'block' (Sun et al.'s joint prefix
+      ratio) or 'synthetic' (benchmark mode, not lossless). At temperature 0 the greedy verifier
+      runs whatever is chosen here, except 'synthetic'.
+    synthetic_acceptance_rates: unconditional acceptance rate of each draft position (K values,
+      non-increasing, in [0, 1]); or synthetic_acceptance_length: a mean acceptance length L in
+      [1, K + 1], turned into rates as vLLM does. Exactly one of them with 'synthetic', neither otherwise.
+    draft_sample_method: 'greedy' drafts the argmax (the draft is one-hot to the verifier);
+      'probabilistic' samples the processed draft distribution and verifies against it.
+    """
+
+    method: str = "draft_model"
+    num_speculative_tokens: int = 4
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+    synthetic_acceptance_length: float | None = None
+    draft_sample_method: str = "greedy"
+
+    def __post_init__(self):
+        from specjax.proposers import PROPOSERS  # the registries import this module
+        from specjax.verify import REJECTION_SAMPLE_METHODS
+
+        k = self.num_speculative_tokens
+        _require(self.method in PROPOSERS, "SpecConfig", "method", self.method, f"one of {sorted(PROPOSERS)}")
+        _require(isinstance(k, int) and k >= 1, "SpecConfig", "num_speculative_tokens", k, "an integer >= 1")
+        _require(self.rejection_sample_method in REJECTION_SAMPLE_METHODS, "SpecConfig",
+                 "rejection_sample_method", self.rejection_sample_method, f"one of {REJECTION_SAMPLE_METHODS}")
+        _require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
+                 self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
+        rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
+        if self.rejection_sample_method != "synthetic":
+            if rates is not None or length is not None:
+                raise ConfigError(
+                    f"SpecConfig.rejection_sample_method = {self.rejection_sample_method!r} cannot be combined "
+                    "with synthetic_acceptance_rates / synthetic_acceptance_length: allowed only with "
+                    "rejection_sample_method 'synthetic'")
+            return
+        if (rates is None) == (length is None):
+            raise ConfigError("SpecConfig with rejection_sample_method 'synthetic' needs exactly one of "
+                              f"synthetic_acceptance_rates (got {rates!r}) and synthetic_acceptance_length "
+                              f"(got {length!r})")
+        if rates is not None:
+            object.__setattr__(self, "synthetic_acceptance_rates", tuple(float(r) for r in rates))
+            rates = self.synthetic_acceptance_rates
+            _require(len(rates) == k, "SpecConfig", "synthetic_acceptance_rates", rates,
+                     f"{k} values (one per draft position, num_speculative_tokens = {k})")
+            _require(all(0.0 <= r <= 1.0 for r in rates), "SpecConfig", "synthetic_acceptance_rates", rates,
+                     "values in [0, 1]")
+            _require(all(a >= b for a, b in zip(rates, rates[1:])), "SpecConfig", "synthetic_acceptance_rates",
+                     rates, "non-increasing values (position i cannot be accepted more often than i - 1)")
+        else:
+            _require(1.0 <= length <= k + 1, "SpecConfig", "synthetic_acceptance_length", length,
+                     f"a mean acceptance length in [1, num_speculative_tokens + 1 = {k + 1}]")
+
+    @property
+    def synthetic_rates(self) -> tuple[float, ...]:
+        """Unconditional per-position acceptance rates: given, or from the mean length L as vLLM does
+        (floor(L - 1) ones, then the fractional part, then zeros; their sum is L - 1)."""
+        if self.synthetic_acceptance_rates is not None:
+            return self.synthetic_acceptance_rates
+        extra = self.synthetic_acceptance_length - 1.0
+        whole = int(extra)
+        rates = [1.0] * whole + [extra - whole]
+        return tuple((rates + [0.0] * self.num_speculative_tokens)[:self.num_speculative_tokens])

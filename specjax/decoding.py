@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
-from specjax.config import DTYPES, SamplingConfig, dtype_from_name
+from specjax.config import DTYPES, SamplingConfig, SpecConfig, dtype_from_name
+from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
-from specjax.verify.sampling import sample
+from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
+from specjax.verify import verifier_for, verifier_name
+from specjax.verify.sampling import processed_probs, sample
 
 MIN_PROMPT_BUCKET = 16
 CACHE_ALIGNMENT = 64
@@ -45,19 +48,53 @@ class DecodeState:
     cache: KVCache
 
 
-def _emit(state: DecodeState, next_token: Int[Array, " B"], budgets: Int[Array, " B"],
-          eos_token_ids: tuple[int, ...]) -> DecodeState:
-    """Appends next_token to every active row and marks rows that hit EOS or their budget as done."""
+def _commit(state: DecodeState, block: Int[Array, "B W"], num_candidates: Int[Array, " B"],
+            budgets: Int[Array, " B"], eos_token_ids: tuple[int, ...]) -> tuple[DecodeState, Int[Array, " B"]]:
+    """Appends the first num_candidates[b] tokens of block to each active row, cut after the first
+    EOS and at the row's budget; marks rows that hit either as done. Returns the tokens kept."""
     active = ~state.done
-    rows = jnp.arange(next_token.shape[0])
-    # Inactive rows write out of bounds, which a scatter drops.
-    slot = jnp.where(active, state.lengths, state.tokens.shape[1])
-    tokens = state.tokens.at[rows, slot].set(next_token)
-    num_generated = state.num_generated + active
-    is_eos = jnp.isin(next_token, jnp.asarray(eos_token_ids, jnp.int32)) if eos_token_ids else False
-    done = state.done | (active & (is_eos | (num_generated >= budgets)))
-    return dataclasses.replace(state, tokens=tokens, lengths=state.lengths + active,
-                               num_generated=num_generated, done=done)
+    width = block.shape[1]
+    index = jnp.arange(width)[None, :]
+    candidate = index < num_candidates[:, None]
+    is_eos = jnp.isin(block, jnp.asarray(eos_token_ids, jnp.int32)) if eos_token_ids else jnp.zeros_like(candidate)
+    eos_at = jnp.argmax(is_eos & candidate, axis=1)  # first EOS (0 if none, then masked below)
+    has_eos = jnp.any(is_eos & candidate, axis=1)
+    room = budgets - state.num_generated
+    kept = jnp.minimum(jnp.minimum(num_candidates, room), jnp.where(has_eos, eos_at + 1, width))
+    kept = jnp.where(active, kept, 0)
+    # Tokens not kept are written out of bounds, which a scatter drops.
+    slots = jnp.where(index < kept[:, None], state.lengths[:, None] + index, state.tokens.shape[1])
+    tokens = state.tokens.at[jnp.arange(block.shape[0])[:, None], slots].set(block)
+    num_generated = state.num_generated + kept
+    stopped_at_eos = has_eos & (eos_at < kept)
+    done = state.done | (active & (stopped_at_eos | (num_generated >= budgets)))
+    return dataclasses.replace(state, tokens=tokens, lengths=state.lengths + kept,
+                               num_generated=num_generated, done=done), kept
+
+
+def _prefill(model: Transformer, prompt_tokens, prompt_lengths, budgets, token_keys, *, sampling, eos_token_ids,
+             cache_size, cache_dtype, hidden_layers=()) -> tuple[DecodeState, TargetOutput]:
+    """Runs every prompt through the model in one call and emits the first new token of each row,
+    drawn with fold_in(token_keys[b], 0) in both loops."""
+    batch, prompt_len = prompt_tokens.shape
+    rows = jnp.arange(batch)
+    cache = KVCache.create(model.config, batch, cache_size, cache_dtype and DTYPES[cache_dtype])
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+    _, hidden, cache = model(prompt_tokens, positions, cache, hidden_layers=hidden_layers, compute_logits=False)
+    logits = model.unembed(hidden.final[rows, prompt_lengths - 1])
+    tokens = jnp.zeros((batch, cache_size), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
+    state = DecodeState(tokens=tokens, lengths=prompt_lengths, num_generated=jnp.zeros_like(budgets),
+                        done=budgets <= 0, cache=cache.with_lengths(prompt_lengths))
+    first = sample(logits, jax.vmap(jax.random.fold_in)(token_keys, state.num_generated), sampling)
+    state, _ = _commit(state, first[:, None], jnp.ones_like(budgets), budgets, eos_token_ids)
+    return state, TargetOutput(logits=None, hidden=hidden)
+
+
+def _split_streams(keys: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray]:
+    """Two independent key streams per row: one for tokens sampled from the target alone (indexed by
+    the token's number), one for speculative steps (indexed by the step's number)."""
+    streams = jax.vmap(jax.random.split)(keys)
+    return streams[:, 0], streams[:, 1]
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "eos_token_ids", "cache_size", "cache_dtype"))
@@ -73,31 +110,90 @@ def decode_loop(
     cache_size: int,
     cache_dtype: str | None = None,
 ) -> DecodeState:
-    """Prefill and decode as one program. Prompts are right-padded; budgets may be 0 (padding rows)."""
-    batch, prompt_len = prompt_tokens.shape
-    rows = jnp.arange(batch)
-    cache = KVCache.create(model.config, batch, cache_size, cache_dtype and DTYPES[cache_dtype])
-    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    _, hidden, cache = model(prompt_tokens, positions, cache, compute_logits=False)
-    logits = model.unembed(hidden.final[rows, prompt_lengths - 1])
-    tokens = jnp.zeros((batch, cache_size), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
-    state = DecodeState(tokens=tokens, lengths=prompt_lengths, num_generated=jnp.zeros_like(budgets),
-                        done=budgets <= 0, cache=cache.with_lengths(prompt_lengths))
-
-    def next_token(logits, state):
-        step_keys = jax.vmap(jax.random.fold_in)(keys, state.num_generated)
-        return sample(logits, step_keys, sampling)
-
-    state = _emit(state, next_token(logits, state), budgets, eos_token_ids)
+    """Autoregressive prefill and decode as one program. Prompts are right-padded; budgets may be 0
+    (padding rows)."""
+    token_keys, _ = _split_streams(keys)
+    state, _ = _prefill(model, prompt_tokens, prompt_lengths, budgets, token_keys, sampling=sampling,
+                        eos_token_ids=eos_token_ids, cache_size=cache_size, cache_dtype=cache_dtype)
+    rows = jnp.arange(prompt_tokens.shape[0])
 
     def step(state: DecodeState) -> DecodeState:
         last = state.tokens[rows, state.lengths - 1]
         logits, _, cache = model(last[:, None], (state.lengths - 1)[:, None], state.cache)
         cache = cache.with_lengths(jnp.where(state.done, state.cache.lengths, cache.lengths))
-        state = dataclasses.replace(state, cache=cache)
-        return _emit(state, next_token(logits[:, 0], state), budgets, eos_token_ids)
+        step_keys = jax.vmap(jax.random.fold_in)(token_keys, state.num_generated)
+        token = sample(logits[:, 0], step_keys, sampling)
+        state, _ = _commit(dataclasses.replace(state, cache=cache), token[:, None], jnp.ones_like(budgets),
+                           budgets, eos_token_ids)
+        return state
 
     return jax.lax.while_loop(lambda state: ~jnp.all(state.done), step, state)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("decode", "proposer", "counters"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    decode: DecodeState
+    proposer: Any  # the proposer's own state pytree
+    counters: AcceptanceCounters
+
+
+@functools.partial(jax.jit, static_argnames=("proposer", "eos_token_ids", "cache_dtype"))
+def speculative_loop(
+    model: Transformer,
+    drafter: Any,
+    prompt_tokens: Int[Array, "B T"],
+    prompt_lengths: Int[Array, " B"],
+    budgets: Int[Array, " B"],
+    keys: PRNGKeyArray,
+    *,
+    proposer: Proposer,
+    eos_token_ids: tuple[int, ...],
+    cache_dtype: str | None = None,
+) -> SpecState:
+    """Speculative prefill and decode as one program: each step proposes K drafts, scores the last
+    committed token and the drafts in one target forward over K + 1 positions, verifies, commits
+    the accepted drafts plus one target token, and rolls both caches back by their lengths."""
+    settings = proposer.settings
+    sampling, num_draft = settings.sampling, settings.spec.num_speculative_tokens
+    verifier = verifier_for(settings.spec, sampling)
+    scores_are_logits = verifier_name(settings.spec, sampling) == "greedy"
+    token_keys, step_keys = _split_streams(keys)
+    decode, target_out = _prefill(model, prompt_tokens, prompt_lengths, budgets, token_keys, sampling=sampling,
+                                  eos_token_ids=eos_token_ids, cache_size=settings.cache_size,
+                                  cache_dtype=cache_dtype, hidden_layers=proposer.hidden_layers)
+    batch = prompt_tokens.shape[0]
+    rows = jnp.arange(batch)
+    state = SpecState(decode=decode, proposer=proposer.init(drafter, prompt_tokens, prompt_lengths, target_out),
+                      counters=AcceptanceCounters.zeros(batch, num_draft))
+
+    def step(state: SpecState) -> SpecState:
+        decode, active = state.decode, ~state.decode.done
+        keys = jax.vmap(jax.random.fold_in)(step_keys, state.counters.steps)
+        draft_keys, verify_keys = _split_streams(keys)
+        context = Context(tokens=decode.tokens, lengths=decode.lengths)
+        draft_tokens, draft_probs, proposer_state = proposer.propose(drafter, state.proposer, context, draft_keys)
+
+        last = decode.tokens[rows, decode.lengths - 1]
+        block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1]
+        positions = (decode.lengths - 1)[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
+        logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers)
+        scores = logits if scores_are_logits else processed_probs(logits, sampling)
+        num_accepted, next_token = verifier(scores, draft_tokens, draft_probs, verify_keys)
+
+        # The target cache keeps the last committed token and the accepted drafts: rollback is lengths.
+        cache = cache.with_lengths(jnp.where(active, decode.lengths + num_accepted, decode.cache.lengths))
+        emitted = jnp.concatenate([draft_tokens, jnp.zeros_like(last)[:, None]], axis=1)
+        emitted = emitted.at[rows, num_accepted].set(next_token)
+        decode, kept = _commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, budgets,
+                               eos_token_ids)
+        target_out = TargetOutput(logits=logits, hidden=hidden)
+        return SpecState(decode=decode,
+                         proposer=proposer.accept(proposer_state, num_accepted, next_token, target_out),
+                         counters=state.counters.update(active, num_accepted, kept))
+
+    return jax.lax.while_loop(lambda state: ~jnp.all(state.decode.done), step, state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +201,7 @@ class GenerationResult:
     tokens: np.ndarray  # [B, max_new_tokens] generated ids; past num_generated[b] they are 0
     num_generated: np.ndarray  # [B]
     stopped_by_eos: np.ndarray  # [B] bool
+    metrics: AcceptanceMetrics | None = None  # speculative decoding only
 
     def sequences(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.num_generated)]
@@ -123,8 +220,11 @@ class PaddedBatch:
 
 
 def pad_request(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                seeds: int | Sequence[int] = 0, cache_size: int | None = None) -> PaddedBatch:
-    """Validates a request and pads it to buckets; every problem is a ValueError naming the row."""
+                seeds: int | Sequence[int] = 0, cache_size: int | None = None, lookahead: int = 0) -> PaddedBatch:
+    """Validates a request and pads it to buckets; every problem is a ValueError naming the row.
+
+    lookahead: cache slots needed past prompt + budget (K + 1 for speculative decoding, whose last
+    verify may write K + 1 entries past the last committed token)."""
     config = model.config
     if not prompts:
         raise ValueError("prompts is empty: give at least one prompt (a list of token ids)")
@@ -148,12 +248,14 @@ def pad_request(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
                          "of this model's learned positions")
     prompt_bucket = bucket(int(lengths.max()), MIN_PROMPT_BUCKET)
     if cache_size is None:
-        needed = max(prompt_bucket, prompt_bucket + int(budgets.max()))
+        needed = prompt_bucket + int(budgets.max()) + lookahead
         cache_size = -(-needed // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
-    elif totals.max() > cache_size:
+    elif totals.max() + lookahead > cache_size:
         row = int(totals.argmax())
-        raise ValueError(f"row {row}: prompt ({lengths[row]} tokens) + max_new_tokens ({budgets[row]}) = "
-                         f"{totals[row]} does not fit cache_size {cache_size}: allowed at most {cache_size}")
+        extra = f" + K + 1 ({lookahead})" if lookahead else ""
+        raise ValueError(f"row {row}: prompt ({lengths[row]} tokens) + max_new_tokens ({budgets[row]}){extra} = "
+                         f"{totals[row] + lookahead} does not fit cache_size {cache_size}: allowed at most "
+                         f"{cache_size}")
     # A prompt bucket larger than the cache would prefill out of bounds: pad only as far as it fits.
     prompt_bucket = min(prompt_bucket, cache_size)
     batch_bucket = bucket(batch)
@@ -178,27 +280,38 @@ def generate(
     seeds: int | Sequence[int] = 0,
     cache_size: int | None = None,
     cache_dtype: str | None = None,
+    spec: SpecConfig | None = None,
+    drafter: Any = None,
 ) -> GenerationResult:
-    """Autoregressive generation for a batch of ragged prompts (lists of token ids).
+    """Generation for a batch of ragged prompts (lists of token ids): autoregressive, or speculative
+    when `spec` is given (`drafter` is then the proposer's weights, e.g. the draft Transformer).
 
     max_new_tokens and seeds are one value or one per prompt. A row stops after its budget or at the
     first EOS (which is kept in its output). cache_size defaults to what the padded request needs.
     """
-    request = pad_request(model, prompts, max_new_tokens, seeds, cache_size)
     if cache_dtype is not None:
         dtype_from_name(cache_dtype, "cache_dtype")
-    keys = jax.vmap(jax.random.key)(jnp.asarray(request.seeds))
-    state = decode_loop(model, jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-                        jnp.asarray(request.budgets), keys, sampling=sampling,
-                        eos_token_ids=tuple(int(t) for t in eos_token_ids),
-                        cache_size=request.cache_size, cache_dtype=cache_dtype)
-    return _result(state, request, max(int(b) for b in request.budgets[:request.batch_size]),
-                   set(eos_token_ids))
+    eos_token_ids = tuple(int(t) for t in eos_token_ids)
+    lookahead = 0 if spec is None else spec.num_speculative_tokens + 1
+    request = pad_request(model, prompts, max_new_tokens, seeds, cache_size, lookahead)
+    args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+    if spec is None:
+        state = decode_loop(model, *args, sampling=sampling, eos_token_ids=eos_token_ids,
+                            cache_size=request.cache_size, cache_dtype=cache_dtype)
+        return _result(state, request, eos_token_ids)
+    proposer = build_proposer(spec, sampling, request.cache_size)
+    proposer.check(drafter, model.config)
+    state = speculative_loop(model, drafter, *args, proposer=proposer, eos_token_ids=eos_token_ids,
+                             cache_dtype=cache_dtype)
+    metrics = AcceptanceMetrics.from_counters(state.counters, request.batch_size)
+    return dataclasses.replace(_result(state.decode, request, eos_token_ids), metrics=metrics)
 
 
-def _result(state: DecodeState, request: PaddedBatch, width: int, eos_token_ids) -> GenerationResult:
+def _result(state: DecodeState, request: PaddedBatch, eos_token_ids: tuple[int, ...]) -> GenerationResult:
     tokens, num_generated = jax.device_get((state.tokens, state.num_generated))
     rows = request.batch_size
+    width = int(request.budgets[:rows].max())
     out = np.zeros((rows, width), np.int32)
     stopped = np.zeros(rows, bool)
     for row in range(rows):

@@ -1,0 +1,37 @@
+"""Verifiers: one signature, one registry line each.
+
+`verify(target_probs[B,K+1,V], draft_tokens[B,K], draft_probs[B,K,V] | None, keys[B])
+-> (num_accepted[B] in 0..K, next_token[B])`: the row emits draft_tokens[:n] + [next_token].
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from specjax.config import SamplingConfig, SpecConfig
+from specjax.verify import block, greedy, standard, synthetic
+from specjax.verify.common import from_draws
+
+VERIFIERS: dict[str, Callable] = {
+    "greedy": greedy.verify,
+    "standard": standard.verify,
+    "block": block.verify,
+}
+# What SpecConfig.rejection_sample_method accepts: the lossless verifiers chosen by name, and the
+# benchmark mode (greedy is chosen by temperature 0, not by name).
+REJECTION_SAMPLE_METHODS = (*(name for name in VERIFIERS if name != "greedy"), "synthetic")
+
+
+def verifier_name(spec: SpecConfig, sampling: SamplingConfig) -> str:
+    """Greedy rows skip the random path whichever lossless method is chosen, as in vLLM."""
+    if spec.rejection_sample_method == "synthetic":
+        return "synthetic"
+    return "greedy" if sampling.is_greedy else spec.rejection_sample_method
+
+
+def verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
+    name = verifier_name(spec, sampling)
+    if name == "synthetic":
+        return from_draws(functools.partial(synthetic.verify_with_draws, rates=spec.synthetic_rates))
+    return VERIFIERS[name]

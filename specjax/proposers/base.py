@@ -1,0 +1,80 @@
+"""The proposer protocol and registry.
+
+A proposer is a frozen dataclass of static settings with three pure functions over a state pytree:
+  init(params, prompt[B,T], lengths[B], target_out) -> state
+  propose(params, state, context, keys[B]) -> (draft_tokens[B,K], draft_probs[B,K,V] | None, state)
+  accept(state, num_accepted[B], next_token[B], target_out) -> state
+`params` are the drafter's weights (a draft model, EAGLE or Medusa heads; None for n-gram lookup).
+draft_probs None means a deterministic draft (one-hot to the verifier). A new drafter is one file
+with a `@register("name")` class, plus its import in `specjax/proposers/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Protocol
+
+import jax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from specjax.config import ModelConfig, SamplingConfig, SpecConfig
+from specjax.models.transformer import Hidden
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Committed tokens of every row: tokens[b, :lengths[b]]; the last one is not in any cache yet."""
+
+    tokens: Int[Array, "B S"]
+    lengths: Int[Array, " B"]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("logits", "hidden"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class TargetOutput:
+    """The target's last forward (prefill or verify) over T positions, for drafters that read it."""
+
+    logits: Float[Array, "B T V"] | None
+    hidden: Hidden
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposerSettings:
+    """What every proposer is built from; all static (hashable) so the proposer is a jit static arg."""
+
+    spec: SpecConfig
+    sampling: SamplingConfig
+    cache_size: int  # slots of any cache the proposer keeps, as the target's
+
+
+class Proposer(Protocol):
+    settings: ProposerSettings
+    # Target layers whose inputs the proposer reads from TargetOutput.hidden.layers (EAGLE-3).
+    hidden_layers: tuple[int, ...]
+
+    def check(self, params: Any, target_config: ModelConfig) -> None:
+        """Raises ValueError (host side, before tracing) if params cannot draft for this target."""
+
+    def init(self, params, prompt: Int[Array, "B T"], lengths: Int[Array, " B"], target_out: TargetOutput): ...
+
+    def propose(self, params, state, context: Context, keys: PRNGKeyArray): ...
+
+    def accept(self, state, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
+               target_out: TargetOutput): ...
+
+
+PROPOSERS: dict[str, Callable[[ProposerSettings], Proposer]] = {}
+
+
+def register(name: str):
+    def add(cls):
+        PROPOSERS[name] = cls
+        return cls
+
+    return add
+
+
+def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int) -> Proposer:
+    return PROPOSERS[spec.method](ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size))

@@ -1,0 +1,86 @@
+"""A smaller LM with its own KV cache drafts K tokens autoregressively inside the loop.
+
+Each propose call first re-reads the last two committed tokens: after a step that accepted all K
+drafts the draft cache lacks the K-th draft and the bonus token, otherwise only the next token; a
+fixed window of two covers both cases with one shape, and rewriting an entry that was already
+right is harmless. So the draft cache needs no work in `accept`: its fill level is reset from the
+committed length at the next propose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import Transformer
+from specjax.proposers.base import Context, ProposerSettings, TargetOutput, register
+from specjax.verify.sampling import processed_logits, processed_probs
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache",), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class DraftModelState:
+    cache: KVCache
+
+
+def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings):
+    """The next draft token per row and, for probabilistic drafting, its processed distribution."""
+    if settings.sampling.is_greedy or settings.spec.draft_sample_method == "greedy":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    probs = processed_probs(logits, settings.sampling)
+    tokens = jax.vmap(jax.random.categorical)(keys, processed_logits(logits, settings.sampling))
+    return tokens.astype(jnp.int32), probs
+
+
+@register("draft_model")
+@dataclasses.dataclass(frozen=True)
+class DraftModelProposer:
+    settings: ProposerSettings
+    hidden_layers: tuple[int, ...] = ()
+
+    def check(self, draft: Transformer, target_config) -> None:
+        if not isinstance(draft, Transformer):
+            raise ValueError(f"method 'draft_model' needs a draft Transformer as drafter, got {type(draft).__name__}")
+        if draft.config.vocab_size != target_config.vocab_size:
+            raise ValueError(
+                f"draft vocab_size {draft.config.vocab_size} differs from the target's {target_config.vocab_size}: "
+                "allowed only equal vocabularies (different tokenizers need use_heterogeneous_vocab)")
+
+    def init(self, draft: Transformer, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+             target_out: TargetOutput) -> DraftModelState:
+        batch, length = prompt.shape
+        cache = KVCache.create(draft.config, batch, self.settings.cache_size)
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        _, _, cache = draft(prompt, positions, cache, compute_logits=False)
+        return DraftModelState(cache=cache.with_lengths(lengths))
+
+    def propose(self, draft: Transformer, state: DraftModelState, context: Context, keys: PRNGKeyArray):
+        num_draft = self.settings.spec.num_speculative_tokens
+        rows = jnp.arange(context.tokens.shape[0])
+        start = context.lengths - 2  # >= 0: every row holds its prompt and the prefill's token
+        window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
+        positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+        logits, _, cache = draft(window, positions, state.cache.with_lengths(start))
+        step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
+
+        def draft_step(carry, step_key):
+            cache, logits = carry
+            token, probs = draw_draft_tokens(logits, step_key, self.settings)
+            logits, _, cache = draft(token[:, None], cache.lengths[:, None], cache)
+            return (cache, logits[:, 0]), (token, probs)
+
+        (cache, logits), (tokens, probs) = jax.lax.scan(draft_step, (cache, logits[:, -1]), step_keys[:-1])
+        last_token, last_probs = draw_draft_tokens(logits, step_keys[-1], self.settings)
+        draft_tokens = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
+        draft_probs = None
+        if last_probs is not None:
+            draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
+        return draft_tokens, draft_probs, DraftModelState(cache=cache)
+
+    def accept(self, state: DraftModelState, num_accepted, next_token, target_out) -> DraftModelState:
+        return state

@@ -1,0 +1,16 @@
+"""Greedy verification: accept while the draft equals the target's argmax; the next token is the
+argmax at the first mismatch (or the bonus argmax after all K). Needs no randomness and reads the
+target's scores only through an argmax, so logits serve as well as probabilities."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from specjax.verify.common import gather_position, leading_true
+
+
+def verify(target_probs: Float[Array, "B K1 V"], draft_tokens: Int[Array, "B K"], draft_probs=None, keys=None):
+    target_tokens = jnp.argmax(target_probs, axis=-1).astype(jnp.int32)  # [B, K + 1]
+    num_accepted = leading_true(draft_tokens == target_tokens[:, :-1])
+    return num_accepted, gather_position(target_tokens, num_accepted)
