@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from specjax.config import ConfigError, SamplingConfig
+from specjax.config import ConfigError, SamplingConfig, SpecConfig
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -19,6 +19,12 @@ def _generate(args: argparse.Namespace) -> int:
     from specjax.models import hf
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    spec = drafter = None
+    if args.draft is not None:
+        spec = SpecConfig(method="draft_model", num_speculative_tokens=args.num_speculative_tokens,
+                          rejection_sample_method=args.rejection_sample_method,
+                          draft_sample_method=args.draft_sample_method)
+        drafter = hf.load(args.draft, param_dtype=args.param_dtype, dtype=args.dtype)
     model = hf.load(args.model, param_dtype=args.param_dtype, dtype=args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
@@ -26,12 +32,14 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = [tokenizer.bos_token_id, *prompt]
     start = time.perf_counter()
     result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                      eos_token_ids=hf.eos_token_ids(args.model), seeds=args.seed)
+                      eos_token_ids=hf.eos_token_ids(args.model), seeds=args.seed, spec=spec, drafter=drafter)
     seconds = time.perf_counter() - start
     tokens = result.sequences()[0]
     print(args.prompt + tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"\n[{len(tokens)} tokens in {seconds:.2f} s including compilation; "
           f"{'stopped at EOS' if result.stopped_by_eos[0] else 'token budget reached'}]", file=sys.stderr)
+    if result.metrics is not None:
+        print(result.metrics.format_summary())
     return 0
 
 
@@ -48,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--param-dtype", default=None, help="weights dtype (default: the checkpoint's)")
     gen.add_argument("--dtype", default=None, help="compute dtype (default: the weights')")
+    spec = gen.add_argument_group("speculative decoding (with --draft)")
+    spec.add_argument("--draft", type=Path, default=None, help="draft model folder (same vocabulary)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="K, tokens drafted per step")
+    spec.add_argument("--rejection-sample-method", default="standard", help="standard | block | synthetic")
+    spec.add_argument("--draft-sample-method", default="greedy", help="greedy | probabilistic")
     gen.set_defaults(run=_generate)
     return parser
 

@@ -35,14 +35,20 @@ def hf_fixture(request) -> str:
     return request.param
 
 
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit of observed counts to exact probabilities; 0 if any count falls
-    where the probability is zero (an impossible outcome was drawn)."""
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit of observed counts to exact probabilities. Outcomes expected fewer
+    than min_expected times are pooled into one cell (the test's approximation needs that); any count
+    where the probability is zero gives 0 (an impossible outcome was drawn)."""
     from scipy import stats
 
     counts, probs = np.asarray(counts).ravel(), np.asarray(probs, np.float64).ravel()
     if np.any(counts[probs == 0]):
         return 0.0
     support = probs > 0
-    expected = probs[support] / probs[support].sum() * counts.sum()
-    return float(stats.chisquare(counts[support], expected).pvalue)
+    counts, probs = counts[support], probs[support]
+    expected = probs / probs.sum() * counts.sum()
+    rare = expected < min_expected
+    if rare.any():
+        counts = np.append(counts[~rare], counts[rare].sum())
+        expected = np.append(expected[~rare], expected[rare].sum())
+    return float(stats.chisquare(counts, expected).pvalue)

@@ -48,9 +48,13 @@ def from_draws(verify_with_draws: Callable) -> Callable:
 
 def race_sample(weights: Float[Array, "B V"], exponentials: Float[Array, "B V"]) -> Int[Array, " B"]:
     """A token drawn with probability weights / sum(weights), with no normalising pass:
-    argmax(w / E) over E ~ Exp(1) (the argmin of exponential clocks with rates w). A row whose
-    weights are all zero (possible only through rounding) takes its largest weight's token: 0."""
-    return jnp.argmax(weights / exponentials, axis=-1).astype(jnp.int32)
+    argmax(w / E) over E ~ Exp(1) (the argmin of exponential clocks with rates w).
+
+    A float32 exponential is exactly 0 about once in 2^24 draws; 0 / 0 would be NaN, which argmax
+    picks, so a zero-weight token could win. Zero weights therefore score -1 and never win (a row
+    whose weights are all zero, possible only through rounding, takes token 0)."""
+    scores = jnp.where(weights > 0, weights / exponentials, -1.0)
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
 def token_probs(probs: Float[Array, "B K V"], tokens: Int[Array, "B K"]) -> Float[Array, "B K"]:
