@@ -61,3 +61,14 @@ def test_main_job_runs_end_to_end(tmp_path):
                          check=True, cwd=REPO, capture_output=True, text=True)
     assert run.stdout.startswith("def fibonacci(n):")
     assert "16 tokens in" in run.stderr or "stopped at EOS" in run.stderr
+
+
+def test_generate_with_a_draft_prints_the_acceptance_summary(checkpoint, capsys):
+    folder, _ = checkpoint
+    code = cli.main(["generate", "--model", str(folder), "--draft", str(folder), "--prompt", "for i in",
+                     "--max-new-tokens", "12", "--num-speculative-tokens", "3", "--rejection-sample-method", "block",
+                     "--temperature", "1.0", "--draft-sample-method", "probabilistic"])
+    out = capsys.readouterr().out
+    assert code == 0
+    # The model drafting for itself with its own distribution is always accepted.
+    assert "speculative: K=3" in out and "(100.0%)" in out and "mean acceptance length=4.000" in out

@@ -237,3 +237,34 @@ def test_cache_too_short_for_the_lookahead_is_refused():
                                          r"does not fit cache_size 64"):
         generate(target, [[1] * 20], max_new_tokens=40, cache_size=64, spec=SpecConfig(num_speculative_tokens=4),
                  drafter=drafts["perturbed"])
+
+
+def _exp_output_widths(sampling: SamplingConfig) -> set[int]:
+    """Last-axis sizes of every exp the speculative loop computes (softmax needs exp)."""
+    target, drafts = target_and_drafts()
+    spec = SpecConfig(num_speculative_tokens=3, draft_sample_method="probabilistic")
+    request = pad_request(target, [[1, 2, 3]], 10, lookahead=4)
+    args = (target, drafts["perturbed"], jnp.asarray(request.tokens), jnp.asarray(request.lengths),
+            jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+    loop = functools.partial(speculative_loop, proposer=build_proposer(spec, sampling, request.cache_size),
+                             eos_token_ids=())
+    widths = set()
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "exp":
+                widths.add(eqn.outvars[0].aval.shape[-1])
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        visit(inner)
+
+    visit(jax.make_jaxpr(loop)(*args).jaxpr)
+    return widths
+
+
+def test_at_temperature_zero_nothing_over_the_vocabulary_is_exponentiated():
+    vocab = target_and_drafts()[0].config.vocab_size
+    assert vocab not in _exp_output_widths(SamplingConfig(temperature=0.0))
+    assert vocab in _exp_output_widths(SamplingConfig(temperature=1.0))  # the check can see it
