@@ -152,6 +152,7 @@ class SamplingConfig:
 
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+VERIFY_IMPLS = ("auto", "pallas", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,9 @@ class SpecConfig:
       [1, K + 1], turned into rates as vLLM does. Exactly one of them with 'synthetic', neither otherwise.
     draft_sample_method: 'greedy' drafts the argmax (the draft is one-hot to the verifier);
       'probabilistic' samples the processed draft distribution and verifies against it.
+    verify_impl: 'pallas' runs block verification of probabilistic drafts as the one-sweep Pallas
+      kernel (interpreted on the CPU), 'xla' the jnp reference; 'auto' takes the kernel on GPU and
+      TPU and jnp on the CPU. Both give the same tokens from the same draws.
     """
 
     method: str = "draft_model"
@@ -176,6 +180,7 @@ class SpecConfig:
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     synthetic_acceptance_length: float | None = None
     draft_sample_method: str = "greedy"
+    verify_impl: str = "auto"
 
     def __post_init__(self):
         from specjax.proposers import PROPOSERS  # the registries import this module
@@ -188,6 +193,8 @@ class SpecConfig:
                  "rejection_sample_method", self.rejection_sample_method, f"one of {REJECTION_SAMPLE_METHODS}")
         _require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
                  self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
+        _require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,
+                 f"one of {VERIFY_IMPLS}")
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
         if self.rejection_sample_method != "synthetic":
             if rates is not None or length is not None:

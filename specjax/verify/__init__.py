@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+import jax
+
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.verify import block, greedy, standard, synthetic
 from specjax.verify.common import from_draws
@@ -30,8 +32,19 @@ def verifier_name(spec: SpecConfig, sampling: SamplingConfig) -> str:
     return "greedy" if sampling.is_greedy else spec.rejection_sample_method
 
 
+def uses_pallas(spec: SpecConfig) -> bool:
+    """Whether verify_impl resolves to the Pallas kernel on the default backend."""
+    if spec.verify_impl == "auto":
+        return jax.default_backend() in ("gpu", "tpu")
+    return spec.verify_impl == "pallas"
+
+
 def verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
     name = verifier_name(spec, sampling)
     if name == "synthetic":
         return from_draws(functools.partial(synthetic.verify_with_draws, rates=spec.synthetic_rates))
+    if name == "block" and uses_pallas(spec):
+        from specjax.pallas_kernels import block_verify  # the kernel module imports this package
+
+        return block_verify.verify
     return VERIFIERS[name]

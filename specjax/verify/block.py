@@ -43,20 +43,30 @@ def stopping_probs(target_probs, draft_tokens, draft_probs) -> tuple[Float[Array
     """h_1 .. h_K, and the prefix ratios p_0 .. p_K they came from."""
     ratios = prefix_ratios(target_probs, draft_tokens, draft_probs)
     masses = residual_masses(target_probs, draft_tokens, draft_probs, ratios)
+    return stopping_from_masses(masses, ratios), ratios
+
+
+def stopping_from_masses(masses: Float[Array, "B K"], ratios: Float[Array, "B K1"]) -> Float[Array, "B K"]:
+    """h_1 .. h_K from the residual masses Z_1 .. Z_K and the prefix ratios p_0 .. p_K."""
     z_next, p_i = masses[:, 1:], ratios[:, 1:-1]  # Z_{i+1} and p_i for i = 1 .. K - 1
     denominator = z_next + 1.0 - p_i
     # 0 / 0 happens only when p_i = 1 and the target equals the draft at X^i; then p_{i+1} = 1 too,
     # so a later position is accepted for sure, and h_i = 0 keeps tau off an empty residual.
     h = jnp.where(denominator > 0, z_next / jnp.where(denominator > 0, denominator, 1.0), 0.0)
-    return jnp.concatenate([h, ratios[:, -1:]], axis=1), ratios
+    return jnp.concatenate([h, ratios[:, -1:]], axis=1)
+
+
+def accepted_length(h: Float[Array, "B K"], uniforms: Float[Array, "B K"]) -> Int[Array, " B"]:
+    """tau = max{i in 1..K : eta_i <= h_i}, 0 if none."""
+    positions = jnp.arange(1, h.shape[1] + 1)
+    return jnp.max(jnp.where(uniforms <= h, positions, 0), axis=1).astype(jnp.int32)
 
 
 def verify_with_draws(target_probs: Float[Array, "B K1 V"], draft_tokens: Int[Array, "B K"],
                       draft_probs: Float[Array, "B K V"] | None, draws: Draws):
     num_draft = draft_tokens.shape[1]
     h, ratios = stopping_probs(target_probs, draft_tokens, draft_probs)
-    positions = jnp.arange(1, num_draft + 1)
-    tau = jnp.max(jnp.where(draws.uniforms <= h, positions, 0), axis=1).astype(jnp.int32)
+    tau = accepted_length(h, draws.uniforms)
     target_at_tau = gather_position(target_probs, tau)
     stop = jnp.minimum(tau, num_draft - 1)  # the draft position after the accepted prefix (tau < K)
     residual = residual_weights(target_at_tau,

@@ -1,0 +1,78 @@
+"""Measurement helpers for the benchmark scripts: timing jitted functions, the device's copy
+bandwidth (the memory ceiling, measured in the same run it is compared against), and writing
+results as JSON plus a markdown table that name the device, versions, shapes and dtypes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def time_call(fn: Callable, *args, calls_per_sample: int = 10, samples: int = 15, warmup: int = 2) -> dict:
+    """Median and spread of the time of one call of fn(*args), in seconds.
+
+    Each sample runs fn back to back calls_per_sample times and waits once, so host dispatch
+    overlaps device work as it does in a real loop.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls_per_sample):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls_per_sample)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device copy bandwidth in bytes/s: (read + write) of a num_bytes float32 array per copy."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0 + 0.0)  # elementwise: one read, one write
+    timing = time_call(copy, x, calls_per_sample=5, samples=9)
+    return 2 * num_bytes / timing["median_s"]
+
+
+def environment() -> dict:
+    device = jax.devices()[0]
+    return {
+        "device": getattr(device, "device_kind", str(device)),
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], meta: dict,
+                  out_dir: str | Path = "benchmarks/results", notes: str = "") -> tuple[Path, Path]:
+    """Writes out_dir/name.json (meta + rows) and out_dir/name.md (a table of the given columns:
+    (key, header) pairs), and returns both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    lines = [f"# {name}", "", ", ".join(f"{k}: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))), ""]
+    if notes:
+        lines += [notes, ""]
+    lines += ["| " + " | ".join(header for _, header in columns) + " |",
+              "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_format(row.get(key)) for key, _ in columns) + " |")
+    md_path.write_text("\n".join(lines) + "\n")
+    return json_path, md_path
+
+
+def _format(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return "" if value is None else str(value)

@@ -1,0 +1,1 @@
+"""Pallas kernels. Each has its jnp twin in specjax/verify as the reference it must reproduce."""
