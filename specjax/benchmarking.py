@@ -34,6 +34,22 @@ def time_call(fn: Callable, *args, calls_per_sample: int = 10, samples: int = 15
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
+def time_in_loop(fn: Callable, *args, iterations: int = 50, samples: int = 7) -> dict:
+    """Median time of one fn(*args) run `iterations` times inside one jitted fori_loop: the device
+    time a loop step spends on it, without host dispatch. The arguments pass an optimization
+    barrier together with the loop counter, so nothing is hoisted out of the loop."""
+    def run(*inputs):
+        def body(i, carry):
+            fresh, _ = jax.lax.optimization_barrier((inputs, i))
+            leaves = jax.tree.leaves(fn(*fresh))
+            return carry + sum(jnp.sum(leaf).astype(jnp.float32) for leaf in leaves)
+
+        return jax.lax.fori_loop(0, iterations, body, jnp.float32(0))
+
+    timing = time_call(jax.jit(run), *args, calls_per_sample=1, samples=samples)
+    return {key: value / iterations for key, value in timing.items()}
+
+
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     """Device copy bandwidth in bytes/s: (read + write) of a num_bytes float32 array per copy."""
     x = jnp.ones((num_bytes // 4,), jnp.float32)

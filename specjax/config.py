@@ -170,8 +170,9 @@ class SpecConfig:
     draft_sample_method: 'greedy' drafts the argmax (the draft is one-hot to the verifier);
       'probabilistic' samples the processed draft distribution and verifies against it.
     verify_impl: 'pallas' runs block verification of probabilistic drafts as the one-sweep Pallas
-      kernel (interpreted on the CPU), 'xla' the jnp reference; 'auto' takes the kernel on GPU and
-      TPU and jnp on the CPU. Both give the same tokens from the same draws.
+      kernel (interpreted on the CPU), 'xla' the jnp reference; 'auto' takes whichever measured
+      faster on the backend (specjax.verify.AUTO_PALLAS_BACKENDS; today jnp everywhere). Both give
+      the same tokens from the same draws.
     """
 
     method: str = "draft_model"

@@ -119,6 +119,14 @@ def test_speculative_sampling_is_lossless(method, draft_sample_method, sampling)
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-3
 
 
+@pytest.mark.parametrize("sampling", SAMPLINGS[:3:2], ids=str)
+def test_speculative_sampling_is_lossless_with_the_pallas_kernel(sampling):
+    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="block",
+                      draft_sample_method="probabilistic", verify_impl="pallas")
+    counts, _ = speculative_joint_counts(spec, sampling)
+    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-3
+
+
 def accept_all(target_probs, draft_tokens, draft_probs, keys):
     """Deliberately wrong: accepts every draft (then samples the bonus token from the target)."""
     n = jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)

@@ -6,8 +6,8 @@ depends on every Z_i, so the sample cannot wait for it in a single pass; instead
 the residual sample of *every* candidate position in the same sweep that sums the masses (the
 exponential race is a running max), and the epilogue picks the candidate at tau.
 
-Grid: (row b, vocabulary tile j). Each program reads P[b, :, tile j] (K + 1 rows), Q[b, :, tile j]
-(K rows) and E[b, tile j], and writes per position i its partial mass
+Grid: (row block, vocabulary tile j). Each program reads P[rows, :, tile j] (K + 1 positions),
+Q[rows, :, tile j] (K positions) and E[rows, tile j], and writes per row and position i its partial mass
 sum max(p_i P_i - Q_i, 0), its best race score max w / E and that score's vocabulary index. The
 prefix ratios p_0..p_K only need p(X_i) and q(X_i), 2K gathered numbers per row, so they are
 computed before the sweep. Bytes: (2K + 2) V floats per row in, O(K V / tile) out.
@@ -28,7 +28,9 @@ from jaxtyping import Array, Float, Int
 from specjax.verify import block
 from specjax.verify.common import Draws, from_draws, gather_position
 
-DEFAULT_TILE = 2048
+# Tuned on the H200 (scripts/bench_verify.py): 1024-wide tiles with 8 warps read fastest.
+DEFAULT_TILE = 1024
+TRITON_NUM_WARPS = 8
 _NO_INDEX = jnp.iinfo(jnp.int32).max
 # Which Pallas GPU lowering compiles the kernel; see gpu_compiler_params.
 GPU_LOWERING = "mosaic_gpu"
@@ -46,36 +48,40 @@ def gpu_compiler_params(lowering: str | None = None):
     if lowering == "triton":
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams()
+        return pltriton.CompilerParams(num_warps=TRITON_NUM_WARPS)
     raise ValueError(f"GPU lowering {lowering!r} is unknown: allowed 'mosaic_gpu', 'triton'")
 
 
 def _sweep_kernel(ratios_ref, p_ref, q_ref, e_ref, mass_ref, score_ref, index_ref, *, vocab_size, tile):
-    """One (row, vocabulary tile) program; see the module docstring."""
-    num_draft = q_ref.shape[1]
+    """One (row block, vocabulary tile) program; see the module docstring."""
+    rows, num_draft = q_ref.shape[0], q_ref.shape[1]
     start = pl.program_id(1) * tile
-    vocab_index = start + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
+    vocab_index = start + jax.lax.broadcasted_iota(jnp.int32, (rows, tile), 1)
     valid = vocab_index < vocab_size  # the last tile runs past the vocabulary
-    exponentials = e_ref[0, 0, :]
+    exponentials = e_ref[:, 0, :]
     for i in range(num_draft + 1):
-        target = jnp.where(valid, p_ref[0, i, :], 0.0)
+        target = jnp.where(valid, p_ref[:, i, :], 0.0)
         if i < num_draft:
-            draft = jnp.where(valid, q_ref[0, i, :], 0.0)
-            weights = jnp.maximum(ratios_ref[0, i] * target - draft, 0.0)
-            mass_ref[0, 0, 0, i] = jnp.sum(weights)
+            draft = jnp.where(valid, q_ref[:, i, :], 0.0)
+            weights = jnp.maximum(ratios_ref[:, i][:, None] * target - draft, 0.0)
+            mass_ref[:, 0, 0, i] = jnp.sum(weights, axis=1)
         else:
             weights = target
         # The race of specjax.verify.common.race_sample: zero weights never win.
         scores = jnp.where(weights > 0, weights / exponentials, -1.0)
-        best = jnp.max(scores)
-        score_ref[0, 0, 0, i] = best
-        index_ref[0, 0, 0, i] = jnp.min(jnp.where(scores == best, vocab_index, _NO_INDEX))
+        best = jnp.max(scores, axis=1)
+        score_ref[:, 0, 0, i] = best
+        index_ref[:, 0, 0, i] = jnp.min(jnp.where(scores == best[:, None], vocab_index, _NO_INDEX), axis=1)
 
 
 def sweep(target_probs: Float[Array, "B K1 V"], draft_probs: Float[Array, "B K V"],
           exponentials: Float[Array, "B V"], ratios: Float[Array, "B K1"], *, tile: int = DEFAULT_TILE,
-          interpret: bool | None = None, compiler_params=None):
-    """Per-tile partial residual masses [B, J, K], race scores and indices [B, J, K + 1]."""
+          rows_per_block: int | None = None, interpret: bool | None = None, compiler_params=None):
+    """Per-tile partial residual masses [B, J, K], race scores and indices [B, J, K + 1].
+
+    rows_per_block: rows each program takes; by default 1 compiled on GPU (measured there), 8 on
+    TPU (its sublane count), and 64 in interpret mode, whose cost grows with the number of programs
+    faster than linearly."""
     batch, num_positions, vocab = target_probs.shape
     num_draft = num_positions - 1
     tile = min(tile, pl.next_power_of_2(vocab))
@@ -84,18 +90,20 @@ def sweep(target_probs: Float[Array, "B K1 V"], draft_probs: Float[Array, "B K V
         interpret = jax.default_backend() == "cpu"
     if compiler_params is None and not interpret:
         compiler_params = gpu_compiler_params()
+    if rows_per_block is None:
+        rows_per_block = min(batch, 64 if interpret else {"gpu": 1, "tpu": 8}.get(jax.default_backend(), 8))
     partial_shape = (batch, num_tiles, 1, num_positions)  # the singleton keeps TPU's (8, 128) rule
     kernel = functools.partial(_sweep_kernel, vocab_size=vocab, tile=tile)
     masses, scores, indices = pl.pallas_call(
         kernel,
-        grid=(batch, num_tiles),
+        grid=(pl.cdiv(batch, rows_per_block), num_tiles),
         in_specs=[
-            pl.BlockSpec((1, num_positions), lambda b, j: (b, 0)),
-            pl.BlockSpec((1, num_positions, tile), lambda b, j: (b, 0, j)),
-            pl.BlockSpec((1, num_draft, tile), lambda b, j: (b, 0, j)),
-            pl.BlockSpec((1, 1, tile), lambda b, j: (b, 0, j)),
+            pl.BlockSpec((rows_per_block, num_positions), lambda b, j: (b, 0)),
+            pl.BlockSpec((rows_per_block, num_positions, tile), lambda b, j: (b, 0, j)),
+            pl.BlockSpec((rows_per_block, num_draft, tile), lambda b, j: (b, 0, j)),
+            pl.BlockSpec((rows_per_block, 1, tile), lambda b, j: (b, 0, j)),
         ],
-        out_specs=[pl.BlockSpec((1, 1, 1, num_positions), lambda b, j: (b, j, 0, 0))] * 3,
+        out_specs=[pl.BlockSpec((rows_per_block, 1, 1, num_positions), lambda b, j: (b, j, 0, 0))] * 3,
         out_shape=[jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.int32)],

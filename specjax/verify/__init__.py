@@ -32,10 +32,16 @@ def verifier_name(spec: SpecConfig, sampling: SamplingConfig) -> str:
     return "greedy" if sampling.is_greedy else spec.rejection_sample_method
 
 
+# Backends where verify_impl 'auto' takes the Pallas kernel. None: on the H200 XLA fuses the jnp
+# block verifier into passes that run at ~90% of the copy bandwidth, and the kernel measured
+# 0.68-1.07x its speed (benchmarks/results/bench_verify.md); TPU is unmeasured.
+AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
+
+
 def uses_pallas(spec: SpecConfig) -> bool:
     """Whether verify_impl resolves to the Pallas kernel on the default backend."""
     if spec.verify_impl == "auto":
-        return jax.default_backend() in ("gpu", "tpu")
+        return jax.default_backend() in AUTO_PALLAS_BACKENDS
     return spec.verify_impl == "pallas"
 
 
