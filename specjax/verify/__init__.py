@@ -33,8 +33,8 @@ def verifier_name(spec: SpecConfig, sampling: SamplingConfig) -> str:
 
 
 # Backends where verify_impl 'auto' takes the Pallas kernel. None: on the H200 XLA fuses the jnp
-# block verifier into passes that run at ~90% of the copy bandwidth, and the kernel measured
-# 0.68-1.07x its speed (benchmarks/results/bench_verify.md); TPU is unmeasured.
+# block verifier into passes that run at up to 86% of the copy bandwidth, and the kernel measured
+# 0.77-1.05x its speed (benchmarks/results/bench_verify.md); TPU is unmeasured.
 AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
 
 
