@@ -169,6 +169,11 @@ class SpecConfig:
       [1, K + 1], turned into rates as vLLM does. Exactly one of them with 'synthetic', neither otherwise.
     draft_sample_method: 'greedy' drafts the argmax (the draft is one-hot to the verifier);
       'probabilistic' samples the processed draft distribution and verifies against it.
+    prompt_lookup_min / prompt_lookup_max: n-gram lengths tried by method 'ngram', longest first.
+    use_heterogeneous_vocab: draft and target with different tokenizers (vLLM's TLI): only with
+      method 'draft_model' and greedy drafting.
+    kv_cache_dtype: the drafter's KV cache dtype ('bfloat16', 'float8_e4m3fn', ...); None inherits
+      the drafter's compute dtype.
     verify_impl: 'pallas' runs block verification of probabilistic drafts as the one-sweep Pallas
       kernel (interpreted on the CPU), 'xla' the jnp reference; 'auto' takes whichever measured
       faster on the backend (specjax.verify.AUTO_PALLAS_BACKENDS; today jnp everywhere). Both give
@@ -181,6 +186,10 @@ class SpecConfig:
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     synthetic_acceptance_length: float | None = None
     draft_sample_method: str = "greedy"
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    use_heterogeneous_vocab: bool = False
+    kv_cache_dtype: str | None = None
     verify_impl: str = "auto"
 
     def __post_init__(self):
@@ -196,6 +205,18 @@ class SpecConfig:
                  self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
         _require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,
                  f"one of {VERIFY_IMPLS}")
+        _require(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1, "SpecConfig",
+                 "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
+        _require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+                 "SpecConfig", "prompt_lookup_max", self.prompt_lookup_max,
+                 f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.kv_cache_dtype is not None:
+            dtype_from_name(self.kv_cache_dtype, "SpecConfig.kv_cache_dtype")
+        if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
+            raise ConfigError(
+                f"SpecConfig.use_heterogeneous_vocab = True with method {self.method!r} and draft_sample_method "
+                f"{self.draft_sample_method!r} is invalid: allowed only with method 'draft_model' and "
+                "draft_sample_method 'greedy'")
         rates, length = self.synthetic_acceptance_rates, self.synthetic_acceptance_length
         if self.rejection_sample_method != "synthetic":
             if rates is not None or length is not None:

@@ -165,7 +165,9 @@ def speculative_loop(
                                   cache_dtype=cache_dtype, hidden_layers=proposer.hidden_layers)
     batch = prompt_tokens.shape[0]
     rows = jnp.arange(batch)
-    state = SpecState(decode=decode, proposer=proposer.init(drafter, prompt_tokens, prompt_lengths, target_out),
+    # The proposer sees each prompt followed by the prefill's token: tokens[b, :lengths[b]].
+    committed = decode.tokens[:, :prompt_tokens.shape[1] + 1]
+    state = SpecState(decode=decode, proposer=proposer.init(drafter, committed, decode.lengths, target_out),
                       counters=AcceptanceCounters.zeros(batch, num_draft))
 
     def step(state: SpecState) -> SpecState:

@@ -5,7 +5,15 @@ A proposer is a frozen dataclass of static settings with three pure functions ov
   propose(params, state, context, keys[B]) -> (draft_tokens[B,K], draft_probs[B,K,V] | None, state)
   accept(state, num_accepted[B], next_token[B], target_out) -> state
 `params` are the drafter's weights (a draft model, EAGLE or Medusa heads; None for n-gram lookup).
-draft_probs None means a deterministic draft (one-hot to the verifier). A new drafter is one file
+draft_probs None means a deterministic draft (one-hot to the verifier).
+
+What the loop passes:
+- init: prompt[b, :lengths[b]] is row b's prompt followed by the token the target's prefill drew
+  (lengths = prompt length + 1); target_out is the prefill over the padded prompt, so
+  target_out.hidden.final[b, lengths[b] - 2] is the feature that drew that token.
+- propose: context.tokens[b, :context.lengths[b]] are the committed tokens.
+- accept: target_out is the verify forward over [last committed token, d_1 .. d_K] (K + 1
+  positions); the row kept d_1 .. d_n and next_token, which position n's logits drew. A new drafter is one file
 with a `@register("name")` class, plus its import in `specjax/proposers/__init__.py`.
 """
 
