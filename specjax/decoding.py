@@ -304,6 +304,7 @@ def generate(
         return _result(state, request, eos_token_ids)
     proposer = build_proposer(spec, sampling, request.cache_size)
     proposer.check(drafter, model.config)
+    drafter = proposer.bind(drafter, model)
     state = speculative_loop(model, drafter, *args, proposer=proposer, eos_token_ids=eos_token_ids,
                              cache_dtype=cache_dtype)
     metrics = AcceptanceMetrics.from_counters(state.counters, request.batch_size)

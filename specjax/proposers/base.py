@@ -65,6 +65,11 @@ class Proposer(Protocol):
     def check(self, params: Any, target_config: ModelConfig) -> None:
         """Raises ValueError (host side, before tracing) if params cannot draft for this target."""
 
+    def bind(self, params: Any, target: Any) -> Any:
+        """The params the loop passes to init / propose, built on the host from the drafter's own
+        weights and the target model (EAGLE and Medusa read the target's embedding or LM head).
+        Proposers that need nothing from the target return params unchanged."""
+
     def init(self, params, prompt: Int[Array, "B T"], lengths: Int[Array, " B"], target_out: TargetOutput): ...
 
     def propose(self, params, state, context: Context, keys: PRNGKeyArray): ...

@@ -51,6 +51,9 @@ class DraftModelProposer:
                 f"draft vocab_size {draft.config.vocab_size} differs from the target's {target_config.vocab_size}: "
                 "allowed only equal vocabularies (different tokenizers need use_heterogeneous_vocab)")
 
+    def bind(self, draft: Transformer, target: Transformer) -> Transformer:
+        return draft
+
     def init(self, draft: Transformer, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> DraftModelState:
         batch, length = prompt.shape
