@@ -302,7 +302,7 @@ def generate(
         state = decode_loop(model, *args, sampling=sampling, eos_token_ids=eos_token_ids,
                             cache_size=request.cache_size, cache_dtype=cache_dtype)
         return _result(state, request, eos_token_ids)
-    proposer = build_proposer(spec, sampling, request.cache_size)
+    proposer = build_proposer(spec, sampling, request.cache_size, drafter)
     proposer.check(drafter, model.config)
     drafter = proposer.bind(drafter, model)
     state = speculative_loop(model, drafter, *args, proposer=proposer, eos_token_ids=eos_token_ids,

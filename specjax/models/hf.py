@@ -207,10 +207,11 @@ class Rule:
     hf: tuple[str, ...]
     to_ours: Callable[..., tuple]
     to_hf: Callable[..., tuple]
+    layered: bool | None = None  # stacked over layers; by default when the keys contain {i}
 
     @property
     def per_layer(self) -> bool:
-        return "{i}" in self.hf[0]
+        return self.layered if self.layered is not None else "{i}" in self.hf[0]
 
 
 def _same(prefix_ours: str, key: str) -> Rule:
@@ -372,42 +373,59 @@ def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | 
     param_dtype = param_dtype or (stored if stored in _CHECKPOINT_DTYPES else "float32")
     config = dataclasses.replace(load_config(model_dir), param_dtype=param_dtype, dtype=dtype or param_dtype)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    used = fill_from_rules(model, rules_for(config), reader, model_dir, config.num_layers, config.architecture)
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints store it anyway
+    check_all_used(reader, used, model_dir, config.architecture)
+    return model
+
+
+def fill_from_rules(model: nnx.Module, rules: list[Rule], reader: _TensorReader, folder: Path, num_layers: int,
+                    description: str) -> set[str]:
+    """Sets every parameter of an abstract (eval_shape) module from the checkpoint through the rule
+    table, checking each tensor's shape; returns the keys used."""
+    dtype = model.config.jnp_param_dtype if isinstance(model.config, ModelConfig) else model.config.layer.jnp_param_dtype
     used: set[str] = set()
-    for rule in rules_for(config):
-        layers = range(config.num_layers) if rule.per_layer else [None]
+    for rule in rules:
+        layers = range(num_layers) if rule.per_layer else [None]
         per_layer_values = []
         shapes = _expected_hf_shapes(model, rule)
         for i in layers:
-            keys = [reader.resolve(key.format(i=i)) for key in rule.hf]
             tensors = []
-            for key, expected in zip(keys, shapes):
+            for key, expected in zip((reader.resolve(key.format(i=i)) for key in rule.hf), shapes):
                 tensor = reader.get(key)
                 if tuple(tensor.shape) != expected:
-                    raise CheckpointError(
-                        f"{model_dir}: tensor {key!r} has shape {tuple(tensor.shape)}; expected {expected} "
-                        f"for {config.architecture} with hidden_size={config.hidden_size}, "
-                        f"num_heads={config.num_heads}, num_kv_heads={config.num_kv_heads}, "
-                        f"head_dim={config.head_dim}, vocab_size={config.vocab_size}")
+                    raise CheckpointError(f"{folder}: tensor {key!r} has shape {tuple(tensor.shape)}; expected "
+                                          f"{expected} for {description} ({_shape_summary(model.config)})")
                 tensors.append(tensor.astype(jnp.float32))
                 used.add(key)
             per_layer_values.append(rule.to_ours(*tensors))
         for n, name in enumerate(rule.ours):
             values = [v[n] for v in per_layer_values]
             value = jnp.stack(values) if rule.per_layer else values[0]
-            _get_param(model, name).set_value(value.astype(config.jnp_param_dtype))
+            _get_param(model, name).set_value(value.astype(dtype))
     unset = [path for path, leaf in jax.tree_util.tree_leaves_with_path(model)
              if isinstance(leaf, jax.ShapeDtypeStruct)]
     if unset:  # a rule table that misses a parameter is a bug here, not in the checkpoint
-        raise AssertionError(f"parameters not covered by the {config.architecture} rules: {unset}")
-    unexpected = sorted(k for k in reader.keys() - used if not k.endswith(_IGNORED_SUFFIXES)
-                        and not (config.tie_word_embeddings and k == "lm_head.weight"))
+        raise AssertionError(f"parameters not covered by the {description} rules: {unset}")
+    return used
+
+
+def check_all_used(reader: _TensorReader, used: set[str], folder: Path, description: str) -> None:
+    """An unexpected tensor means part of the checkpoint would be silently ignored: refuse it."""
+    unexpected = sorted(k for k in reader.keys() - used if not k.endswith(_IGNORED_SUFFIXES))
     if unexpected:
-        raise CheckpointError(f"{model_dir}: tensors not used by {config.architecture}: {unexpected[:8]}"
+        raise CheckpointError(f"{folder}: tensors not used by {description}: {unexpected[:8]}"
                               f"{' ...' if len(unexpected) > 8 else ''}")
-    return model
 
 
-def _expected_hf_shapes(model: Transformer, rule: Rule) -> list[tuple[int, ...]]:
+def _shape_summary(config) -> str:
+    c = config if isinstance(config, ModelConfig) else config.layer
+    return (f"hidden_size={c.hidden_size}, num_heads={c.num_heads}, num_kv_heads={c.num_kv_heads}, "
+            f"head_dim={c.head_dim}, vocab_size={c.vocab_size}")
+
+
+def _expected_hf_shapes(model: nnx.Module, rule: Rule) -> list[tuple[int, ...]]:
     """The checkpoint shapes a rule expects, found by running `to_hf` on abstract parameters."""
     def one_layer(param):
         shape = param.get_value().shape
@@ -423,19 +441,28 @@ def save(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int = 4 
 
     extra_config is merged into config.json (e.g. bos_token_id, eos_token_id).
     """
-    model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
     hf_config = {**config_to_hf(config), **(extra_config or {})}
     hf_config["dtype"] = config.param_dtype if config.param_dtype in _CHECKPOINT_DTYPES else "float32"
+    write_from_rules(model, rules_for(config), model_dir, hf_config, num_layers=config.num_layers,
+                     max_shard_bytes=max_shard_bytes)
+
+
+def write_from_rules(model: nnx.Module, rules: list[Rule], model_dir: str | Path, config_json: dict,
+                     extra_tensors: dict | None = None, *, num_layers: int = 1,
+                     max_shard_bytes: int = 4 << 30) -> None:
+    """Writes config.json and the tensors the rule table maps the module to (plus extra_tensors)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, jax.Array] = {}
-    for rule in rules_for(config):
+    for rule in rules:
         values = [_get_param(model, name)[...] for name in rule.ours]
-        layers = range(config.num_layers) if rule.per_layer else [None]
+        layers = range(num_layers) if rule.per_layer else [None]
         for i in layers:
             ours = [v[i] if i is not None else v for v in values]
             for key, tensor in zip(rule.hf, rule.to_hf(*ours)):
                 tensors[key.format(i=i)] = jnp.asarray(tensor)
+    tensors.update(extra_tensors or {})
     shards = _split_into_shards(tensors, max_shard_bytes)
     for stale in [*model_dir.glob("model*.safetensors"), model_dir / INDEX_FILE]:
         stale.unlink(missing_ok=True)
@@ -450,7 +477,7 @@ def save(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int = 4 
         total = sum(t.nbytes for t in tensors.values())
         (model_dir / INDEX_FILE).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (model_dir / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    (model_dir / CONFIG_FILE).write_text(json.dumps(config_json, indent=2) + "\n")
 
 
 def _split_into_shards(tensors: dict[str, jax.Array], max_shard_bytes: int) -> list[dict[str, jax.Array]]:

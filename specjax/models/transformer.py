@@ -118,10 +118,11 @@ class DecoderLayers(nnx.Module):
     """Every decoder layer's weights, stacked on a leading L axis. Absent weights (biases, the gate of
     a GELU MLP, LayerNorm shifts) are None."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, attn_input_size: int | None = None):
         c = config
         L, D, H, K, E, F = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                             c.intermediate_size)
+        D_in = attn_input_size or D  # EAGLE-3 projects q, k, v from [embedding, feature] (2D)
 
         def weight(*shape):
             return _param(rngs, (L, *shape), c)
@@ -132,7 +133,7 @@ class DecoderLayers(nnx.Module):
         layer_norm = c.norm == "layer"
         self.attn_norm = _param(rngs, (L, D), c, "ones")
         self.attn_norm_bias = bias(layer_norm, D)
-        self.wq, self.wk, self.wv = weight(D, H, E), weight(D, K, E), weight(D, K, E)
+        self.wq, self.wk, self.wv = weight(D_in, H, E), weight(D_in, K, E), weight(D_in, K, E)
         self.bq, self.bk, self.bv = bias(c.qkv_bias, H, E), bias(c.qkv_bias, K, E), bias(c.qkv_bias, K, E)
         self.wo, self.bo = weight(H, E, D), bias(c.out_bias, D)
         self.mlp_norm = _param(rngs, (L, D), c, "ones")
@@ -161,6 +162,38 @@ def _mlp(x: Float[Array, "B T D"], layer: DecoderLayers, config: ModelConfig) ->
     else:
         act = jax.nn.gelu(up, approximate=True)
     return _project(act, layer.w_down, layer.b_down, "btf,fd->btd", dtype)
+
+
+def query_slots_for(batch: int, num_new: int, cache: KVCache | None) -> Int[Array, "B T"]:
+    """Cache slots of T new tokens: after each row's fill level, or 0..T-1 with no cache."""
+    offsets = jnp.zeros(batch, jnp.int32) if cache is None else cache.lengths
+    return offsets[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+
+
+def decoder_layer(x: Float[Array, "B T D"], layer: DecoderLayers, index, positions: Int[Array, "B T"],
+                  query_slots: Int[Array, "B T"], cache: KVCache | None, config: ModelConfig, *,
+                  attn_input: Float[Array, "B T D2"] | None = None) -> tuple[Float[Array, "B T D"], KVCache | None]:
+    """One pre-norm decoder layer (`layer` holds one layer's weights, `index` its cache layer).
+
+    attn_input, when given, replaces the normalised residual stream as what q, k and v are projected
+    from (EAGLE heads feed their own inputs there); x stays the residual stream.
+    """
+    c, dtype = config, config.jnp_dtype
+    h = attn_input if attn_input is not None else normalize(
+        x, layer.attn_norm[...], _value(layer.attn_norm_bias, dtype), c)
+    q = _project(h, layer.wq, layer.bq, "btd,dhe->bthe", dtype)
+    k = _project(h, layer.wk, layer.bk, "btd,dke->btke", dtype)
+    v = _project(h, layer.wv, layer.bv, "btd,dke->btke", dtype)
+    if c.position == "rope":
+        inv_freq = rope_inverse_frequencies(c)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    if cache is not None:
+        cache = cache.write(index, k, v)
+        k, v = cache.k[index].astype(dtype), cache.v[index].astype(dtype)
+    attn = attention(q, k, v, query_slots, c)
+    x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype)
+    h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
+    return x + _mlp(h, layer, c), cache
 
 
 class Transformer(nnx.Module):
@@ -202,28 +235,14 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed[...][positions]
         x = x.astype(dtype)
-        inv_freq = rope_inverse_frequencies(c) if c.position == "rope" else None
         num_new = tokens.shape[1]
-        offsets = jnp.zeros(tokens.shape[0], jnp.int32) if cache is None else cache.lengths
-        query_slots = offsets[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
+        query_slots = query_slots_for(tokens.shape[0], num_new, cache)
 
         def layer_step(carry, scanned):
             x, cache = carry
             layer, index = scanned
-            h = normalize(x, layer.attn_norm[...], _value(layer.attn_norm_bias, dtype), c)
-            q = _project(h, layer.wq, layer.bq, "btd,dhe->bthe", dtype)
-            k = _project(h, layer.wk, layer.bk, "btd,dke->btke", dtype)
-            v = _project(h, layer.wv, layer.bv, "btd,dke->btke", dtype)
-            if inv_freq is not None:
-                q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-            if cache is not None:
-                cache = cache.write(index, k, v)
-                k, v = cache.k[index].astype(dtype), cache.v[index].astype(dtype)
-            attn = attention(q, k, v, query_slots, c)
-            x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype)
-            h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
-            x = x + _mlp(h, layer, c)
-            return (x, cache), (carry[0] if hidden_layers else None)
+            out, cache = decoder_layer(x, layer, index, positions, query_slots, cache, c)
+            return (out, cache), (x if hidden_layers else None)
 
         (x, cache), layer_inputs = jax.lax.scan(
             layer_step, (x, cache), (self.layers, jnp.arange(c.num_layers)))
@@ -239,13 +258,17 @@ class Transformer(nnx.Module):
 
     def unembed(self, final_hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
         """Float32 logits from final hidden states (the tied embedding or the LM head)."""
-        dtype = self.config.jnp_dtype
-        x = final_hidden.astype(dtype)
-        if self.lm_head is None:
-            return jnp.einsum("...d,vd->...v", x, self.embed[...].astype(dtype),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", x, self.lm_head[...].astype(dtype),
-                          preferred_element_type=jnp.float32)
+        return unembed(final_hidden, self.embed[...], _value(self.lm_head, self.config.jnp_dtype),
+                       self.config.jnp_dtype)
+
+
+def unembed(final_hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None,
+            dtype) -> Float[Array, "... V"]:
+    """Float32 logits through lm_head, or through the embedding when it is tied (lm_head None)."""
+    x = final_hidden.astype(dtype)
+    if lm_head is None:
+        return jnp.einsum("...d,vd->...v", x, embed.astype(dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", x, lm_head.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:

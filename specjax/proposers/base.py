@@ -89,5 +89,10 @@ def register(name: str):
     return add
 
 
-def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int) -> Proposer:
-    return PROPOSERS[spec.method](ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size))
+def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int, drafter: Any = None) -> Proposer:
+    """The proposer of spec.method. A proposer class whose static settings depend on its weights
+    (EAGLE-3 reads the target layers its head fuses) defines `build(settings, drafter)`."""
+    cls = PROPOSERS[spec.method]
+    settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)
+    build = getattr(cls, "build", None)
+    return build(settings, drafter) if build is not None else cls(settings)

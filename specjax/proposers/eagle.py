@@ -1,0 +1,160 @@
+"""EAGLE-1 and EAGLE-3 drafting (`method` "eagle" and "eagle3") with the head's own KV cache.
+
+The head consumes pairs (f_j, x_{j+1}): the target's feature at position j and the token after it.
+Pairs whose feature came from the target are committed to the head's cache; pairs built from the
+head's own predicted features (while drafting) sit after them and are dropped at the next step by
+resetting the fill level. After a verify step the next pairs are the verify block's features at
+positions 0..n with the tokens d_1..d_n, next_token: n + 1 pairs, fed as a fixed window of K + 1
+whose output at index n starts the next draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from specjax.models.eagle import EagleHead
+from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import Hidden, Transformer, unembed
+from specjax.proposers.base import Context, ProposerSettings, TargetOutput, register
+from specjax.proposers.draft_model import draw_draft_tokens
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("head", "embed", "lm_head"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class EagleParams:
+    """The head with the target's embedding and LM head (None when tied), which it shares."""
+
+    head: EagleHead
+    embed: Float[Array, "V D"]
+    lm_head: Float[Array, "D V"] | None
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("cache", "committed", "tokens", "hidden", "num_pending", "drafts"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class EagleState:
+    cache: KVCache
+    committed: Int[Array, " B"]  # pairs with target features in the cache
+    tokens: Int[Array, "B W"]  # pending pairs (W = K + 1), the first num_pending of them valid
+    hidden: Hidden  # the target's hidden states of the pending pairs; the head fuses them in propose
+    num_pending: Int[Array, " B"]
+    drafts: Int[Array, "B K"]  # the last proposal, to rebuild the pairs after verification
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleProposer:
+    """Shared by both registrations; `version` says which head the method expects."""
+
+    settings: ProposerSettings
+    hidden_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers the head fuses
+    version: ClassVar[int] = 1
+
+    @classmethod
+    def build(cls, settings: ProposerSettings, head: Any) -> EagleProposer:
+        return cls(settings, tuple(head.config.fuse_layers) if isinstance(head, EagleHead) else ())
+
+    def check(self, head: Any, target_config) -> None:
+        method = self.settings.spec.method
+        if not isinstance(head, EagleHead):
+            raise ValueError(f"method {method!r} needs an EagleHead as drafter, got {type(head).__name__}")
+        if head.config.version != self.version:
+            raise ValueError(f"method {method!r} needs an EAGLE-{self.version} head, got EAGLE-{head.config.version}")
+        layer = head.config.layer
+        if layer.hidden_size != target_config.hidden_size:
+            raise ValueError(f"EAGLE head hidden_size {layer.hidden_size} does not match the target's "
+                             f"{target_config.hidden_size}: allowed only equal sizes")
+        if layer.vocab_size != target_config.vocab_size:
+            raise ValueError(f"EAGLE head vocab_size {layer.vocab_size} does not match the target's "
+                             f"{target_config.vocab_size}: allowed only equal vocabularies")
+        bad = [i for i in head.config.fuse_layers if not 0 <= i <= target_config.num_layers]
+        if bad:
+            raise ValueError(f"EAGLE-3 fuse_layers {head.config.fuse_layers} name layers outside the target's "
+                             f"0..{target_config.num_layers}")
+
+    def bind(self, head: EagleHead, target: Transformer) -> EagleParams:
+        return EagleParams(head=head, embed=target.embed[...],
+                           lm_head=None if target.lm_head is None else target.lm_head[...])
+
+    def _logits(self, params: EagleParams, features):
+        target_head = lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)  # noqa: E731
+        return params.head.logits(features, target_head)
+
+    def init(self, params: EagleParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
+             target_out: TargetOutput) -> EagleState:
+        head, num_draft = params.head, self.settings.spec.num_speculative_tokens
+        batch, width = prompt.shape[0], num_draft + 1
+        features = head.fuse(target_out.hidden)  # [B, T, D] over the padded prompt
+        prompt_len = lengths - 1
+        # Pairs 0 .. L-2 go to the cache now; pair L-1 (with the prefill's token) waits for propose.
+        cache = KVCache.create(head.config.layer, batch, self.settings.cache_size + 2 * width)
+        positions = jnp.broadcast_to(jnp.arange(features.shape[1], dtype=jnp.int32), features.shape[:2])
+        _, cache = head(prompt[:, 1:], features, positions, cache, params.embed)
+        rows = jnp.arange(batch)
+        pending_tokens = jnp.zeros((batch, width), jnp.int32).at[:, 0].set(prompt[rows, prompt_len])
+
+        last = jax.tree.map(lambda x: _at_position(x, prompt_len - 1, width), target_out.hidden)
+        return EagleState(cache=cache.with_lengths(prompt_len - 1), committed=prompt_len - 1, tokens=pending_tokens,
+                          hidden=last, num_pending=jnp.ones_like(lengths),
+                          drafts=jnp.zeros((batch, num_draft), jnp.int32))
+
+    def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
+        head, num_draft = params.head, self.settings.spec.num_speculative_tokens
+        rows = jnp.arange(state.tokens.shape[0])
+        width = state.tokens.shape[1]
+        positions = state.committed[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        out, cache = head(state.tokens, head.fuse(state.hidden), positions, state.cache.with_lengths(state.committed),
+                          params.embed)
+        committed = state.committed + state.num_pending
+        feature = out[rows, state.num_pending - 1]
+        step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
+
+        def draft_step(carry, step_key):
+            cache, feature = carry
+            token, probs = draw_draft_tokens(self._logits(params, feature), step_key, self.settings)
+            out, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, params.embed)
+            return (cache, out[:, 0]), (token, probs)
+
+        (cache, feature), (tokens, probs) = jax.lax.scan(
+            draft_step, (cache.with_lengths(committed), feature), step_keys[:-1])
+        last_token, last_probs = draw_draft_tokens(self._logits(params, feature), step_keys[-1], self.settings)
+        drafts = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
+        draft_probs = None
+        if last_probs is not None:
+            draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
+        state = dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts)
+        return drafts, draft_probs, state
+
+    def accept(self, state: EagleState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
+               target_out: TargetOutput) -> EagleState:
+        """The verify block's positions 0..n become the pending pairs, with tokens d_1..d_n, next_token."""
+        rows = jnp.arange(next_token.shape[0])
+        tokens = jnp.concatenate([state.drafts, jnp.zeros_like(next_token)[:, None]], axis=1)
+        tokens = tokens.at[rows, num_accepted].set(next_token)
+        return dataclasses.replace(state, tokens=tokens, hidden=target_out.hidden, num_pending=num_accepted + 1)
+
+
+def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
+    """x[..., b, position[b], :] placed at index 0 of a zero window of `width` positions, for x of
+    shape [B, T, D] (final) or [N, B, T, D] (fused layers)."""
+    rows = jnp.arange(position.shape[0])
+    picked = x[..., rows, position, :]  # [..., B, D]
+    window = jnp.zeros((*x.shape[:-2], width, x.shape[-1]), x.dtype)
+    return window.at[..., 0, :].set(picked)
+
+
+@register("eagle")
+@dataclasses.dataclass(frozen=True)
+class Eagle1Proposer(EagleProposer):
+    version: ClassVar[int] = 1
+
+
+@register("eagle3")
+@dataclasses.dataclass(frozen=True)
+class Eagle3Proposer(EagleProposer):
+    version: ClassVar[int] = 3
