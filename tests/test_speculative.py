@@ -95,10 +95,13 @@ def exact_joint(model, sampling: SamplingConfig) -> np.ndarray:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig) -> np.ndarray:
+def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig, drafter=None):
+    """Counts of the first NUM_TOKENS tokens over NUM_ROWS rows (one batch) from the tiny target,
+    drafted by the tiny draft model unless another drafter is given."""
     target, draft = tiny_pair()
     result = generate(target, [PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sampling,
-                      seeds=np.arange(NUM_ROWS), cache_size=32, spec=spec, drafter=draft)
+                      seeds=np.arange(NUM_ROWS), cache_size=32, spec=spec,
+                      drafter=draft if drafter is None else drafter)
     assert (result.num_generated == NUM_TOKENS).all()
     codes = np.ravel_multi_index(result.tokens.T, (TINY.vocab_size,) * NUM_TOKENS)
     return np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS), result.metrics
