@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.config import ModelConfig, SamplingConfig, SpecConfig
+from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig
 from specjax.models.transformer import Hidden
 
 
@@ -55,6 +55,11 @@ class ProposerSettings:
     spec: SpecConfig
     sampling: SamplingConfig
     cache_size: int  # slots of any cache the proposer keeps, as the target's
+
+    @property
+    def cache_dtype(self):
+        """The drafter's KV cache dtype (spec.kv_cache_dtype), None to inherit its compute dtype."""
+        return None if self.spec.kv_cache_dtype is None else DTYPES[self.spec.kv_cache_dtype]
 
 
 class Proposer(Protocol):

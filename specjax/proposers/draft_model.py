@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.proposers.base import Context, ProposerSettings, TargetOutput, register
+from specjax.proposers.heterogeneous import HeterogeneousDraft
 from specjax.verify.sampling import processed_logits, processed_probs
 
 
@@ -43,43 +44,69 @@ class DraftModelProposer:
     settings: ProposerSettings
     hidden_layers: tuple[int, ...] = ()
 
-    def check(self, draft: Transformer, target_config) -> None:
-        if not isinstance(draft, Transformer):
-            raise ValueError(f"method 'draft_model' needs a draft Transformer as drafter, got {type(draft).__name__}")
-        if draft.config.vocab_size != target_config.vocab_size:
+    def check(self, drafter, target_config) -> None:
+        if self.settings.spec.use_heterogeneous_vocab:
+            if not isinstance(drafter, HeterogeneousDraft):
+                raise ValueError("use_heterogeneous_vocab needs a HeterogeneousDraft (draft model + vocabulary "
+                                 f"mapping) as drafter, got {type(drafter).__name__}")
+            mapping, draft = drafter.mapping, drafter.model
+            if mapping.target_to_draft.shape[0] != target_config.vocab_size or \
+                    mapping.draft_to_target.shape[0] != draft.config.vocab_size:
+                raise ValueError(f"the vocabulary mapping covers {mapping.target_to_draft.shape[0]} target and "
+                                 f"{mapping.draft_to_target.shape[0]} draft ids; the models have "
+                                 f"{target_config.vocab_size} and {draft.config.vocab_size}")
+            return
+        if not isinstance(drafter, Transformer):
+            raise ValueError(f"method 'draft_model' needs a draft Transformer as drafter, got {type(drafter).__name__}")
+        if drafter.config.vocab_size != target_config.vocab_size:
             raise ValueError(
-                f"draft vocab_size {draft.config.vocab_size} differs from the target's {target_config.vocab_size}: "
+                f"draft vocab_size {drafter.config.vocab_size} differs from the target's {target_config.vocab_size}: "
                 "allowed only equal vocabularies (different tokenizers need use_heterogeneous_vocab)")
 
-    def bind(self, draft: Transformer, target: Transformer) -> Transformer:
-        return draft
+    def bind(self, drafter, target: Transformer):
+        return drafter
 
-    def init(self, draft: Transformer, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+    @staticmethod
+    def _split(drafter) -> tuple[Transformer, HeterogeneousDraft | None]:
+        """The draft model, and the vocabulary bridge when its ids are not the target's."""
+        return (drafter.model, drafter) if isinstance(drafter, HeterogeneousDraft) else (drafter, None)
+
+    def init(self, drafter, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> DraftModelState:
+        draft, bridge = self._split(drafter)
         batch, length = prompt.shape
-        cache = KVCache.create(draft.config, batch, self.settings.cache_size)
+        cache = KVCache.create(draft.config, batch, self.settings.cache_size, self.settings.cache_dtype)
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        _, _, cache = draft(prompt, positions, cache, compute_logits=False)
+        tokens = prompt if bridge is None else bridge.draft_ids(prompt)
+        _, _, cache = draft(tokens, positions, cache, compute_logits=False)
         return DraftModelState(cache=cache.with_lengths(lengths))
 
-    def propose(self, draft: Transformer, state: DraftModelState, context: Context, keys: PRNGKeyArray):
+    def propose(self, drafter, state: DraftModelState, context: Context, keys: PRNGKeyArray):
+        draft, bridge = self._split(drafter)
         num_draft = self.settings.spec.num_speculative_tokens
         rows = jnp.arange(context.tokens.shape[0])
         start = context.lengths - 2  # >= 0: every row holds its prompt and the prefill's token
         window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
+        if bridge is not None:
+            window = bridge.draft_ids(window)
         positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
         logits, _, cache = draft(window, positions, state.cache.with_lengths(start))
         step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
+        def draw(logits, step_key):  # in the draft's own ids
+            return draw_draft_tokens(logits if bridge is None else bridge.mask(logits), step_key, self.settings)
+
         def draft_step(carry, step_key):
             cache, logits = carry
-            token, probs = draw_draft_tokens(logits, step_key, self.settings)
+            token, probs = draw(logits, step_key)
             logits, _, cache = draft(token[:, None], cache.lengths[:, None], cache)
             return (cache, logits[:, 0]), (token, probs)
 
         (cache, logits), (tokens, probs) = jax.lax.scan(draft_step, (cache, logits[:, -1]), step_keys[:-1])
-        last_token, last_probs = draw_draft_tokens(logits, step_keys[-1], self.settings)
+        last_token, last_probs = draw(logits, step_keys[-1])
         draft_tokens = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
+        if bridge is not None:  # greedy drafting only (SpecConfig refuses the rest): no probabilities to map
+            draft_tokens = bridge.target_ids(draft_tokens)
         draft_probs = None
         if last_probs is not None:
             draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
