@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 from conftest import chi_square_pvalue, fixture_dir
 from test_decoding import _primitives
-from test_speculative import NUM_ROWS, NUM_TOKENS, TINY, tiny_pair
+from test_speculative import NUM_ROWS, NUM_TOKENS, TINY, exact_joint, tiny_pair
 
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, pad_request, speculative_loop
 from specjax.models import hf
 from specjax.proposers import Context, build_proposer
-from specjax.verify.sampling import processed_probs
 
 
 @functools.cache
@@ -145,19 +144,6 @@ def test_acceptance_is_high_when_the_continuation_is_in_the_context(num_draft, m
 REPEATING_PROMPT = [0, 0, 1] * 3  # the tiny target often continues it: a third of drafts accepted
 
 
-def exact_joint(model, prompt: list[int], sampling: SamplingConfig) -> np.ndarray:
-    """P(t1, t2, t3 | prompt) of the target alone, from full forwards over every continuation."""
-    vocab = TINY.vocab_size
-    contexts = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-    positions = jnp.broadcast_to(jnp.arange(contexts.shape[1]), contexts.shape)
-    logits, _, _ = model(jnp.asarray(contexts), positions)
-    probs = np.asarray(processed_probs(logits, sampling), np.float64).reshape(vocab, vocab, len(prompt) + 2, vocab)
-    p1 = probs[0, 0, len(prompt) - 1]
-    p2 = probs[:, 0, len(prompt)]  # [t1, t2]
-    p3 = probs[:, :, len(prompt) + 1]  # [t1, t2, t3]
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
 @pytest.mark.parametrize("method", ["standard", "block"])
 def test_ngram_sampling_is_lossless(method):
     model, _ = tiny_pair()
@@ -169,7 +155,7 @@ def test_ngram_sampling_is_lossless(method):
     assert 0 < result.metrics.summary()["acceptance_rate"] < 1  # both paths taken
     codes = np.ravel_multi_index(result.tokens.T, (TINY.vocab_size,) * NUM_TOKENS)
     counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
-    assert chi_square_pvalue(counts, exact_joint(model, REPEATING_PROMPT, sampling)) > 1e-3
+    assert chi_square_pvalue(counts, exact_joint(model, sampling, REPEATING_PROMPT)) > 1e-3
 
 
 # ------------------------------------------------------------------------------------- one program

@@ -82,16 +82,16 @@ def tiny_pair():
     return init_model(TINY, seed=1), init_model(TINY, seed=2)
 
 
-def exact_joint(model, sampling: SamplingConfig) -> np.ndarray:
-    """P(t1, t2, t3 | PROMPT) of the target alone, from full forwards over every continuation."""
+def exact_joint(model, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) of the target alone, from full forwards over every continuation."""
     vocab = TINY.vocab_size
-    contexts = np.array([PROMPT + [a, b] for a in range(vocab) for b in range(vocab)])
+    contexts = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
     positions = jnp.broadcast_to(jnp.arange(contexts.shape[1]), contexts.shape)
     logits, _, _ = model(jnp.asarray(contexts), positions)
-    probs = np.asarray(processed_probs(logits, sampling), np.float64).reshape(vocab, vocab, len(PROMPT) + 2, vocab)
-    p1 = probs[0, 0, len(PROMPT) - 1]
-    p2 = probs[:, 0, len(PROMPT)]  # [t1, t2]
-    p3 = probs[:, :, len(PROMPT) + 1]  # [t1, t2, t3]
+    probs = np.asarray(processed_probs(logits, sampling), np.float64).reshape(vocab, vocab, len(prompt) + 2, vocab)
+    p1 = probs[0, 0, len(prompt) - 1]
+    p2 = probs[:, 0, len(prompt)]  # [t1, t2]
+    p3 = probs[:, :, len(prompt) + 1]  # [t1, t2, t3]
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
