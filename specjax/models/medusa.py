@@ -29,14 +29,12 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from specjax.config import DTYPES, ConfigError, _require, dtype_from_name
-from specjax.models.hf import CONFIG_FILE, CheckpointError
+from specjax.models.hf import _CHECKPOINT_DTYPES, CONFIG_FILE, CheckpointError
 from specjax.models.transformer import Transformer, unembed
 
 TENSOR_FILE = "medusa_lm_head.safetensors"
 TORCH_FILE = "medusa_lm_head.pt"  # the original training code's format; needs converting first
 INIT_STD = 0.02  # own vocabulary projections made without a target to copy from
-# Parameter dtypes kept as stored; any other checkpoint dtype loads as float32.
-_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
