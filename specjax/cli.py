@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -43,6 +44,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_lm(args: argparse.Namespace) -> int:
+    from specjax.config import TrainConfig, load_yaml
+    from specjax.training.lm import train_lm
+
+    summary = train_lm(load_yaml(TrainConfig, args.config, args.set))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--rejection-sample-method", default="standard", help="standard | block | synthetic")
     spec.add_argument("--draft-sample-method", default="greedy", help="greedy | probabilistic")
     gen.set_defaults(run=_generate)
+    train = commands.add_parser("train-lm", help="train a target or draft LM (resumes a killed run)")
+    train.add_argument("--config", type=Path, required=True, help="a TrainConfig YAML, e.g. configs/train/tiny_lm.yaml")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set optimizer.lr=1e-3 (repeatable)")
+    train.set_defaults(run=_train_lm)
     return parser
 
 
@@ -69,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, ValueError, FileNotFoundError) as error:
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"specjax {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -252,3 +252,148 @@ class SpecConfig:
         whole = int(extra)
         rates = [1.0] * whole + [extra - whole]
         return tuple((rates + [0.0] * self.num_speculative_tokens)[:self.num_speculative_tokens])
+
+
+# ----------------------------------------------------------------------------------------- YAML files
+
+def from_dict(cls, data: dict, where: str):
+    """Builds the (possibly nested) frozen dataclass cls from a mapping, strictly: an unknown key, a
+    missing required key or a value of the wrong type is a ConfigError naming the key, `where` (the
+    file) and what is allowed."""
+    import typing
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} in {cls.__name__}: allowed {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        values[name] = _convert(hints[name], value, f"{where}: {cls.__name__}.{name}")
+    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: {cls.__name__} is missing required key {missing[0]!r}")
+    return cls(**values)
+
+
+def _convert(hint, value, where: str):
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where.split(":")[0])
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} = {value!r} is invalid: allowed a list")
+        item = args[0] if args else typing.Any
+        return tuple(_convert(item, v, where) for v in value)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where} = {value!r} is invalid: allowed one of {list(args)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} = {value!r} is invalid: allowed a number")
+        return float(value)
+    if hint in (int, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        kind = {int: "an integer", str: "a string", bool: "true or false"}[hint]
+        raise ConfigError(f"{where} = {value!r} is invalid: allowed {kind}")
+    return value
+
+
+def load_yaml(cls, path, overrides=()):
+    """A config from a YAML file with `key.sub=value` overrides (values parsed as YAML)."""
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep:
+            raise ConfigError(f"override {override!r} is invalid: allowed key=value (e.g. optimizer.lr=3e-4)")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(raw)
+    return from_dict(cls, data, str(path))
+
+
+# -------------------------------------------------------------------------------------------- training
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and batches. corpus_dir None is the running interpreter's standard library
+    (tests excluded); tokenizer None trains a byte-level BPE of vocab_size on the training split."""
+
+    corpus_dir: str | None = None
+    pattern: str = "*.py"
+    max_files: int | None = None  # the first N files in path order (quick runs, tests)
+    held_out_fraction: float = 0.05
+    tokenizer: str | None = None
+    vocab_size: int = 4096
+    seq_len: int = 256
+    batch_size: int = 32
+
+    def __post_init__(self):
+        _require(0.0 < self.held_out_fraction < 1.0, "DataConfig", "held_out_fraction", self.held_out_fraction,
+                 "a float in (0, 1)")
+        for name in ("seq_len", "batch_size", "vocab_size"):
+            _require(getattr(self, name) >= 1, "DataConfig", name, getattr(self, name), "an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup and cosine decay to min_lr_ratio * lr, global-norm clipping."""
+
+    lr: float = 3e-4
+    warmup_steps: int = 100
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        _require(self.total_steps >= 1, "OptimizerConfig", "total_steps", self.total_steps, "an integer >= 1")
+        _require(0 <= self.warmup_steps <= self.total_steps, "OptimizerConfig", "warmup_steps", self.warmup_steps,
+                 f"an integer in [0, total_steps = {self.total_steps}]")
+        _require(self.lr > 0, "OptimizerConfig", "lr", self.lr, "a float > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run; everything it writes goes under output_dir."""
+
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    output_dir: str = "runs/lm"
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 10
+    eval_batches: int = 16
+
+    def __post_init__(self):
+        _require(self.checkpoint_every >= 1, "TrainConfig", "checkpoint_every", self.checkpoint_every,
+                 "an integer >= 1")
+        _require(self.log_every >= 1, "TrainConfig", "log_every", self.log_every, "an integer >= 1")

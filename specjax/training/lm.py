@@ -1,0 +1,100 @@
+"""Language-model pretraining (a target or a draft LM) from a TrainConfig.
+
+Writes under output_dir: tokenizer/ and token files (data), checkpoints/ (orbax, resumable),
+metrics.jsonl, and model/ (a Hugging Face folder with the tokenizer, loadable by specjax.models.hf
+and by transformers) with eval.json (held-out loss and perplexity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from specjax.config import OptimizerConfig, TrainConfig
+from specjax.data.dataset import batch_at, eval_batches, prepare
+from specjax.models import hf
+from specjax.models.transformer import Transformer
+from specjax.training import loop
+
+
+def optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.lr, warmup_steps=config.warmup_steps,
+        decay_steps=config.total_steps, end_value=config.lr * config.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                       optax.adamw(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay))
+
+
+def next_token_loss(model: Transformer, batch) -> jax.Array:
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    logits, _, _ = model(inputs, positions)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def data_mesh() -> Mesh:
+    """All local devices on one 'data' axis: batches split over it, parameters replicated."""
+    return Mesh(np.asarray(jax.local_devices()), ("data",))
+
+
+def train_lm(config: TrainConfig) -> dict:
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    data = config.data
+    tokenizer, train_tokens, held_out_tokens = prepare(data, output_dir)
+    model_config = dataclasses.replace(config.model, vocab_size=len(tokenizer))
+    model = Transformer(model_config, rngs=nnx.Rngs(params=config.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optimizer(config.optimizer)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    mesh = data_mesh()
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
+
+    def loss_of(params, batch):
+        return next_token_loss(nnx.merge(graphdef, params, rest), batch)
+
+    @jax.jit
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(loss_of)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    def batch_fn(step):
+        batch = batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
+        return jax.device_put(batch, batch_sharding)
+
+    state = loop.run(state, train_step, batch_fn, total_steps=config.optimizer.total_steps, output_dir=output_dir,
+                     checkpoint_every=config.checkpoint_every, log_every=config.log_every, description="train-lm")
+    trained = nnx.merge(graphdef, state["params"], rest)
+    held_out = evaluate(trained, eval_batches(held_out_tokens, config.eval_batches, data.batch_size, data.seq_len))
+    model_dir = output_dir / "model"
+    hf.save(trained, model_dir, extra_config={"bos_token_id": tokenizer.bos_token_id,
+                                              "eos_token_id": tokenizer.eos_token_id,
+                                              "pad_token_id": tokenizer.pad_token_id})
+    tokenizer.save_pretrained(model_dir)
+    summary = {"held_out_loss": held_out, "held_out_perplexity": math.exp(held_out),
+               "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"])),
+               "train_tokens": int(len(train_tokens)), "held_out_tokens": int(len(held_out_tokens)),
+               "steps": config.optimizer.total_steps}
+    (model_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def evaluate(model: Transformer, batches: list[np.ndarray]) -> float:
+    """Mean next-token cross-entropy over fixed held-out batches."""
+    loss = jax.jit(next_token_loss)
+    return float(np.mean([float(loss(model, jnp.asarray(batch))) for batch in batches]))

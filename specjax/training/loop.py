@@ -1,0 +1,104 @@
+"""The training loop every trainer shares: checkpoints that resume where a killed run stopped and
+refuse to load corrupt data, JSONL metrics that match the restored step, a progress bar.
+
+Resuming reproduces an uninterrupted run because nothing outside the checkpoint decides what happens
+next: batches are a function of (seed, step) and the state holds parameters, optimizer state and
+the step. Each checkpoint carries a manifest of SHA-256 digests of every array; a restore that does
+not reproduce them is refused (CheckpointCorrupted), as is one orbax cannot read. Orbax writes each
+step to a temporary folder and renames it when complete, so a run killed mid-save leaves no
+half-written step behind to load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+
+class CheckpointCorrupted(RuntimeError):
+    """A checkpoint that cannot be read back exactly; the message names its folder and what differs."""
+
+
+def digests(state: Any) -> dict[str, str]:
+    return {jax.tree_util.keystr(path): hashlib.sha256(np.ascontiguousarray(np.asarray(leaf)).tobytes()).hexdigest()
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+
+
+class Checkpoints:
+    """An orbax CheckpointManager over `directory`, with the digest manifest."""
+
+    def __init__(self, directory: Path, max_to_keep: int = 3):
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=False))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any) -> None:
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         manifest=ocp.args.JsonSave(digests(state))))
+        self.manager.wait_until_finished()
+
+    def restore(self, step: int, like: Any) -> Any:
+        """The state saved at `step`, checked against its manifest; `like` gives structure and dtypes."""
+        where = self.directory / str(step)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), manifest=ocp.args.JsonRestore()))
+        except Exception as error:  # orbax and tensorstore raise many types for unreadable data
+            raise CheckpointCorrupted(f"checkpoint {where} cannot be read: {type(error).__name__}: {error}") from error
+        expected, actual = restored["manifest"], digests(restored["state"])
+        differing = sorted(key for key in expected.keys() | actual.keys() if expected.get(key) != actual.get(key))
+        if differing:
+            raise CheckpointCorrupted(f"checkpoint {where} does not match its manifest: {len(differing)} arrays "
+                                      f"differ, first {differing[0]}; delete the step folder to resume from an "
+                                      "earlier one")
+        return restored["state"]
+
+
+def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, total_steps: int, output_dir: Path,
+        checkpoint_every: int, log_every: int, description: str = "train") -> Any:
+    """Runs train_step(state, batch_fn(step)) -> (state, metrics) for steps 1..total_steps, resuming
+    from the latest checkpoint under output_dir/checkpoints; appends metrics to output_dir/metrics.jsonl."""
+    output_dir = Path(output_dir)
+    checkpoints = Checkpoints(output_dir / "checkpoints")
+    metrics_path = output_dir / "metrics.jsonl"
+    start = checkpoints.latest_step() or 0
+    if start:
+        state = checkpoints.restore(start, state)
+    _truncate_metrics(metrics_path, start)
+    with metrics_path.open("a") as log, tqdm(total=total_steps, initial=start, desc=description) as bar:
+        for step in range(start + 1, total_steps + 1):
+            state, metrics = train_step(state, batch_fn(step))
+            if step % log_every == 0 or step == total_steps:
+                record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()},
+                          "time": time.time()}
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
+            if step % checkpoint_every == 0 or step == total_steps:
+                checkpoints.save(step, state)
+            bar.update(1)
+    return state
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drops records past the restored step: the resumed run writes them again."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]

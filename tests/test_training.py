@@ -1,0 +1,122 @@
+"""Training: a killed run resumes to exactly the uninterrupted result, corrupt checkpoints are
+refused, configs are strict."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from specjax.config import ConfigError, TrainConfig, load_yaml
+from specjax.training.loop import CheckpointCorrupted, Checkpoints, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "configs/train/tiny_lm.yaml"
+TOTAL_STEPS = 40
+
+
+def train_command(output_dir):
+    return [sys.executable, "-m", "specjax.cli", "train-lm", "--config", str(CONFIG), "--set", f"output_dir={output_dir}"]
+
+
+def run_to_end(output_dir):
+    subprocess.run(train_command(output_dir), check=True, cwd=REPO, capture_output=True, text=True)
+
+
+def final_params(output_dir):
+    checkpoints = Checkpoints(Path(output_dir) / "checkpoints")
+    step = checkpoints.latest_step()
+    path = Path(output_dir) / "checkpoints" / str(step) / "state"
+    import orbax.checkpoint as ocp
+
+    return step, ocp.StandardCheckpointer().restore(path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("uninterrupted")
+    run_to_end(output_dir)
+    return output_dir
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_result(uninterrupted, tmp_path):
+    # Kill at a random step (SIGKILL: no chance to clean up), possibly mid-checkpoint.
+    kill_at = random.Random(os.getpid()).randint(8, TOTAL_STEPS - 5)
+    process = subprocess.Popen(train_command(tmp_path), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and any(json.loads(line)["step"] >= kill_at for line in metrics.read_text().splitlines()
+                                    if line.strip()):
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip())
+    assert killed_at < TOTAL_STEPS, "the run finished before it could be killed"
+    run_to_end(tmp_path)  # resumes from the last checkpoint
+
+    # Same loss trajectory step by step, and the same final parameters. On the CPU XLA is
+    # deterministic, so the tolerance is exact equality; float32 with 1e-6 relative would be the
+    # bound to state on hardware with nondeterministic reductions.
+    resumed, reference = read_metrics(tmp_path / "metrics.jsonl"), read_metrics(uninterrupted / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+    step_a, state_a = final_params(tmp_path)
+    step_b, state_b = final_params(uninterrupted)
+    assert step_a == step_b == TOTAL_STEPS
+    for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    evaluation = json.loads((tmp_path / "model/eval.json").read_text())
+    assert evaluation == json.loads((uninterrupted / "model/eval.json").read_text())
+    assert evaluation["held_out_loss"] < np.log(300)  # it learned something beyond uniform
+
+
+def test_a_corrupt_checkpoint_is_refused(uninterrupted, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(uninterrupted, copy)
+    step_dir = copy / "checkpoints" / str(TOTAL_STEPS) / "state"
+    data_files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size > 1000)
+    assert data_files
+    victim = data_files[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte in the stored arrays
+    victim.write_bytes(bytes(raw))
+    checkpoints = Checkpoints(copy / "checkpoints")
+    _, like = final_params(uninterrupted)
+    with pytest.raises(CheckpointCorrupted, match=rf"checkpoint .*{TOTAL_STEPS}"):
+        checkpoints.restore(TOTAL_STEPS, like)
+
+
+def test_a_truncated_checkpoint_is_refused(uninterrupted, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(uninterrupted, copy)
+    for path in (copy / "checkpoints" / str(TOTAL_STEPS) / "state").rglob("*"):
+        if path.is_file() and path.stat().st_size > 1000:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    _, like = final_params(uninterrupted)
+    with pytest.raises(CheckpointCorrupted, match=rf"checkpoint .*{TOTAL_STEPS}"):
+        Checkpoints(copy / "checkpoints").restore(TOTAL_STEPS, like)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.learning_rate=1e-3", r"tiny_lm.yaml: unknown key 'learning_rate' in OptimizerConfig: allowed \["),
+    ("data.seq_len=long", r"tiny_lm.yaml: DataConfig.seq_len = 'long' is invalid: allowed an integer"),
+    ("model.norm=batch", r"ModelConfig.norm = 'batch' is invalid: allowed one of \['rms', 'layer'\]"),
+    ("optimizer.lr=fast", r"OptimizerConfig.lr = 'fast' is invalid: allowed a number"),
+    ("checkpoint_every", r"override 'checkpoint_every' is invalid: allowed key=value"),
+])
+def test_bad_training_configs_name_the_key_and_file(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_yaml(TrainConfig, CONFIG, [override])
