@@ -397,3 +397,41 @@ class TrainConfig:
         _require(self.checkpoint_every >= 1, "TrainConfig", "checkpoint_every", self.checkpoint_every,
                  "an integer >= 1")
         _require(self.log_every >= 1, "TrainConfig", "log_every", self.log_every, "an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTrainConfig:
+    """Training draft heads (EAGLE or Medusa) on a frozen target.
+
+    target: the target's Hugging Face folder (its tokenizer tokenizes the corpus). kind: 'eagle1',
+    'eagle3' or 'medusa'. num_heads / num_layers: Medusa heads and residual blocks per head.
+    fuse_layers / draft_vocab_size: EAGLE-3 (None: layers 2, L//2, L-3 and the target's vocabulary).
+    unroll_steps / step_decay: EAGLE-3's training-time test (draft steps fed their own output, loss
+    weights step_decay^i) and Medusa's per-head weights (step_decay^k). feature_noise: EAGLE-1's
+    uniform noise on target features. eval_prompts: held-out prompts for the closing acceptance
+    eval (greedy, K = eval_num_speculative_tokens)."""
+
+    target: str
+    kind: Literal["eagle1", "eagle3", "medusa"]
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    output_dir: str = "runs/head"
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 10
+    num_heads: int = 4
+    num_layers: int = 1
+    fuse_layers: tuple[int, ...] | None = None
+    draft_vocab_size: int | None = None
+    unroll_steps: int = 7
+    step_decay: float = 0.8
+    feature_noise: float = 0.1
+    eval_prompts: int = 32
+    eval_prompt_len: int = 64
+    eval_new_tokens: int = 64
+    eval_num_speculative_tokens: int = 4
+
+    def __post_init__(self):
+        _require(self.kind in ("eagle1", "eagle3", "medusa"), "HeadTrainConfig", "kind", self.kind,
+                 "'eagle1', 'eagle3' or 'medusa'")
+        _require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")
