@@ -47,6 +47,35 @@ def data_mesh() -> Mesh:
     return Mesh(np.asarray(jax.local_devices()), ("data",))
 
 
+def fit(module: nnx.Module, loss_fn, batch_fn, config: OptimizerConfig, output_dir: Path, *, checkpoint_every: int,
+        log_every: int, description: str) -> nnx.Module:
+    """Trains the module's nnx.Param (other variables stay fixed) to minimise loss_fn(module, batch)
+    -> (loss, metrics) over batch_fn(step), data parallel over the local devices, resumable; returns
+    the trained module."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    tx = optimizer(config)
+    mesh = data_mesh()
+    state = jax.device_put({"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)},
+                           NamedSharding(mesh, PartitionSpec()))
+    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+
+    def loss_of(params, batch):
+        return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+    @jax.jit
+    def train_step(state, batch):
+        (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    state = loop.run(state, train_step, lambda step: jax.device_put(batch_fn(step), batch_sharding),
+                     total_steps=config.total_steps, output_dir=output_dir, checkpoint_every=checkpoint_every,
+                     log_every=log_every, description=description)
+    return nnx.merge(graphdef, state["params"], rest)
+
+
 def train_lm(config: TrainConfig) -> dict:
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -54,32 +83,16 @@ def train_lm(config: TrainConfig) -> dict:
     tokenizer, train_tokens, held_out_tokens = prepare(data, output_dir)
     model_config = dataclasses.replace(config.model, vocab_size=len(tokenizer))
     model = Transformer(model_config, rngs=nnx.Rngs(params=config.seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = optimizer(config.optimizer)
-    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-
-    mesh = data_mesh()
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
-    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
-
-    def loss_of(params, batch):
-        return next_token_loss(nnx.merge(graphdef, params, rest), batch)
-
-    @jax.jit
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_of)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def batch_fn(step):
-        batch = batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
-        return jax.device_put(batch, batch_sharding)
+        return batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
 
-    state = loop.run(state, train_step, batch_fn, total_steps=config.optimizer.total_steps, output_dir=output_dir,
-                     checkpoint_every=config.checkpoint_every, log_every=config.log_every, description="train-lm")
-    trained = nnx.merge(graphdef, state["params"], rest)
+    def loss_fn(model, batch):
+        loss = next_token_loss(model, batch)
+        return loss, {"loss": loss}
+
+    trained = fit(model, loss_fn, batch_fn, config.optimizer, output_dir, checkpoint_every=config.checkpoint_every,
+                  log_every=config.log_every, description="train-lm")
     held_out = evaluate(trained, eval_batches(held_out_tokens, config.eval_batches, data.batch_size, data.seq_len))
     model_dir = output_dir / "model"
     hf.save(trained, model_dir, extra_config={"bos_token_id": tokenizer.bos_token_id,
@@ -87,7 +100,7 @@ def train_lm(config: TrainConfig) -> dict:
                                               "pad_token_id": tokenizer.pad_token_id})
     tokenizer.save_pretrained(model_dir)
     summary = {"held_out_loss": held_out, "held_out_perplexity": math.exp(held_out),
-               "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"])),
+               "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trained, nnx.Param))),
                "train_tokens": int(len(train_tokens)), "held_out_tokens": int(len(held_out_tokens)),
                "steps": config.optimizer.total_steps}
     (model_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
