@@ -53,6 +53,23 @@ def _train_lm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_eagle(args: argparse.Namespace) -> int:
+    from specjax.config import HeadTrainConfig, load_yaml
+    from specjax.training.eagle import train_eagle
+
+    summary = train_eagle(load_yaml(HeadTrainConfig, args.config, args.set))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _train_medusa(args: argparse.Namespace) -> int:
+    from specjax.config import HeadTrainConfig, load_yaml
+    from specjax.training.medusa import train_medusa
+
+    print(json.dumps(train_medusa(load_yaml(HeadTrainConfig, args.config, args.set)), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. --set optimizer.lr=1e-3 (repeatable)")
     train.set_defaults(run=_train_lm)
+    eagle = commands.add_parser("train-eagle", help="train an EAGLE-1 / EAGLE-3 head on a frozen target (resumes)")
+    eagle.add_argument("--config", type=Path, required=True,
+                       help="a HeadTrainConfig YAML, e.g. configs/train/tiny_eagle.yaml")
+    eagle.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set kind=eagle3 (repeatable)")
+    eagle.set_defaults(run=_train_eagle)
+    medusa = commands.add_parser("train-medusa", help="train Medusa heads on a frozen target")
+    medusa.add_argument("--config", type=Path, required=True, help="a HeadTrainConfig YAML (kind: medusa)")
+    medusa.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+    medusa.set_defaults(run=_train_medusa)
     return parser
 
 

@@ -67,7 +67,7 @@ def fit(module: nnx.Module, loss_fn, batch_fn, config: OptimizerConfig, output_d
         (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {**metrics, "grad_norm": optax.global_norm(grads)}
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     state = loop.run(state, train_step, lambda step: jax.device_put(batch_fn(step), batch_sharding),
