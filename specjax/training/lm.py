@@ -48,10 +48,11 @@ def data_mesh() -> Mesh:
 
 
 def fit(module: nnx.Module, loss_fn, batch_fn, config: OptimizerConfig, output_dir: Path, *, checkpoint_every: int,
-        log_every: int, description: str) -> nnx.Module:
-    """Trains the module's nnx.Param (other variables stay fixed) to minimise loss_fn(module, batch)
-    -> (loss, metrics) over batch_fn(step), data parallel over the local devices, resumable; returns
-    the trained module."""
+        log_every: int, description: str, frozen=None) -> nnx.Module:
+    """Trains the module's nnx.Param (other variables stay fixed) to minimise
+    loss_fn(module, batch, frozen) -> (loss, metrics) over batch_fn(step), data parallel over the local
+    devices, resumable; returns the trained module. `frozen` (e.g. the target a head learns from) is
+    passed to the compiled step as an argument, not baked into it as constants."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     tx = optimizer(config)
     mesh = data_mesh()
@@ -59,18 +60,20 @@ def fit(module: nnx.Module, loss_fn, batch_fn, config: OptimizerConfig, output_d
                            NamedSharding(mesh, PartitionSpec()))
     batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
 
-    def loss_of(params, batch):
-        return loss_fn(nnx.merge(graphdef, params, rest), batch)
+    def loss_of(params, batch, frozen):
+        return loss_fn(nnx.merge(graphdef, params, rest), batch, frozen)
 
     @jax.jit
-    def train_step(state, batch):
-        (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], batch)
+    def train_step(state, batch, frozen):
+        (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], batch, frozen)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    state = loop.run(state, train_step, lambda step: jax.device_put(batch_fn(step), batch_sharding),
+    frozen = jax.device_put(frozen, NamedSharding(mesh, PartitionSpec()))
+    state = loop.run(state, lambda state, batch: train_step(state, batch, frozen),
+                     lambda step: jax.device_put(batch_fn(step), batch_sharding),
                      total_steps=config.total_steps, output_dir=output_dir, checkpoint_every=checkpoint_every,
                      log_every=log_every, description=description)
     return nnx.merge(graphdef, state["params"], rest)
@@ -87,7 +90,7 @@ def train_lm(config: TrainConfig) -> dict:
     def batch_fn(step):
         return batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
 
-    def loss_fn(model, batch):
+    def loss_fn(model, batch, frozen):
         loss = next_token_loss(model, batch)
         return loss, {"loss": loss}
 

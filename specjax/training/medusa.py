@@ -57,7 +57,7 @@ def train_medusa(config: HeadTrainConfig) -> dict:
                         target=target, seed=config.seed)
     untrained = heads
 
-    def loss_fn(heads, batch):
+    def loss_fn(heads, batch, target):
         loss, per_head = medusa_loss(heads, target, batch, config.step_decay)
         return loss, {"loss": loss, **{f"ce_head{k}": ce for k, ce in enumerate(per_head)}}
 
@@ -65,7 +65,7 @@ def train_medusa(config: HeadTrainConfig) -> dict:
         return batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
 
     heads = fit(heads, loss_fn, batch_fn, config.optimizer, output_dir, checkpoint_every=config.checkpoint_every,
-                log_every=config.log_every, description="train-medusa")
+                log_every=config.log_every, description="train-medusa", frozen=target)
     head_dir = output_dir / "heads"
     save_medusa(heads, head_dir, base_model_name_or_path=str(config.target))
     prompts = held_out_prompts(held_out_tokens, config.eval_prompts, config.eval_prompt_len, config.seed)

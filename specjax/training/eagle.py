@@ -1,0 +1,212 @@
+"""Training EAGLE-1 and EAGLE-3 draft heads on a frozen target (HeadTrainConfig, kind 'eagle1' / 'eagle3').
+
+Data: the corpus is tokenized with the target's tokenizer (DataConfig.tokenizer = config.target);
+batch `step` is the window x_0 .. x_T (T = data.seq_len) of `batch_at`, a pure function of
+(seed, step), so a killed run resumes exactly. The target runs once per batch, without a cache, over
+the whole window (T + 1 tokens) under stop_gradient; its hidden states are the head's inputs and its
+distributions the labels. Only the head's nnx.Param are trained (EAGLE-3's `draft_to_target` is an
+nnx.Variable and stays fixed).
+
+The head runs its own forward over the T pairs (f_j, x_{j+1}), j = 0 .. T-1, at positions 0 .. T-1,
+through a fresh (empty) KV cache of T slots, i.e. causally over the window, exactly as drafting
+commits pairs (see specjax.proposers.eagle).
+
+EAGLE-1 (Li et al., the original recipe). f_j is the target's final-norm feature at position j.
+The input features get uniform noise U(-feature_noise, feature_noise) (a fresh draw per step,
+drawn on the host from (seed, step) with the batch); the targets do not. The head's output at pair j, f̂_{j+1}, is regressed onto
+f_{j+1}, which exists for every j = 0 .. T-1 because the target ran over T + 1 tokens:
+
+    loss = mean_{b,j,d} SmoothL1(f̂_{j+1}, f_{j+1})
+           + 0.1 * mean_{b,j} [ -sum_v p_t(v) log p_h(v) ],
+    p_t = softmax(LMhead f_{j+1}), p_h = softmax(LMhead f̂_{j+1}),
+
+with LMhead the target's own unembedding (specjax.models.transformer.unembed).
+
+EAGLE-3 (training-time test). F_j = head.fuse(target hidden states entering `fuse_layers`) at
+position j (fuse's fc is trained). The label of pair j at every step is the target's next-token
+distribution at position j + 1 (the distribution of x_{j+2}), restricted to the draft vocabulary
+and renormalised there: q_j(v) = p_target(d2t[v] | x_{<=j+1}) / sum_u p_target(d2t[u] | x_{<=j+1}).
+Unroll steps i = 0 .. unroll_steps-1:
+
+    step 0:      features_0[j] = F_j                              (target features)
+    step i > 0:  features_i[j] = out_{i-1}[j-1]  for j >= 1       (the head's own prediction of the
+                                                                   feature at j, made from pair j-1)
+                 features_i[0] = F_0                              (no earlier pair exists)
+    out_i = head(tokens x_{j+1}, features_i, positions j)          (tokens stay the true ones)
+    loss  = sum_i step_decay^i * mean_{b, j >= i} [ -sum_v q_j(v) log softmax(draft logits(out_i[j]))_v ]
+
+Position j at step i is fed by a chain of exactly i of the head's own predictions only when j >= i,
+so positions j < i are left out of step i's mean. Gradients flow through the whole chain. There is
+no feature loss. The simplification against real drafting: at step i every earlier position of the
+window also carries a step-i (self-predicted) feature, where drafting would have target features in
+the cache for all but the last i pairs.
+
+Draft vocabulary (EAGLE-3 with draft_vocab_size < the target's vocabulary): the draft_vocab_size most
+frequent target ids in the training tokens (ties to the lower id), sorted ascending, as
+head.draft_to_target.
+
+Writes under output_dir: tokenizer/ and token files (data), checkpoints/, metrics.jsonl, and head/ (the
+public EAGLE layout that load_eagle reads) with eval.json: the greedy mean acceptance length of the
+closing held-out eval and the final logged loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from specjax.config import HeadTrainConfig, SpecConfig
+from specjax.data.dataset import batch_at, prepare
+from specjax.models import hf
+from specjax.models.eagle import EagleConfig, EagleHead, default_fuse_layers, init_eagle, save_eagle
+from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import Transformer, unembed
+from specjax.training import loop
+from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
+from specjax.training.lm import fit
+
+EAGLE_KINDS = {"eagle1": (1, "eagle"), "eagle3": (3, "eagle3")}
+CE_WEIGHT = 0.1  # EAGLE-1's weight of the distribution loss against the feature regression
+
+
+def draft_vocabulary(train_tokens: np.ndarray, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
+    """The draft_vocab_size most frequent ids of train_tokens (ties to the lower id), sorted."""
+    counts = np.bincount(np.asarray(train_tokens, np.int64), minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id ascending
+    return np.sort(order[:draft_vocab_size]).astype(np.int32)
+
+
+def build_head(config: HeadTrainConfig, target_config, train_tokens: np.ndarray) -> EagleHead:
+    """The untrained head of config (seeded by config.seed), with its draft vocabulary set."""
+    if config.kind not in EAGLE_KINDS:
+        raise ValueError(f"train_eagle trains kind 'eagle1' or 'eagle3', got {config.kind!r}")
+    version, _ = EAGLE_KINDS[config.kind]
+    layer = dataclasses.replace(target_config, num_layers=1)
+    fuse_layers, draft_vocab = (), None
+    if version == 3:
+        fuse_layers = tuple(config.fuse_layers) if config.fuse_layers is not None \
+            else default_fuse_layers(target_config.num_layers)
+        if config.draft_vocab_size is not None and config.draft_vocab_size < target_config.vocab_size:
+            draft_vocab = config.draft_vocab_size
+    elif config.fuse_layers is not None or config.draft_vocab_size is not None:
+        raise ValueError("fuse_layers and draft_vocab_size are EAGLE-3 settings: allowed only with kind 'eagle3'")
+    head = init_eagle(EagleConfig(layer=layer, version=version, fuse_layers=fuse_layers,
+                                  draft_vocab_size=draft_vocab), seed=config.seed)
+    if draft_vocab is not None:
+        ids = draft_vocabulary(train_tokens, target_config.vocab_size, draft_vocab)
+        head.draft_to_target.set_value(jnp.asarray(ids))
+    return head
+
+
+def eagle1_loss(head: EagleHead, target: Transformer, batch, noise):
+    """EAGLE-1's loss on one window batch [B, T + 1] with the feature noise [B, T, D] (module
+    docstring); (loss, metrics)."""
+    batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
+    all_positions = jnp.broadcast_to(jnp.arange(seq_len + 1, dtype=jnp.int32), batch.shape)
+    _, hidden, _ = target(batch, all_positions, compute_logits=False)
+    features = jax.lax.stop_gradient(hidden.final.astype(jnp.float32))  # f_0 .. f_T
+    inputs, wanted = features[:, :-1], features[:, 1:]
+    inputs = inputs + noise.astype(inputs.dtype)
+    cache = KVCache.create(head.config.layer, batch_size, seq_len)
+    predicted, _ = head(batch[:, 1:], inputs, all_positions[:, :-1], cache, target.embed[...])
+    predicted = predicted.astype(jnp.float32)
+    feature_loss = optax.huber_loss(predicted, wanted, delta=1.0).mean()
+    lm_head = None if target.lm_head is None else target.lm_head[...]
+    dtype = target.config.jnp_dtype
+    target_probs = jax.lax.stop_gradient(jax.nn.softmax(unembed(wanted, target.embed[...], lm_head, dtype), -1))
+    head_logits = unembed(predicted, target.embed[...], lm_head, dtype)
+    ce = -(target_probs * jax.nn.log_softmax(head_logits, -1)).sum(-1).mean()
+    accuracy = (jnp.argmax(head_logits, -1) == jnp.argmax(target_probs, -1)).mean()
+    loss = feature_loss + CE_WEIGHT * ce
+    return loss, {"feature_loss": feature_loss, "ce": ce, "accuracy": accuracy}
+
+
+def eagle3_loss(head: EagleHead, target: Transformer, batch, unroll_steps: int, step_decay: float):
+    """EAGLE-3's training-time-test loss on one window batch [B, T + 1] (module docstring)."""
+    batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
+    all_positions = jnp.broadcast_to(jnp.arange(seq_len + 1, dtype=jnp.int32), batch.shape)
+    logits, hidden, _ = target(batch, all_positions, hidden_layers=head.config.fuse_layers)
+    hidden = jax.lax.stop_gradient(hidden)
+    d2t = head.draft_to_target[...]
+    target_probs = jax.nn.softmax(jax.lax.stop_gradient(logits[:, 1:]), -1)[..., d2t]  # [B, T, Vd]
+    target_probs = target_probs / jnp.maximum(target_probs.sum(-1, keepdims=True), 1e-20)
+    fused = head.fuse(jax.tree.map(lambda x: x[..., :-1, :], hidden))  # F_0 .. F_{T-1}
+    tokens, positions = batch[:, 1:], all_positions[:, :-1]
+    lm_head = None if target.lm_head is None else target.lm_head[...]
+    target_head = lambda f: unembed(f, target.embed[...], lm_head, target.config.jnp_dtype)  # noqa: E731
+    features, loss, metrics = fused, 0.0, {}
+    for step in range(unroll_steps):
+        cache = KVCache.create(head.config.layer, batch_size, seq_len)
+        out, _ = head(tokens, features, positions, cache, target.embed[...])
+        draft_logits = head.logits(out, target_head)[..., d2t]
+        ce = -(target_probs * jax.nn.log_softmax(draft_logits, -1)).sum(-1)  # [B, T]
+        valid = (jnp.arange(seq_len) >= step)[None, :]
+        step_ce = jnp.where(valid, ce, 0.0).sum() / (valid.sum() * batch_size)
+        loss = loss + step_decay ** step * step_ce
+        if step == 0:
+            metrics["ce_0"] = step_ce
+            metrics["accuracy_0"] = (jnp.argmax(draft_logits, -1) == jnp.argmax(target_probs, -1)).mean()
+        features = jnp.concatenate([fused[:, :1], out[:, :-1].astype(fused.dtype)], axis=1)
+    metrics[f"ce_{unroll_steps - 1}"] = step_ce
+    return loss, metrics
+
+
+def closing_eval(config: HeadTrainConfig, target: Transformer, head: EagleHead, held_out_tokens: np.ndarray) -> dict:
+    """Greedy acceptance of head on the held-out prompts of config (the same prompts for any head)."""
+    _, method = EAGLE_KINDS[config.kind]
+    prompts = held_out_prompts(held_out_tokens, config.eval_prompts, config.eval_prompt_len, config.seed)
+    spec = SpecConfig(method=method, num_speculative_tokens=config.eval_num_speculative_tokens)
+    return mean_acceptance_length(target, spec, head, prompts, config.eval_new_tokens)
+
+
+def train_eagle(config: HeadTrainConfig) -> dict:
+    if config.kind not in EAGLE_KINDS:
+        raise ValueError(f"train_eagle trains kind 'eagle1' or 'eagle3', got {config.kind!r}")
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    data = dataclasses.replace(config.data, tokenizer=str(config.target))
+    tokenizer, train_tokens, held_out_tokens = prepare(data, output_dir)
+    target = hf.load(config.target)
+    if len(tokenizer) > target.config.vocab_size:
+        raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "
+                         f"vocab_size {target.config.vocab_size}")
+    head = build_head(config, target.config, train_tokens)
+    noise_shape = (data.batch_size, data.seq_len, target.config.hidden_size)
+
+    def loss_fn(head, batch, target):
+        if head.config.version == 1:
+            loss, metrics = eagle1_loss(head, target, batch["tokens"], batch["noise"])
+        else:
+            loss, metrics = eagle3_loss(head, target, batch["tokens"], config.unroll_steps, config.step_decay)
+        return loss, {"loss": loss, **metrics}
+
+    def batch_fn(step):
+        batch = {"tokens": batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)}
+        if head.config.version == 1:  # the feature noise of this step, a function of (seed, step) like the batch
+            rng = np.random.default_rng([config.seed, step, 1])
+            batch["noise"] = rng.uniform(-config.feature_noise, config.feature_noise, noise_shape).astype(np.float32)
+        return batch
+
+    trained = fit(head, loss_fn, batch_fn, config.optimizer, output_dir, checkpoint_every=config.checkpoint_every,
+                  log_every=config.log_every, description=f"train-eagle ({config.kind})", frozen=target)
+    head_dir = output_dir / "head"
+    save_eagle(trained, head_dir)
+    acceptance = closing_eval(config, target, trained, held_out_tokens)
+    records = loop.read_metrics(output_dir / "metrics.jsonl")
+    summary = {"kind": config.kind, "mean_acceptance_length": acceptance["mean_acceptance_length"],
+               "acceptance_rate": acceptance["acceptance_rate"],
+               "per_position_acceptance": acceptance["per_position_acceptance"],
+               "final_loss": records[-1]["loss"] if records else float("nan"),
+               "steps": config.optimizer.total_steps, "draft_vocab_size": trained.config.draft_vocab,
+               "fuse_layers": list(trained.config.fuse_layers),
+               "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trained, nnx.Param))),
+               "num_speculative_tokens": config.eval_num_speculative_tokens, "eval_prompts": config.eval_prompts}
+    (head_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

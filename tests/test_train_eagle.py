@@ -1,0 +1,116 @@
+"""Training EAGLE heads on a tiny trained target: the loss falls, the saved head loads and drafts
+losslessly (greedy output equal to autoregressive), it accepts more than an untrained head, and a
+finished run called again resumes at its last step."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specjax.config import HeadTrainConfig, SpecConfig, TrainConfig, load_yaml
+from specjax.decoding import generate
+from specjax.models import hf
+from specjax.models.eagle import load_eagle
+from specjax.training.eagle import build_head, closing_eval, train_eagle
+from specjax.training.evaluation import held_out_prompts
+from specjax.training.lm import train_lm
+from specjax.training.loop import Checkpoints, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+LM_CONFIG = REPO / "configs/train/tiny_lm.yaml"
+EAGLE_CONFIG = REPO / "configs/train/tiny_eagle.yaml"
+# tiny_lm's 40 steps leave a target whose greedy output is one repeated token (any head drafts it
+# perfectly); 800 steps of batch 8 (about 10 s) give one with varied output.
+TARGET_OVERRIDES = ["optimizer.total_steps=800", "data.batch_size=8", "checkpoint_every=800", "log_every=100"]
+EAGLE3_OVERRIDES = ["kind=eagle3", "fuse_layers=[0,1,2]", "draft_vocab_size=200", "unroll_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("target")
+    train_lm(load_yaml(TrainConfig, LM_CONFIG, [*TARGET_OVERRIDES, f"output_dir={output_dir}"]))
+    return output_dir / "model"
+
+
+def eagle_config(target_dir, output_dir, *overrides):
+    return load_yaml(HeadTrainConfig, EAGLE_CONFIG, [f"target={target_dir}", f"output_dir={output_dir}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def eagle1_run(target_dir, tmp_path_factory):
+    """EAGLE-1 trained through the CLI, as a user would."""
+    output_dir = tmp_path_factory.mktemp("eagle1")
+    subprocess.run([sys.executable, "-m", "specjax.cli", "train-eagle", "--config", str(EAGLE_CONFIG),
+                    "--set", f"target={target_dir}", "--set", f"output_dir={output_dir}"],
+                   check=True, cwd=REPO, capture_output=True, text=True)
+    return output_dir
+
+
+def losses(output_dir):
+    return [record["loss"] for record in read_metrics(Path(output_dir) / "metrics.jsonl")]
+
+
+def check_drafts_losslessly(target, head, method, output_dir):
+    held_out = np.memmap(Path(output_dir) / "tokens_held_out.bin", np.uint32, "r")
+    prompts = held_out_prompts(held_out, 3, 24, seed=1)
+    autoregressive = generate(target, prompts, max_new_tokens=20)
+    speculative = generate(target, prompts, max_new_tokens=20, drafter=head,
+                           spec=SpecConfig(method=method, num_speculative_tokens=3))
+    assert speculative.sequences() == autoregressive.sequences()
+
+
+def test_eagle1_trains_loads_drafts_and_beats_an_untrained_head(target_dir, eagle1_run):
+    loss = losses(eagle1_run)
+    assert len(loss) == 60
+    assert np.mean(loss[-10:]) < np.mean(loss[:10])
+
+    target = hf.load(target_dir)
+    head = load_eagle(eagle1_run / "head", target.config)
+    assert head.config.version == 1
+    check_drafts_losslessly(target, head, "eagle", eagle1_run)
+
+    evaluation = json.loads((eagle1_run / "head/eval.json").read_text())
+    assert evaluation["final_loss"] == loss[-1]
+    trained = evaluation["mean_acceptance_length"]
+    config = eagle_config(target_dir, eagle1_run)
+    train_tokens = np.memmap(eagle1_run / "tokens_train.bin", np.uint32, "r")
+    held_out = np.memmap(eagle1_run / "tokens_held_out.bin", np.uint32, "r")
+    # The loaded head reproduces the closing eval; an untrained head on the same prompts accepts less.
+    assert closing_eval(config, target, head, held_out)["mean_acceptance_length"] == trained
+    untrained = closing_eval(config, target, build_head(config, target.config, train_tokens),
+                             held_out)["mean_acceptance_length"]
+    print(f"EAGLE-1 mean acceptance length: trained {trained:.3f}, untrained {untrained:.3f}")
+    assert trained > 1.0
+    assert trained > untrained
+
+
+def test_eagle3_with_a_reduced_draft_vocabulary_trains_and_drafts(target_dir, tmp_path):
+    summary = train_eagle(eagle_config(target_dir, tmp_path, *EAGLE3_OVERRIDES))
+    loss = losses(tmp_path)
+    assert np.mean(loss[-10:]) < np.mean(loss[:10])
+    assert summary["draft_vocab_size"] == 200 and summary["fuse_layers"] == [0, 1, 2]
+
+    target = hf.load(target_dir)
+    head = load_eagle(tmp_path / "head", target.config, fuse_layers=(0, 1, 2))
+    assert head.config.version == 3 and head.config.draft_vocab == 200
+    # The draft vocabulary is the 200 most frequent training ids, sorted.
+    train_tokens = np.asarray(np.memmap(tmp_path / "tokens_train.bin", np.uint32, "r"))
+    ids = np.asarray(head.draft_to_target[...])
+    assert np.all(np.diff(ids) > 0)
+    counts = np.bincount(train_tokens, minlength=target.config.vocab_size)
+    assert counts[ids].min() >= np.delete(counts, ids).max()
+    check_drafts_losslessly(target, head, "eagle3", tmp_path)
+    print(f"EAGLE-3 mean acceptance length: {summary['mean_acceptance_length']:.3f}")
+    assert json.loads((tmp_path / "head/eval.json").read_text()) == summary
+
+
+def test_a_finished_run_called_again_resumes_at_its_last_step(target_dir, eagle1_run):
+    metrics_before = (eagle1_run / "metrics.jsonl").read_text()
+    evaluation = json.loads((eagle1_run / "head/eval.json").read_text())
+    summary = train_eagle(eagle_config(target_dir, eagle1_run))
+    assert Checkpoints(eagle1_run / "checkpoints").latest_step() == 60
+    assert (eagle1_run / "metrics.jsonl").read_text() == metrics_before  # no step ran again
+    assert summary == evaluation
