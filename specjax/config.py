@@ -421,6 +421,7 @@ class HeadTrainConfig:
     log_every: int = 10
     num_heads: int = 4
     num_layers: int = 1
+    shared_lm_head: bool = False
     fuse_layers: tuple[int, ...] | None = None
     draft_vocab_size: int | None = None
     unroll_steps: int = 7

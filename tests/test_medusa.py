@@ -125,6 +125,21 @@ def test_save_load_round_trip(tmp_path):
         np.testing.assert_array_equal(getattr(loaded, name)[...], getattr(heads, name)[...])
 
 
+def test_heads_sharing_the_lm_head_store_no_projection(tmp_path):
+    """The extension of the layout for shared heads: no per-head projections, a flag in config.json."""
+    from safetensors.numpy import load_file
+
+    heads = medusa_for(target(), num_heads=3, num_layers=1, scale=0.1, shared=True)
+    save_medusa(heads, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["shared_lm_head"] is True
+    stored = load_file(tmp_path / "medusa_lm_head.safetensors")
+    assert not [key for key in stored if key.endswith(".1.weight")] and len(stored) == 6
+    loaded = load_medusa(tmp_path)
+    assert loaded.config == heads.config and loaded.lm_head is None
+    hidden = jax.random.normal(jax.random.key(0), (2, 64))
+    np.testing.assert_array_equal(loaded(hidden, LMHead.of(target())), heads(hidden, LMHead.of(target())))
+
+
 HIDDEN, VOCAB, NUM_HEADS, NUM_LAYERS = 8, 12, 2, 2
 
 

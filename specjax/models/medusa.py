@@ -143,30 +143,33 @@ def _layout(c: MedusaConfig) -> dict[str, tuple[int, ...]]:
         for j in range(c.num_layers):
             weight_key, bias_key = _block_keys(k, j)
             shapes[weight_key], shapes[bias_key] = (D, D), (D,)
-        shapes[_projection_key(k, c.num_layers)] = (V, D)
+        if not c.shared_lm_head:
+            shapes[_projection_key(k, c.num_layers)] = (V, D)
     return shapes
 
 
 def save_medusa(heads: MedusaHeads, folder: str | Path, *, base_model_name_or_path: str | None = None) -> None:
     """Writes config.json and medusa_lm_head.safetensors in the public Medusa layout.
-    base_model_name_or_path goes into config.json, where the original Medusa code reads it."""
+    base_model_name_or_path goes into config.json, where the original Medusa code reads it. Heads
+    that share the target's LM head have no projections to store; config.json then says
+    "shared_lm_head": true, an extension of the public layout (the original code cannot read it)."""
     c = heads.config
-    if c.shared_lm_head:
-        raise CheckpointError(f"{folder}: the Medusa layout stores a vocabulary projection per head; heads with "
-                              "shared_lm_head=True have none: allowed only shared_lm_head=False")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    block_w, block_b, lm_head = heads.block_w[...], heads.block_b[...], heads.lm_head[...]
+    block_w, block_b = heads.block_w[...], heads.block_b[...]
     tensors = {}
     for k in range(c.num_heads):
         for j in range(c.num_layers):
             weight_key, bias_key = _block_keys(k, j)
             tensors[weight_key] = block_w[k, j].T  # torch Linear weights are [out, in]
             tensors[bias_key] = block_b[k, j]
-        tensors[_projection_key(k, c.num_layers)] = lm_head[k].T
+        if not c.shared_lm_head:
+            tensors[_projection_key(k, c.num_layers)] = heads.lm_head[...][k].T
     save_file(tensors, folder / TENSOR_FILE, metadata={"format": "pt"})
     config = {"medusa_num_heads": c.num_heads, "medusa_num_layers": c.num_layers,
               "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+    if c.shared_lm_head:
+        config["shared_lm_head"] = True
     if base_model_name_or_path is not None:
         config["base_model_name_or_path"] = base_model_name_or_path
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -204,20 +207,24 @@ def load_medusa(folder: str | Path, *, param_dtype: str | None = None, dtype: st
     file = _open_tensors(folder)
     path = folder / TENSOR_FILE
     num_heads, num_layers = hf_config["medusa_num_heads"], hf_config.get("medusa_num_layers", 1)
+    shared = bool(hf_config.get("shared_lm_head", False))
     stored = set(file.keys())
-    first = _projection_key(0, num_layers)
+    # Sizes from config.json, else (older configs) from head 0's projection; shared heads have none.
+    first = _block_keys(0, 0)[0] if shared else _projection_key(0, num_layers)
     if first not in stored:
         raise CheckpointError(f"{path}: tensor {first!r} is missing (medusa_num_layers={num_layers})")
-    projection = file.get_tensor(first)
-    if projection.ndim != 2:
-        raise CheckpointError(f"{path}: tensor {first!r} has shape {tuple(projection.shape)}; expected "
-                              "[vocab_size, hidden_size]")
-    stored_dtype = jnp.dtype(projection.dtype).name
+    probe = file.get_tensor(first)
+    if probe.ndim != 2:
+        raise CheckpointError(f"{path}: tensor {first!r} has shape {tuple(probe.shape)}; expected 2 dimensions")
+    if shared and "vocab_size" not in hf_config:
+        raise CheckpointError(f"{folder / CONFIG_FILE}: field 'vocab_size' is missing; heads sharing the "
+                              "target's LM head need it")
+    stored_dtype = jnp.dtype(probe.dtype).name
     param_dtype = param_dtype or (stored_dtype if stored_dtype in _CHECKPOINT_DTYPES else "float32")
     try:
         config = MedusaConfig(num_heads=num_heads, num_layers=num_layers,
-                              hidden_size=hf_config.get("hidden_size", projection.shape[1]),
-                              vocab_size=hf_config.get("vocab_size", projection.shape[0]),
+                              hidden_size=hf_config.get("hidden_size", probe.shape[1]),
+                              vocab_size=hf_config.get("vocab_size", probe.shape[0]), shared_lm_head=shared,
                               param_dtype=param_dtype, dtype=dtype or param_dtype)
     except ConfigError as error:
         raise CheckpointError(f"{folder / CONFIG_FILE}: {error}") from error
@@ -244,6 +251,7 @@ def load_medusa(folder: str | Path, *, param_dtype: str | None = None, dtype: st
     heads = nnx.eval_shape(lambda: MedusaHeads(config, rngs=nnx.Rngs(0)))
     heads.block_w.set_value(stacked(lambda k, j: _block_keys(k, j)[0]))
     heads.block_b.set_value(stacked(lambda k, j: _block_keys(k, j)[1]))
-    heads.lm_head.set_value(jnp.stack([tensors[_projection_key(k, num_layers)].T
-                                       for k in range(num_heads)]).astype(param_dtype))
+    if not shared:
+        heads.lm_head.set_value(jnp.stack([tensors[_projection_key(k, num_layers)].T
+                                           for k in range(num_heads)]).astype(param_dtype))
     return heads

@@ -18,7 +18,7 @@ import optax
 from specjax.config import HeadTrainConfig, SpecConfig
 from specjax.data.dataset import batch_at, prepare
 from specjax.models import hf
-from specjax.models.medusa import MedusaConfig, MedusaHeads, init_medusa, save_medusa
+from specjax.models.medusa import LMHead, MedusaConfig, MedusaHeads, init_medusa, save_medusa
 from specjax.models.transformer import Transformer
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
 from specjax.training.lm import fit
@@ -31,7 +31,8 @@ def medusa_loss(heads: MedusaHeads, target: Transformer, batch, step_decay: floa
     _, hidden, _ = target(inputs, positions, compute_logits=False)
     features = jax.lax.stop_gradient(hidden.final)  # [B, T, D]; the target stays frozen
     batch_size, length, width = features.shape
-    logits = heads(features.reshape(-1, width)).reshape(batch_size, length, heads.config.num_heads, -1)
+    lm_head = LMHead.of(target) if heads.config.shared_lm_head else None
+    logits = heads(features.reshape(-1, width), lm_head).reshape(batch_size, length, heads.config.num_heads, -1)
     losses = []
     for k in range(heads.config.num_heads):
         shift = k + 2  # head k at position t predicts token t + k + 2
@@ -53,6 +54,7 @@ def train_medusa(config: HeadTrainConfig) -> dict:
     _, train_tokens, held_out_tokens = prepare(data, output_dir)
     heads = init_medusa(MedusaConfig(num_heads=config.num_heads, hidden_size=target.config.hidden_size,
                                      vocab_size=target.config.vocab_size, num_layers=config.num_layers,
+                                     shared_lm_head=config.shared_lm_head,
                                      param_dtype=target.config.param_dtype, dtype=target.config.dtype),
                         target=target, seed=config.seed)
     untrained = heads
