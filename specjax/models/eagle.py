@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 from specjax.config import ConfigError, ModelConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import (DecoderLayers, Hidden, _param, _value, decoder_layer, normalize,
+from specjax.models.transformer import (DecoderLayers, Hidden, _param, decoder_layer, einsum_f32, normalize,
                                         query_slots_for)
 
 
@@ -124,8 +124,7 @@ class EagleHead(nnx.Module):
             return target_lm_head(features)
         c = self.config.layer
         normed = normalize(features.astype(c.jnp_dtype), self.final_norm[...], None, c)
-        draft = jnp.einsum("...d,dv->...v", normed, self.lm_head[...].astype(c.jnp_dtype),
-                           preferred_element_type=jnp.float32)
+        draft = einsum_f32("...d,dv->...v", normed, self.lm_head[...].astype(c.jnp_dtype))
         full = jnp.full((*draft.shape[:-1], c.vocab_size), -jnp.inf, jnp.float32)
         return full.at[..., self.draft_to_target[...]].set(draft)
 

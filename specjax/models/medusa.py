@@ -30,7 +30,7 @@ from safetensors.flax import save_file
 
 from specjax.config import DTYPES, ConfigError, _require, dtype_from_name
 from specjax.models.hf import _CHECKPOINT_DTYPES, CONFIG_FILE, CheckpointError
-from specjax.models.transformer import Transformer, unembed
+from specjax.models.transformer import Transformer, einsum_f32, unembed
 
 TENSOR_FILE = "medusa_lm_head.safetensors"
 TORCH_FILE = "medusa_lm_head.pt"  # the original training code's format; needs converting first
@@ -104,8 +104,7 @@ class MedusaHeads(nnx.Module):
             x = x + jax.nn.silu(jnp.einsum("bnd,nde->bne", x, block_w[:, j]) + block_b[None, :, j])
         if lm_head is not None:
             return lm_head(x)
-        return jnp.einsum("bnd,ndv->bnv", x, self.lm_head[...][:n].astype(dtype),
-                          preferred_element_type=jnp.float32)
+        return einsum_f32("bnd,ndv->bnv", x, self.lm_head[...][:n].astype(dtype))
 
 
 def init_medusa(config: MedusaConfig, target: Transformer | None = None, seed: int = 0) -> MedusaHeads:

@@ -74,6 +74,15 @@ def apply_rope(x: Float[Array, "B T N E"], positions: Int[Array, "B T"], inv_fre
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """einsum with a float32 result, accumulated in float32 from low-precision inputs. XLA's CPU dot
+    runtime lacks some bf16 x bf16 -> f32 forms (batched ones fail: "Unsupported element type for
+    DotThunk"), so on the CPU the inputs are upcast first; GPUs and TPUs do it natively."""
+    if jax.default_backend() == "cpu":
+        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def normalize(x: Float[Array, "... D"], scale, bias, config: ModelConfig):
     """RMSNorm (bias None) or LayerNorm, computed in float32 and returned in x's dtype."""
     xf = x.astype(jnp.float32)
@@ -93,7 +102,7 @@ def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[A
     """
     batch, num_new, _, head_dim = q.shape
     q = q.reshape(batch, num_new, config.num_kv_heads, config.num_query_groups, head_dim)
-    scores = jnp.einsum("btkge,bske->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = einsum_f32("btkge,bske->bkgts", q, k)
     scores = scores / math.sqrt(head_dim)
     key_slots = jnp.arange(k.shape[1])[None, None, :]
     visible = key_slots <= query_slots[:, :, None]  # [B, T, S]
@@ -267,8 +276,8 @@ def unembed(final_hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_
     """Float32 logits through lm_head, or through the embedding when it is tied (lm_head None)."""
     x = final_hidden.astype(dtype)
     if lm_head is None:
-        return jnp.einsum("...d,vd->...v", x, embed.astype(dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", x, lm_head.astype(dtype), preferred_element_type=jnp.float32)
+        return einsum_f32("...d,vd->...v", x, embed.astype(dtype))
+    return einsum_f32("...d,dv->...v", x, lm_head.astype(dtype))
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:

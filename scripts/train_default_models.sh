@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Trains the default models (target LM, draft LM, Medusa, EAGLE-1 and EAGLE-3 heads) and installs them
+# into specjax/default_models with a model card. Meant for the GPU machine:
+#     PYTHONPATH=. scripts/train_default_models.sh [RUNS_DIR]
+# QUICK=1 runs every stage with a few steps on a few files (a CPU smoke test of the pipeline; its
+# models are not worth shipping, so it installs into RUNS_DIR/default_models instead).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${1:-runs/default}
+python=${PYTHON:-python3}
+install_dir=specjax/default_models
+quick=()
+lm_quick=()
+head_quick=()
+if [ "${QUICK:-0}" = 1 ]; then
+  quick=(--set optimizer.total_steps=12 --set optimizer.warmup_steps=2 --set data.max_files=40
+         --set data.held_out_fraction=0.25 --set data.seq_len=64 --set data.batch_size=4 --set checkpoint_every=6
+         --set log_every=2)
+  lm_quick=(--set data.vocab_size=512)
+  head_quick=(--set eval_prompts=4 --set eval_prompt_len=32 --set eval_new_tokens=16)
+  install_dir=$runs/default_models
+fi
+train() { "$python" -m specjax.cli "$@"; }
+
+train train-lm --config configs/train/default_target.yaml --set output_dir="$runs/target" "${quick[@]}" "${lm_quick[@]}"
+train train-lm --config configs/train/default_draft.yaml --set output_dir="$runs/draft" \
+  --set data.tokenizer="$runs/target/model" "${quick[@]}"
+for head in medusa eagle1 eagle3; do
+  command=train-eagle; [ "$head" = medusa ] && command=train-medusa
+  train "$command" --config "configs/train/default_$head.yaml" --set target="$runs/target/model" \
+    --set output_dir="$runs/$head" "${quick[@]}" "${head_quick[@]}"
+done
+"$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"
