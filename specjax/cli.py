@@ -70,6 +70,25 @@ def _train_medusa(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    from specjax import experiments
+
+    row = experiments.Runner().run(experiments.load_run(args.config, args.set))
+    print(experiments.markdown([row]), end="")
+    print("per-position acceptance: " + " ".join(f"{p:.2f}" for p in row["per_position_acceptance"]))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from specjax import experiments
+
+    sweep = experiments.load_sweep(args.config, args.set)
+    rows = experiments.run_sweep(sweep)
+    print(experiments.markdown(rows), end="")
+    print(f"results, tables and plots in {sweep.output_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     medusa.add_argument("--config", type=Path, required=True, help="a HeadTrainConfig YAML (kind: medusa)")
     medusa.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
     medusa.set_defaults(run=_train_medusa)
+    for name, function, help_text in (("run", _run, "one experiment: autoregressive baseline and speculative decoding"),
+                                      ("sweep", _sweep, "a grid of runs; resumable; tables and plots")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("config", type=Path, help=f"a {'RunConfig' if name == 'run' else 'SweepConfig'} YAML")
+        command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
+        command.set_defaults(run=function)
     return parser
 
 

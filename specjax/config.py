@@ -276,7 +276,10 @@ def from_dict(cls, data: dict, where: str):
                and f.default_factory is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{where}: {cls.__name__} is missing required key {missing[0]!r}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as error:  # the class's own checks: say which file
+        raise ConfigError(f"{where}: {error}") from error
 
 
 def _convert(hint, value, where: str):
@@ -301,6 +304,16 @@ def _convert(hint, value, where: str):
             raise ConfigError(f"{where} = {value!r} is invalid: allowed a list")
         item = args[0] if args else typing.Any
         return tuple(_convert(item, v, where) for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} = {value!r} is invalid: allowed a mapping")
+        return {_convert(args[0], k, where): _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} = {value!r} is invalid: allowed a list")
+        return [_convert(args[0], v, where) for v in value] if args else list(value)
+    if hint is typing.Any:
+        return value
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{where} = {value!r} is invalid: allowed one of {list(args)}")

@@ -1,0 +1,293 @@
+"""Experiments: one run (autoregressive baseline and speculative decoding on the same prompts) and
+sweeps over any config fields, resumable, with a table and plots.
+
+    specjax run configs/....yaml            one RunConfig; prints its table
+    specjax sweep configs/sweeps/....yaml   a SweepConfig: base RunConfig x grid; writes under output_dir
+
+A sweep appends one JSON line per finished point to results.jsonl and skips points already there, so
+a killed sweep re-run computes only what is missing. Timing fields differ between runs; everything
+else about a point (acceptance statistics, outputs' agreement) is a function of its config.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from specjax.config import ConfigError, DataConfig, SamplingConfig, SpecConfig, load_yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """target / drafter: folders (a draft model, EAGLE head or Medusa heads; none for ngram).
+    Prompts come from prompts_file (a JSON list of strings) or, without one, from num_prompts windows
+    of prompt_len tokens of the held-out split of `corpus`."""
+
+    target: str
+    drafter: str | None = None
+    spec: SpecConfig = SpecConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    prompts_file: str | None = None
+    corpus: DataConfig = DataConfig()
+    num_prompts: int = 16
+    prompt_len: int = 64
+    max_new_tokens: int = 64
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """grid: dotted RunConfig field paths (e.g. spec.num_speculative_tokens) to lists of values."""
+
+    base: RunConfig
+    grid: dict[str, list[Any]]
+    output_dir: str = "runs/sweep"
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+def load_drafter(method: str, folder: str | None, target):
+    """The drafter weights a method needs, from their folder."""
+    if method == "ngram":
+        return None
+    if folder is None:
+        raise ConfigError(f"RunConfig.drafter is missing: method {method!r} needs a drafter folder")
+    if method == "draft_model":
+        from specjax.models import hf
+
+        return hf.load(folder)
+    if method in ("eagle", "eagle3"):
+        from specjax.models.eagle import load_eagle
+
+        return load_eagle(folder, target.config, version=1 if method == "eagle" else 3)
+    if method == "medusa":
+        from specjax.models.medusa import load_medusa
+
+        return load_medusa(folder)
+    raise ConfigError(f"no drafter loader for method {method!r}")
+
+
+def load_prompts(config: RunConfig, tokenizer) -> list[list[int]]:
+    if config.prompts_file:
+        texts = json.loads(Path(config.prompts_file).read_text())
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ConfigError(f"{config.prompts_file}: allowed a JSON list of prompt strings")
+        return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    from specjax.data.corpus import read_texts
+    from specjax.data.dataset import split_files
+    from specjax.training.evaluation import held_out_prompts
+
+    _, _, held_out = split_files(config.corpus)
+    ids: list[int] = []
+    for text in read_texts(held_out):
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) > config.num_prompts * config.prompt_len * 4:
+            break
+    return held_out_prompts(np.asarray(ids), config.num_prompts, config.prompt_len, config.seed)
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+class Runner:
+    """Runs configs that share a target and prompts, caching loaded models and baselines."""
+
+    def __init__(self):
+        self._models: dict = {}
+        self._baselines: dict = {}
+
+    def _target(self, folder: str):
+        if folder not in self._models:
+            from transformers import AutoTokenizer
+
+            from specjax.models import hf
+
+            self._models[folder] = (hf.load(folder), AutoTokenizer.from_pretrained(folder))
+        return self._models[folder]
+
+    def _timed(self, **kwargs):
+        from specjax.decoding import generate
+
+        generate(**kwargs)  # compile
+        start = time.perf_counter()
+        result = generate(**kwargs)
+        return result, time.perf_counter() - start
+
+    def run(self, config: RunConfig) -> dict:
+        target, tokenizer = self._target(config.target)
+        prompts = load_prompts(config, tokenizer)
+        common = dict(model=target, prompts=prompts, max_new_tokens=config.max_new_tokens,
+                      sampling=config.sampling, seeds=list(range(len(prompts))))
+        baseline_key = (config.target, json.dumps(prompts), config.max_new_tokens, config.sampling)
+        if baseline_key not in self._baselines:
+            self._baselines[baseline_key] = self._timed(**common)
+        baseline, ar_seconds = self._baselines[baseline_key]
+        drafter_key = (config.spec.method, config.drafter)
+        if drafter_key not in self._models:
+            self._models[drafter_key] = load_drafter(config.spec.method, config.drafter, target)
+        result, spec_seconds = self._timed(**common, spec=config.spec, drafter=self._models[drafter_key])
+        summary = result.metrics.summary()
+        greedy = config.sampling.is_greedy
+        return {
+            "method": config.spec.method, "K": config.spec.num_speculative_tokens,
+            "rejection_sample_method": config.spec.rejection_sample_method,
+            "draft_sample_method": config.spec.draft_sample_method,
+            "temperature": config.sampling.temperature,
+            "mean_acceptance_length": summary["mean_acceptance_length"],
+            "acceptance_rate": summary["acceptance_rate"],
+            "per_position_acceptance": summary["per_position_acceptance"],
+            "ar_tokens_per_s": float(baseline.num_generated.sum()) / ar_seconds,
+            "spec_tokens_per_s": float(result.num_generated.sum()) / spec_seconds,
+            "speedup": ar_seconds / spec_seconds * float(result.num_generated.sum()) / float(
+                baseline.num_generated.sum()),
+            "greedy_match": (result.sequences() == baseline.sequences()) if greedy else None,
+            "prompts": len(prompts), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        }
+
+
+TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "jax")
+TABLE = [("method", "method"), ("K", "K"), ("rejection_sample_method", "verifier"), ("temperature", "T"),
+         ("draft_sample_method", "drafting"), ("mean_acceptance_length", "mean acc. length"),
+         ("acceptance_rate", "acc. rate"), ("spec_tokens_per_s", "tokens/s"), ("speedup", "speedup"),
+         ("greedy_match", "greedy = AR")]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(h for _, h in TABLE) + " |", "|" + "---|" * len(TABLE)]
+    for row in rows:
+        cells = []
+        for key, _ in TABLE:
+            value = row.get(key)
+            cells.append(f"{value:.3g}" if isinstance(value, float) else ("" if value is None else str(value)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# -------------------------------------------------------------------------------------------- sweep
+
+def replace_path(config, path: str, value, full_path: str | None = None):
+    """config with the dotted field path set to value (validated as the file's values are)."""
+    head, _, rest = path.partition(".")
+    names = {f.name for f in dataclasses.fields(config)}
+    if head not in names:
+        raise ConfigError(f"grid key {full_path or path!r}: {type(config).__name__} has no field {head!r}: "
+                          f"allowed {sorted(names)}")
+    if rest:
+        inner = replace_path(getattr(config, head), rest, value, full_path or path)
+        return dataclasses.replace(config, **{head: inner})
+    return dataclasses.replace(config, **{head: value})
+
+
+def grid_points(sweep: SweepConfig) -> list[tuple[dict, RunConfig]]:
+    keys = sorted(sweep.grid)
+    points = []
+    for values in itertools.product(*(sweep.grid[k] for k in keys)):
+        assignment = dict(zip(keys, values))
+        config = sweep.base
+        for key, value in assignment.items():
+            config = replace_path(config, key, value)
+        points.append((assignment, config))
+    return points
+
+
+def point_id(assignment: dict) -> str:
+    return json.dumps(assignment, sort_keys=True)
+
+
+def run_sweep(sweep: SweepConfig, runner: Runner | None = None) -> list[dict]:
+    """Runs the grid points not yet in output_dir/results.jsonl; writes results.csv, results.md and plots."""
+    out = Path(sweep.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = {}
+    if results_path.exists():
+        for line in results_path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["point"]] = record
+    points = grid_points(sweep)
+    runner = runner or Runner()
+    missing = [(a, c) for a, c in points if point_id(a) not in done]
+    with results_path.open("a") as log:
+        for assignment, config in tqdm(missing, desc=f"sweep ({len(points) - len(missing)} done)"):
+            record = {"point": point_id(assignment), **runner.run(config)}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            done[record["point"]] = record
+    rows = [done[point_id(a)] for a, _ in points]
+    write_tables(rows, out)
+    plot(rows, out)
+    return rows
+
+
+def write_tables(rows: list[dict], out: Path) -> None:
+    fields = [k for k in rows[0] if k != "per_position_acceptance"] + ["per_position_acceptance"]
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "per_position_acceptance": " ".join(f"{p:.3f}" for p in row["per_position_acceptance"])})
+    (out / "results.md").write_text(markdown(rows))
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """Mean acceptance length and speedup against K per (method, verifier, T); per-position acceptance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    series: dict[tuple, list[dict]] = {}
+    for row in rows:
+        series.setdefault((row["method"], row["rejection_sample_method"], row["temperature"]), []).append(row)
+    for key, ylabel, name in (("mean_acceptance_length", "mean acceptance length", "acceptance_vs_k.png"),
+                              ("speedup", "speedup over autoregressive", "speedup_vs_k.png")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for (method, verifier, temperature), points in sorted(series.items()):
+            points = sorted(points, key=lambda r: r["K"])
+            ax.plot([p["K"] for p in points], [p[key] for p in points], marker="o",
+                    label=f"{method}, {verifier}, T={temperature:g}")
+        ax.set_xlabel("num_speculative_tokens (K)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (method, verifier, temperature), points in sorted(series.items()):
+        widest = max(points, key=lambda r: r["K"])
+        ax.plot(range(1, widest["K"] + 1), widest["per_position_acceptance"], marker="o",
+                label=f"{method}, {verifier}, T={temperature:g} (K={widest['K']})")
+    ax.set_xlabel("draft position")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("fraction of steps accepting it")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "per_position_acceptance.png", dpi=120)
+    plt.close(fig)
+
+
+def load_run(path, overrides=()) -> RunConfig:
+    return load_yaml(RunConfig, path, overrides)
+
+
+def load_sweep(path, overrides=()) -> SweepConfig:
+    """A sweep whose every grid point is a valid RunConfig (checked now, naming the file)."""
+    sweep = load_yaml(SweepConfig, path, overrides)
+    try:
+        grid_points(sweep)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from error
+    return sweep

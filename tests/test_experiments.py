@@ -1,0 +1,116 @@
+"""Experiments: `specjax run` and `specjax sweep` end to end on tiny models, a killed sweep resumed to
+the uninterrupted results, and config errors that name the key, the file and what is allowed."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specjax import cli
+from specjax.config import ConfigError, ModelConfig
+from specjax.data.tokenizer import train_bpe_tokenizer
+from specjax.experiments import TIMING_FIELDS, load_run, load_sweep
+from specjax.models import hf
+from specjax.models.transformer import init_model
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT = ["def add(a, b):\n    return a + b\n", "for item in items:\n    total += item\n"] * 40
+PROMPTS = ["def add(", "for item in", "total +=", "def sub(a, b):", "return a"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = train_bpe_tokenizer(TEXT, vocab_size=300)
+    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, intermediate_size=64, init_std=0.3)
+    for name, seed in (("target", 0), ("draft", 0)):  # a draft equal to the target: every draft accepted
+        hf.save(init_model(config, seed), root / name)
+        tokenizer.save_pretrained(root / name)
+    (root / "prompts.json").write_text(json.dumps(PROMPTS))
+    return root
+
+
+def run_config(models, path, **changes):
+    config = {"target": str(models / "target"), "drafter": str(models / "draft"),
+              "prompts_file": str(models / "prompts.json"), "max_new_tokens": 12,
+              "spec": {"method": "draft_model", "num_speculative_tokens": 3}}
+    config.update(changes)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_run_prints_the_table_and_greedy_matches(models, tmp_path, capsys):
+    assert cli.main(["run", str(run_config(models, tmp_path / "run.yaml"))]) == 0
+    out = capsys.readouterr().out
+    assert "| draft_model | 3 | standard | 0 | greedy |" in out and "| True |" in out
+    assert "per-position acceptance:" in out
+
+
+def sweep_config(models, path, output_dir):
+    base = yaml.safe_load(run_config(models, path.with_suffix(".base.yaml")).read_text())
+    path.write_text(yaml.safe_dump({"base": base, "output_dir": str(output_dir), "grid": {
+        "spec.num_speculative_tokens": [1, 2, 3], "spec.method": ["draft_model", "ngram"]}}))
+    return path
+
+
+def deterministic(record):
+    return {k: v for k, v in record.items() if k not in TIMING_FIELDS}
+
+
+def test_a_killed_sweep_reruns_only_the_missing_points(models, tmp_path):
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    reference = sweep_config(models, tmp_path / "reference.yaml", reference_dir)
+    killed = sweep_config(models, tmp_path / "killed.yaml", killed_dir)
+    assert cli.main(["sweep", str(reference)]) == 0
+    expected = [json.loads(line) for line in (reference_dir / "results.jsonl").read_text().splitlines()]
+    assert len(expected) == 6
+
+    process = subprocess.Popen([sys.executable, "-m", "specjax.cli", "sweep", str(killed)], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    results = killed_dir / "results.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if results.exists() and len(results.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    before = results.read_text().splitlines()
+    assert 2 <= len(before) < 6, "the sweep was not killed midway"
+    assert cli.main(["sweep", str(killed)]) == 0
+    after = results.read_text().splitlines()
+    assert after[:len(before)] == before  # finished points were not run again
+    assert len(after) == 6
+    assert sorted(map(json.dumps, map(deterministic, map(json.loads, after)))) == \
+        sorted(map(json.dumps, map(deterministic, expected)))
+    for name in ("results.csv", "results.md", "acceptance_vs_k.png", "speedup_vs_k.png",
+                 "per_position_acceptance.png"):
+        assert (killed_dir / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_prompt=3), r"run.yaml: unknown key 'num_prompt' in RunConfig: allowed \["),
+    (dict(max_new_tokens="many"), r"run.yaml: RunConfig.max_new_tokens = 'many' is invalid: allowed an integer"),
+    (dict(spec={"method": "lookahead"}), r"run.yaml: SpecConfig.method = 'lookahead' is invalid: allowed one of "
+                                         r"\['draft_model', 'eagle', 'eagle3', 'medusa', 'ngram'\]"),
+    (dict(spec={"num_speculative_tokens": 0}), r"run.yaml: SpecConfig.num_speculative_tokens = 0 is invalid"),
+])
+def test_bad_run_configs_name_the_key_file_and_allowed_values(models, tmp_path, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run(run_config(models, tmp_path / "run.yaml", **changes))
+
+
+def test_a_bad_grid_key_is_named(models, tmp_path):
+    path = sweep_config(models, tmp_path / "sweep.yaml", tmp_path / "out")
+    config = yaml.safe_load(path.read_text())
+    config["grid"] = {"spec.num_draft_tokens": [1, 2]}
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError, match=r"sweep.yaml: grid key 'spec.num_draft_tokens': SpecConfig has no field "
+                                          r"'num_draft_tokens': allowed \["):
+        load_sweep(path)
