@@ -23,11 +23,12 @@ fi
 train() { "$python" -m specjax.cli "$@"; }
 
 train train-lm --config configs/train/default_target.yaml --set output_dir="$runs/target" "${quick[@]}" "${lm_quick[@]}"
+# Later stages reuse the target's tokenizer and token files (data.cache_dir) instead of re-tokenizing.
 train train-lm --config configs/train/default_draft.yaml --set output_dir="$runs/draft" \
-  --set data.tokenizer="$runs/target/model" "${quick[@]}"
+  --set data.tokenizer="$runs/target/model" --set data.cache_dir="$runs/target" "${quick[@]}"
 for head in medusa eagle1 eagle3; do
   command=train-eagle; [ "$head" = medusa ] && command=train-medusa
   train "$command" --config "configs/train/default_$head.yaml" --set target="$runs/target/model" \
-    --set output_dir="$runs/$head" "${quick[@]}" "${head_quick[@]}"
+    --set output_dir="$runs/$head" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
 done
 "$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"

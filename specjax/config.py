@@ -365,6 +365,9 @@ class DataConfig:
     vocab_size: int = 4096
     seq_len: int = 256
     batch_size: int = 32
+    # Where the prepared corpus (tokenizer/ and token files) lives, e.g. the target run's folder to
+    # reuse its tokenization; prepared there when absent. None: the run's output_dir.
+    cache_dir: str | None = None
 
     def __post_init__(self):
         _require(0.0 < self.held_out_fraction < 1.0, "DataConfig", "held_out_fraction", self.held_out_fraction,

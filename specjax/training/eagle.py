@@ -172,7 +172,7 @@ def train_eagle(config: HeadTrainConfig) -> dict:
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     data = dataclasses.replace(config.data, tokenizer=str(config.target))
-    tokenizer, train_tokens, held_out_tokens = prepare(data, output_dir)
+    tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
     target = hf.load(config.target)
     if len(tokenizer) > target.config.vocab_size:
         raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "

@@ -83,7 +83,7 @@ def train_lm(config: TrainConfig) -> dict:
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     data = config.data
-    tokenizer, train_tokens, held_out_tokens = prepare(data, output_dir)
+    tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
     model_config = dataclasses.replace(config.model, vocab_size=len(tokenizer))
     model = Transformer(model_config, rngs=nnx.Rngs(params=config.seed))
 

@@ -51,7 +51,7 @@ def train_medusa(config: HeadTrainConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     target = hf.load(config.target)
     data = dataclasses.replace(config.data, tokenizer=config.target)
-    _, train_tokens, held_out_tokens = prepare(data, output_dir)
+    _, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
     heads = init_medusa(MedusaConfig(num_heads=config.num_heads, hidden_size=target.config.hidden_size,
                                      vocab_size=target.config.vocab_size, num_layers=config.num_layers,
                                      shared_lm_head=config.shared_lm_head,
