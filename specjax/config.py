@@ -396,31 +396,38 @@ class OptimizerConfig:
         _require(self.lr > 0, "OptimizerConfig", "lr", self.lr, "a float > 0")
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """One training run; everything it writes goes under output_dir."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingRun:
+    """What every training run has: data, optimizer, where it writes, how often it saves and logs."""
 
-    model: ModelConfig
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
-    output_dir: str = "runs/lm"
+    output_dir: str = "runs/train"
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 10
-    eval_batches: int = 16
 
     def __post_init__(self):
-        _require(self.checkpoint_every >= 1, "TrainConfig", "checkpoint_every", self.checkpoint_every,
-                 "an integer >= 1")
-        _require(self.log_every >= 1, "TrainConfig", "log_every", self.log_every, "an integer >= 1")
+        owner = type(self).__name__
+        _require(self.checkpoint_every >= 1, owner, "checkpoint_every", self.checkpoint_every, "an integer >= 1")
+        _require(self.log_every >= 1, owner, "log_every", self.log_every, "an integer >= 1")
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadTrainConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig(TrainingRun):
+    """One LM training run; everything it writes goes under output_dir."""
+
+    model: ModelConfig
+    eval_batches: int = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadTrainConfig(TrainingRun):
     """Training draft heads (EAGLE or Medusa) on a frozen target.
 
     target: the target's Hugging Face folder (its tokenizer tokenizes the corpus). kind: 'eagle1',
-    'eagle3' or 'medusa'. num_heads / num_layers: Medusa heads and residual blocks per head.
+    'eagle3' or 'medusa'. num_heads / num_layers: Medusa heads and residual blocks per head;
+    shared_lm_head: Medusa heads project with the target's LM head instead of a copy each.
     fuse_layers / draft_vocab_size: EAGLE-3 (None: layers 2, L//2, L-3 and the target's vocabulary).
     unroll_steps / step_decay: EAGLE-3's training-time test (draft steps fed their own output, loss
     weights step_decay^i) and Medusa's per-head weights (step_decay^k). feature_noise: EAGLE-1's
@@ -429,12 +436,6 @@ class HeadTrainConfig:
 
     target: str
     kind: Literal["eagle1", "eagle3", "medusa"]
-    data: DataConfig = DataConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    output_dir: str = "runs/head"
-    seed: int = 0
-    checkpoint_every: int = 200
-    log_every: int = 10
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = False
@@ -449,6 +450,7 @@ class HeadTrainConfig:
     eval_num_speculative_tokens: int = 4
 
     def __post_init__(self):
+        super().__post_init__()
         _require(self.kind in ("eagle1", "eagle3", "medusa"), "HeadTrainConfig", "kind", self.kind,
                  "'eagle1', 'eagle3' or 'medusa'")
         _require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")

@@ -52,3 +52,23 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float
         counts = np.append(counts[~rare], counts[rare].sum())
         expected = np.append(expected[~rare], expected[rare].sum())
     return float(stats.chisquare(counts, expected).pvalue)
+
+
+CODE_TEXT = ["def add(a, b):\n    return a + b\n", "for item in items:\n    total += item\n",
+             "for i in range(10):\n    print(i)\n"] * 30
+
+
+def write_tiny_checkpoint(folder: Path, seed: int = 0):
+    """A random 2-layer Llama-style checkpoint folder with a BPE tokenizer trained on CODE_TEXT, as
+    transformers and `specjax generate` read it; returns the tokenizer."""
+    from specjax.config import ModelConfig
+    from specjax.data.tokenizer import train_bpe_tokenizer
+    from specjax.models import hf
+    from specjax.models.transformer import init_model
+
+    tokenizer = train_bpe_tokenizer(CODE_TEXT, vocab_size=300)
+    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, intermediate_size=64, init_std=0.3)
+    hf.save(init_model(config, seed=seed), folder, extra_config={"eos_token_id": tokenizer.eos_token_id})
+    tokenizer.save_pretrained(folder)
+    return tokenizer

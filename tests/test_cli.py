@@ -5,27 +5,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import write_tiny_checkpoint
 
 from specjax import cli
-from specjax.config import ModelConfig
-from specjax.data.tokenizer import train_bpe_tokenizer
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.transformer import init_model
 
 REPO = Path(__file__).resolve().parent.parent
-TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("model")
-    tokenizer = train_bpe_tokenizer(TEXT, vocab_size=300)
-    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                         head_dim=16, intermediate_size=64, init_std=0.3)
-    hf.save(init_model(config, seed=3), folder, extra_config={"eos_token_id": tokenizer.eos_token_id})
-    tokenizer.save_pretrained(folder)
-    return folder, tokenizer
+    return folder, write_tiny_checkpoint(folder, seed=3)
 
 
 def test_generate_prints_the_prompt_and_the_models_continuation(checkpoint, capsys):

@@ -10,28 +10,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import write_tiny_checkpoint
 
 from specjax import cli
-from specjax.config import ConfigError, ModelConfig
-from specjax.data.tokenizer import train_bpe_tokenizer
+from specjax.config import ConfigError
 from specjax.experiments import TIMING_FIELDS, load_run, load_sweep
-from specjax.models import hf
-from specjax.models.transformer import init_model
 
 REPO = Path(__file__).resolve().parent.parent
-TEXT = ["def add(a, b):\n    return a + b\n", "for item in items:\n    total += item\n"] * 40
 PROMPTS = ["def add(", "for item in", "total +=", "def sub(a, b):", "return a"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    tokenizer = train_bpe_tokenizer(TEXT, vocab_size=300)
-    config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim=8, intermediate_size=64, init_std=0.3)
-    for name, seed in (("target", 0), ("draft", 0)):  # a draft equal to the target: every draft accepted
-        hf.save(init_model(config, seed), root / name)
-        tokenizer.save_pretrained(root / name)
+    for name in ("target", "draft"):  # the same seed: a draft equal to the target, every draft accepted
+        write_tiny_checkpoint(root / name, seed=0)
     (root / "prompts.json").write_text(json.dumps(PROMPTS))
     return root
 
