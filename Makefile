@@ -4,7 +4,6 @@
 PYTHON_FOUND := $(shell scripts/find_python.sh)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEMO_MODEL := build/demo_model
 
 .PHONY: demo test install install-test clean
 
@@ -26,8 +25,9 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: $(VENV)/.installed
-	$(PY) scripts/make_demo_model.py --out $(DEMO_MODEL)
-	$(VENV)/bin/specjax generate --model $(DEMO_MODEL) --prompt "def fibonacci(n):" --max-new-tokens 48
+	rm -rf build/demo
+	$(VENV)/bin/specjax sweep configs/demo.yaml --set output_dir=build/demo
+	$(VENV)/bin/specjax generate --draft default:draft --prompt "def fibonacci(n):" --max-new-tokens 48
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -q tests

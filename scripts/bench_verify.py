@@ -21,7 +21,6 @@ import itertools
 import traceback
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import benchmarking

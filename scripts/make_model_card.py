@@ -1,11 +1,13 @@
 """Installs trained default models and writes their model card.
 
     PYTHONPATH=. python scripts/make_model_card.py --runs runs/default --out specjax/default_models
+    PYTHONPATH=. python scripts/make_model_card.py --out specjax/default_models   # measure again only
 
-Reads the runs of scripts/train_default_models.sh (target/, draft/, medusa/, eagle1/, eagle3/),
-stores every model in bfloat16 under --out (refusing more than --max-mb in all), measures the greedy
-mean acceptance length at K = 4 of each drafter on held-out prompts of the target's corpus split,
-and writes MODEL_CARD.md and model_card.json there.
+With --runs, copies the runs of scripts/train_default_models.sh (target/, draft/, medusa/, eagle1/,
+eagle3/) to --out, every model in bfloat16 (refusing more than --max-mb in all), the draft sharing the
+target's tokenizer. Then measures the installed models: the greedy mean acceptance length at K = 4 of
+each drafter on held-out prompts (the corpus split the target was trained with, tokenized again with
+its tokenizer), and writes MODEL_CARD.md and model_card.json there.
 """
 
 from __future__ import annotations
@@ -13,61 +15,72 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
-import numpy as np
 from transformers import AutoTokenizer
 
 from specjax import benchmarking
-from specjax.config import SpecConfig
+from specjax.config import DataConfig, SpecConfig
+from specjax.data.dataset import prepare
 from specjax.models import hf
 from specjax.models.eagle import load_eagle, save_eagle
 from specjax.models.medusa import load_medusa, save_medusa
+from specjax.models.transformer import num_parameters
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
+
+HEADS = {"medusa": "medusa/heads", "eagle1": "eagle1/head", "eagle3": "eagle3/head"}  # installed name: run folder
 
 
 def folder_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
+def install(runs: Path, out: Path, max_mb: float) -> None:
+    target = hf.load(runs / "target/model", param_dtype="bfloat16")
+    tokenizer = AutoTokenizer.from_pretrained(runs / "target/model")
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
+    hf.save(target, out / "target", extra_config=special)
+    tokenizer.save_pretrained(out / "target")
+    hf.save(hf.load(runs / "draft/model", param_dtype="bfloat16"), out / "draft", extra_config=special)
+    for name in ("target", "draft"):
+        shutil.copy(runs / name / "model/eval.json", out / name / "eval.json")
+    save_medusa(load_medusa(runs / HEADS["medusa"], param_dtype="bfloat16"), out / "medusa")
+    for kind in ("eagle1", "eagle3"):
+        save_eagle(load_eagle(runs / HEADS[kind], target.config), out / kind)
+    for name, folder in HEADS.items():
+        shutil.copy(runs / folder / "eval.json", out / name / "eval.json")
+    total_mb = folder_mb(out)
+    if total_mb > max_mb:
+        raise SystemExit(f"the default models take {total_mb:.1f} MB: allowed at most {max_mb} MB")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=Path, default=Path("runs/default"))
+    parser.add_argument("--runs", type=Path, help="install from these training runs first")
     parser.add_argument("--out", type=Path, default=Path("specjax/default_models"))
     parser.add_argument("--max-mb", type=float, default=40.0)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
-    runs, out = args.runs, args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = args.out
+    if args.runs:
+        out.mkdir(parents=True, exist_ok=True)
+        install(args.runs, out, args.max_mb)
 
-    # Every model in bfloat16: the package carries them, and history keeps every blob.
-    target = hf.load(runs / "target/model", param_dtype="bfloat16")
-    draft = hf.load(runs / "draft/model", param_dtype="bfloat16")
-    tokenizer = AutoTokenizer.from_pretrained(runs / "target/model")
-    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-               "pad_token_id": tokenizer.pad_token_id}
-    for name, model in (("target", target), ("draft", draft)):
-        hf.save(model, out / name, extra_config=special)
-        tokenizer.save_pretrained(out / name)
-        shutil.copy(runs / name / "model/eval.json", out / name / "eval.json")
-    medusa = load_medusa(runs / "medusa/heads", param_dtype="bfloat16")
-    save_medusa(medusa, out / "medusa")
-    heads = {}
-    for kind in ("eagle1", "eagle3"):
-        heads[kind] = load_eagle(runs / kind / "head", target.config)
-        save_eagle(heads[kind], out / kind)
-    total_mb = folder_mb(out)
-    if total_mb > args.max_mb:
-        raise SystemExit(f"the default models take {total_mb:.1f} MB: allowed at most {args.max_mb} MB")
-
-    held_out = np.memmap(runs / "target/tokens_held_out.bin", np.uint32, "r")  # the target run's split
-    prompts = held_out_prompts(held_out, args.prompts, args.prompt_len)
+    target = hf.load(out / "target")
+    draft = hf.load(out / "draft")
+    medusa = load_medusa(out / "medusa")
+    eagle1, eagle3 = (load_eagle(out / kind, target.config) for kind in ("eagle1", "eagle3"))
+    with tempfile.TemporaryDirectory() as corpus_dir:
+        tokenizer, _, held_out = prepare(DataConfig(tokenizer=str(out / "target")), Path(corpus_dir))
+        prompts = held_out_prompts(held_out, args.prompts, args.prompt_len)
     drafters = {
         "draft_model": (SpecConfig(method="draft_model", num_speculative_tokens=4), draft),
-        "eagle": (SpecConfig(method="eagle", num_speculative_tokens=4), heads["eagle1"]),
-        "eagle3": (SpecConfig(method="eagle3", num_speculative_tokens=4), heads["eagle3"]),
+        "eagle": (SpecConfig(method="eagle", num_speculative_tokens=4), eagle1),
+        "eagle3": (SpecConfig(method="eagle3", num_speculative_tokens=4), eagle3),
         "medusa": (SpecConfig(method="medusa", num_speculative_tokens=4), medusa),
         "ngram": (SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=5),
                   None),
@@ -78,12 +91,11 @@ def main():
         "environment": benchmarking.environment(),
         "target": json.loads((out / "target/eval.json").read_text()),
         "draft": json.loads((out / "draft/eval.json").read_text()),
-        "heads": {kind: json.loads((runs / folder / "eval.json").read_text())
-                  for kind, folder in (("medusa", "medusa/heads"), ("eagle1", "eagle1/head"),
-                                       ("eagle3", "eagle3/head"))},
+        "heads": {name: {**json.loads((out / name / "eval.json").read_text()), "parameters": num_parameters(head)}
+                  for name, head in (("medusa", medusa), ("eagle1", eagle1), ("eagle3", eagle3))},
         "acceptance_T0_K4": {name: summary["mean_acceptance_length"] for name, summary in acceptance.items()},
         "held_out_prompts": {"count": len(prompts), "tokens": args.prompt_len, "new_tokens": args.new_tokens},
-        "size_MB": round(total_mb, 2),
+        "size_MB": round(folder_mb(out), 2),
         "vocab_size": len(tokenizer),
     }
     (out / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -91,24 +103,41 @@ def main():
     print(render(card))
 
 
+GOALS_T0_K4 = {"draft_model": 2.2, "eagle": 2.6, "eagle3": 3.0, "medusa": 2.0}  # the project's targets
+
+
 def render(card: dict) -> str:
     t, d, env = card["target"], card["draft"], card["environment"]
+    tokens = t["train_tokens"]
     lines = [
         "# specjax default models", "",
-        "Trained by `scripts/train_default_models.sh` on the Python standard library sources (tests excluded; "
-        "a file's split is a hash of its path), with a byte-level BPE tokenizer trained on the training split "
-        f"({card['vocab_size']} tokens). Stored in bfloat16, {card['size_MB']} MB in all. Measured on "
-        f"{env['device']} with JAX {env['jax']}, {env['date']}.", "",
+        "Trained by `scripts/train_default_models.sh` (configs `configs/train/default_*.yaml`) on the Python "
+        "standard library sources (tests excluded; a file's split is a hash of its path), with a byte-level BPE "
+        f"tokenizer trained on the training split ({card['vocab_size']} tokens; {tokens / 1e6:.2f}M training and "
+        f"{t['held_out_tokens'] / 1e6:.2f}M held-out tokens). Stored in bfloat16, {card['size_MB']} MB in all. "
+        f"Measured on {env['device']} with JAX {env['jax']}, {env['date']}.", "",
+        "Load them by name: `default:target`, `default:draft`, `default:eagle1`, `default:eagle3`, "
+        "`default:medusa` in configs and on the command line, or `specjax.default_models.path(name)`.", "",
         "| model | parameters | steps | held-out loss | held-out perplexity |", "|---|---|---|---|---|",
         f"| target | {t['parameters'] / 1e6:.1f}M | {t['steps']} | {t['held_out_loss']:.3f} | "
         f"{t['held_out_perplexity']:.1f} |",
         f"| draft | {d['parameters'] / 1e6:.1f}M | {d['steps']} | {d['held_out_loss']:.3f} | "
         f"{d['held_out_perplexity']:.1f} |", "",
+        "Heads for the target (frozen during their training):", "",
+        "| head | parameters | steps | notes |", "|---|---|---|---|",
+        *[f"| {name} | {head.get('parameters', 0) / 1e6:.1f}M | {head['steps']} | {note} |"
+          for name, head, note in (
+              ("eagle1", card["heads"]["eagle1"], "one decoder layer on [embedding, feature]"),
+              ("eagle3", card["heads"]["eagle3"],
+               f"fuses the inputs of layers {card['heads']['eagle3'].get('fuse_layers')}, draft vocabulary "
+               f"{card['heads']['eagle3'].get('draft_vocab_size')}, training-time test"),
+              ("medusa", card["heads"]["medusa"], "4 residual heads sharing the target's LM head"))], "",
         f"Mean acceptance length, greedy, K = 4, {card['held_out_prompts']['count']} held-out prompts of "
         f"{card['held_out_prompts']['tokens']} tokens, {card['held_out_prompts']['new_tokens']} new tokens "
         "(n-gram with prompt_lookup_min 2, max 5):", "",
-        "| drafter | mean acceptance length |", "|---|---|",
-        *[f"| {name} | {value:.2f} |" for name, value in card["acceptance_T0_K4"].items()], "",
+        "| drafter | mean acceptance length | project goal |", "|---|---|---|",
+        *[f"| {name} | {value:.2f} | {GOALS_T0_K4.get(name, '')} |"
+          for name, value in card["acceptance_T0_K4"].items()], "",
     ]
     return "\n".join(lines)
 

@@ -20,15 +20,22 @@ if [ "${QUICK:-0}" = 1 ]; then
   head_quick=(--set eval_prompts=4 --set eval_prompt_len=32 --set eval_new_tokens=16)
   install_dir=$runs/default_models
 fi
-train() { "$python" -m specjax.cli "$@"; }
+# Re-running the script skips finished stages and resumes an interrupted one from its last checkpoint.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$runs/jax_cache}
+train() {  # train STAGE_DIR SPECJAX_ARGS...: skipped when the stage's eval.json (written last) exists
+  local stage=$1; shift
+  if compgen -G "$runs/$stage/*/eval.json" >/dev/null; then echo "$stage: done, skipped"; return; fi
+  "$python" -m specjax.cli "$@"
+}
 
-train train-lm --config configs/train/default_target.yaml --set output_dir="$runs/target" "${quick[@]}" "${lm_quick[@]}"
+train target train-lm --config configs/train/default_target.yaml --set output_dir="$runs/target" \
+  "${quick[@]}" "${lm_quick[@]}"
 # Later stages reuse the target's tokenizer and token files (data.cache_dir) instead of re-tokenizing.
-train train-lm --config configs/train/default_draft.yaml --set output_dir="$runs/draft" \
+train draft train-lm --config configs/train/default_draft.yaml --set output_dir="$runs/draft" \
   --set data.tokenizer="$runs/target/model" --set data.cache_dir="$runs/target" "${quick[@]}"
 for head in medusa eagle1 eagle3; do
   command=train-eagle; [ "$head" = medusa ] && command=train-medusa
-  train "$command" --config "configs/train/default_$head.yaml" --set target="$runs/target/model" \
+  train "$head" "$command" --config "configs/train/default_$head.yaml" --set target="$runs/target/model" \
     --set output_dir="$runs/$head" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
 done
 "$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"

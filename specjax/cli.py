@@ -16,6 +16,7 @@ def _generate(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences "PyTorch was not found"
     from transformers import AutoTokenizer
 
+    from specjax import default_models
     from specjax.decoding import generate
     from specjax.models import hf
 
@@ -25,15 +26,16 @@ def _generate(args: argparse.Namespace) -> int:
         spec = SpecConfig(method="draft_model", num_speculative_tokens=args.num_speculative_tokens,
                           rejection_sample_method=args.rejection_sample_method,
                           draft_sample_method=args.draft_sample_method)
-        drafter = hf.load(args.draft, param_dtype=args.param_dtype, dtype=args.dtype)
-    model = hf.load(args.model, param_dtype=args.param_dtype, dtype=args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+        drafter = hf.load(default_models.resolve(args.draft), param_dtype=args.param_dtype, dtype=args.dtype)
+    model_dir = default_models.resolve(args.model)
+    model = hf.load(model_dir, param_dtype=args.param_dtype, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(args.model))
     prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
     if tokenizer.bos_token_id is not None:
         prompt = [tokenizer.bos_token_id, *prompt]
     start = time.perf_counter()
     result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                      eos_token_ids=hf.eos_token_ids(args.model), seeds=args.seed, spec=spec, drafter=drafter)
+                      eos_token_ids=hf.eos_token_ids(model_dir), seeds=args.seed, spec=spec, drafter=drafter)
     seconds = time.perf_counter() - start
     tokens = result.sequences()[0]
     print(args.prompt + tokenizer.decode(tokens, skip_special_tokens=True))
@@ -93,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text from a Hugging Face checkpoint folder")
-    gen.add_argument("--model", type=Path, required=True, help="folder with config.json, safetensors, tokenizer")
+    gen.add_argument("--model", default="default:target",
+                     help="folder with config.json, safetensors, tokenizer; default:NAME for a bundled model "
+                          "(default: default:target)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -103,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--param-dtype", default=None, help="weights dtype (default: the checkpoint's)")
     gen.add_argument("--dtype", default=None, help="compute dtype (default: the weights')")
     spec = gen.add_argument_group("speculative decoding (with --draft)")
-    spec.add_argument("--draft", type=Path, default=None, help="draft model folder (same vocabulary)")
+    spec.add_argument("--draft", default=None, help="draft model folder (same vocabulary), e.g. default:draft")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="K, tokens drafted per step")
     spec.add_argument("--rejection-sample-method", default="standard", help="standard | block | synthetic")
     spec.add_argument("--draft-sample-method", default="greedy", help="greedy | probabilistic")

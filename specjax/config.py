@@ -425,8 +425,8 @@ class TrainConfig(TrainingRun):
 class HeadTrainConfig(TrainingRun):
     """Training draft heads (EAGLE or Medusa) on a frozen target.
 
-    target: the target's Hugging Face folder (its tokenizer tokenizes the corpus). kind: 'eagle1',
-    'eagle3' or 'medusa'. num_heads / num_layers: Medusa heads and residual blocks per head;
+    target: the target's Hugging Face folder or default:target (its tokenizer tokenizes the corpus).
+    kind: 'eagle1', 'eagle3' or 'medusa'. num_heads / num_layers: Medusa heads and residual blocks per head;
     shared_lm_head: Medusa heads project with the target's LM head instead of a copy each.
     fuse_layers / draft_vocab_size: EAGLE-3 (None: layers 2, L//2, L-3 and the target's vocabulary).
     unroll_steps / step_decay: EAGLE-3's training-time test (draft steps fed their own output, loss

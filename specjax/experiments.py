@@ -23,12 +23,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from specjax import default_models
 from specjax.config import ConfigError, DataConfig, SamplingConfig, SpecConfig, load_yaml
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """target / drafter: folders (a draft model, EAGLE head or Medusa heads; none for ngram).
+    """target / drafter: folders (a draft model, EAGLE head or Medusa heads; none for ngram);
+    `default:NAME` names a bundled model, and with target `default:target` the drafter defaults to the
+    bundled one of spec.method.
     Prompts come from prompts_file (a JSON list of strings) or, without one, from num_prompts windows
     of prompt_len tokens of the held-out split of `corpus`."""
 
@@ -42,6 +45,10 @@ class RunConfig:
     prompt_len: int = 64
     max_new_tokens: int = 64
     seed: int = 0
+    # Compute dtype of target and drafter (None: the checkpoints'). float32 by default: in bfloat16 the
+    # verify pass over K + 1 positions and the one-token autoregressive pass round differently, and
+    # a near-tie in the logits can then flip a greedy token (seen on the default models: 1 row in 16).
+    dtype: str | None = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +62,18 @@ class SweepConfig:
 
 # ------------------------------------------------------------------------------------------ loading
 
-def load_drafter(method: str, folder: str | None, target):
-    """The drafter weights a method needs, from their folder."""
+def load_drafter(method: str, folder: str | None, target, dtype: str | None = None):
+    """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one);
+    dtype is the compute dtype (None: the checkpoint's; EAGLE heads compute in the target's)."""
     if method == "ngram":
         return None
     if folder is None:
         raise ConfigError(f"RunConfig.drafter is missing: method {method!r} needs a drafter folder")
+    folder = default_models.resolve(folder)
     if method == "draft_model":
         from specjax.models import hf
 
-        return hf.load(folder)
+        return hf.load(folder, dtype=dtype)
     if method in ("eagle", "eagle3"):
         from specjax.models.eagle import load_eagle
 
@@ -72,8 +81,32 @@ def load_drafter(method: str, folder: str | None, target):
     if method == "medusa":
         from specjax.models.medusa import load_medusa
 
-        return load_medusa(folder)
+        return load_medusa(folder, dtype=dtype)
     raise ConfigError(f"no drafter loader for method {method!r}")
+
+
+def drafter_folder(config: RunConfig) -> str | None:
+    """config.drafter; for the bundled target without one, the bundled drafter of the method."""
+    if config.drafter is None and config.target == default_models.TARGET:
+        return default_models.drafter_folder(config.spec.method)
+    return config.drafter
+
+
+def load_models(target: str, method: str | None = None, drafter: str | None = None, dtype: str | None = None):
+    """(target model, its tokenizer, drafter) from folders, for research scripts; `default:NAME` names a
+    bundled model, and with the bundled target the drafter defaults to the bundled one of the method.
+    dtype: the compute dtype of both (None: the checkpoints')."""
+    from transformers import AutoTokenizer
+
+    from specjax.models import hf
+
+    model = hf.load(default_models.resolve(target), dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(target))
+    if method is None:
+        return model, tokenizer, None
+    if drafter is None and target == default_models.TARGET:
+        drafter = default_models.drafter_folder(method)
+    return model, tokenizer, load_drafter(method, drafter, model, dtype)
 
 
 def load_prompts(config: RunConfig, tokenizer) -> list[list[int]]:
@@ -104,14 +137,10 @@ class Runner:
         self._models: dict = {}
         self._baselines: dict = {}
 
-    def _target(self, folder: str):
-        if folder not in self._models:
-            from transformers import AutoTokenizer
-
-            from specjax.models import hf
-
-            self._models[folder] = (hf.load(folder), AutoTokenizer.from_pretrained(folder))
-        return self._models[folder]
+    def _target(self, folder: str, dtype: str | None):
+        if (folder, dtype) not in self._models:
+            self._models[folder, dtype] = load_models(folder, dtype=dtype)[:2]
+        return self._models[folder, dtype]
 
     def _timed(self, **kwargs):
         from specjax.decoding import generate
@@ -122,17 +151,17 @@ class Runner:
         return result, time.perf_counter() - start
 
     def run(self, config: RunConfig) -> dict:
-        target, tokenizer = self._target(config.target)
+        target, tokenizer = self._target(config.target, config.dtype)
         prompts = load_prompts(config, tokenizer)
         common = dict(model=target, prompts=prompts, max_new_tokens=config.max_new_tokens,
                       sampling=config.sampling, seeds=list(range(len(prompts))))
-        baseline_key = (config.target, json.dumps(prompts), config.max_new_tokens, config.sampling)
+        baseline_key = (config.target, config.dtype, json.dumps(prompts), config.max_new_tokens, config.sampling)
         if baseline_key not in self._baselines:
             self._baselines[baseline_key] = self._timed(**common)
         baseline, ar_seconds = self._baselines[baseline_key]
-        drafter_key = (config.spec.method, config.drafter)
+        drafter_key = (config.spec.method, drafter_folder(config), config.dtype)
         if drafter_key not in self._models:
-            self._models[drafter_key] = load_drafter(config.spec.method, config.drafter, target)
+            self._models[drafter_key] = load_drafter(*drafter_key[:2], target, config.dtype)
         result, spec_seconds = self._timed(**common, spec=config.spec, drafter=self._models[drafter_key])
         summary = result.metrics.summary()
         greedy = config.sampling.is_greedy
@@ -148,7 +177,9 @@ class Runner:
             "spec_tokens_per_s": float(result.num_generated.sum()) / spec_seconds,
             "speedup": ar_seconds / spec_seconds * float(result.num_generated.sum()) / float(
                 baseline.num_generated.sum()),
-            "greedy_match": (result.sequences() == baseline.sequences()) if greedy else None,
+            # Rows whose speculative tokens equal the autoregressive ones (greedy runs only).
+            "greedy_identical_rows": sum(a == b for a, b in zip(result.sequences(), baseline.sequences(), strict=True))
+            if greedy else None,
             "prompts": len(prompts), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         }
 
@@ -157,7 +188,7 @@ TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "j
 TABLE = [("method", "method"), ("K", "K"), ("rejection_sample_method", "verifier"), ("temperature", "T"),
          ("draft_sample_method", "drafting"), ("mean_acceptance_length", "mean acc. length"),
          ("acceptance_rate", "acc. rate"), ("spec_tokens_per_s", "tokens/s"), ("speedup", "speedup"),
-         ("greedy_match", "greedy = AR")]
+         ("greedy_identical_rows", "rows = AR")]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -166,6 +197,8 @@ def markdown(rows: list[dict]) -> str:
         cells = []
         for key, _ in TABLE:
             value = row.get(key)
+            if key == "greedy_identical_rows" and value is not None:
+                value = f"{value}/{row['prompts']}"
             cells.append(f"{value:.3g}" if isinstance(value, float) else ("" if value is None else str(value)))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -43,15 +43,13 @@ def test_bad_arguments_exit_with_a_message(checkpoint, capsys):
     assert "nope" in capsys.readouterr().err
 
 
-def test_main_job_runs_end_to_end(tmp_path):
-    """What `make demo` runs, minus the install."""
-    model = tmp_path / "demo_model"
-    subprocess.run([sys.executable, str(REPO / "scripts/make_demo_model.py"), "--out", str(model),
-                    "--num-files", "20"], check=True, cwd=REPO)
-    run = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--model", str(model),
+def test_generate_defaults_to_the_bundled_models():
+    """The second half of `make demo`: the bundled target with the bundled draft, from a fresh process."""
+    run = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--draft", "default:draft",
                           "--prompt", "def fibonacci(n):", "--max-new-tokens", "16"],
                          check=True, cwd=REPO, capture_output=True, text=True)
     assert run.stdout.startswith("def fibonacci(n):")
+    assert "speculative: K=4" in run.stdout
     assert "16 tokens in" in run.stderr or "stopped at EOS" in run.stderr
 
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue, fixture_dir
+from conftest import chi_square_pvalue
 from safetensors.numpy import load_file
-from test_speculative import (PROMPT, TINY, exact_joint, ragged_requests, speculative_joint_counts,
+from test_speculative import (TINY, exact_joint, ragged_requests, speculative_joint_counts,
                               target_and_drafts, tiny_pair)
 
 from specjax.config import SamplingConfig, SpecConfig

@@ -41,7 +41,8 @@ def run_config(models, path, **changes):
 def test_run_prints_the_table_and_greedy_matches(models, tmp_path, capsys):
     assert cli.main(["run", str(run_config(models, tmp_path / "run.yaml"))]) == 0
     out = capsys.readouterr().out
-    assert "| draft_model | 3 | standard | 0 | greedy |" in out and "| True |" in out
+    prompts = len(json.loads((models / "prompts.json").read_text()))
+    assert "| draft_model | 3 | standard | 0 | greedy |" in out and f"| {prompts}/{prompts} |" in out
     assert "per-position acceptance:" in out
 
 

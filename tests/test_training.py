@@ -120,3 +120,21 @@ def test_a_truncated_checkpoint_is_refused(uninterrupted, tmp_path):
 def test_bad_training_configs_name_the_key_and_file(override, message):
     with pytest.raises(ConfigError, match=message):
         load_yaml(TrainConfig, CONFIG, [override])
+
+
+def test_tensorboard_events_carry_the_logged_losses(uninterrupted):
+    event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
+    losses = {}
+    for path in (uninterrupted / "tensorboard").glob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):  # TFRecord framing: length (8 bytes), its CRC (4), payload, its CRC (4)
+            length = int.from_bytes(data[offset:offset + 8], "little")
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 16 + length
+            for value in event.summary.value:
+                if value.tag == "train/loss":
+                    losses[event.step] = value.simple_value
+    logged = {r["step"]: r["loss"] for r in read_metrics(uninterrupted / "metrics.jsonl")}
+    assert losses.keys() == logged.keys()
+    np.testing.assert_allclose([losses[s] for s in sorted(losses)], [logged[s] for s in sorted(logged)], rtol=1e-6)

@@ -280,6 +280,10 @@ def unembed(final_hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_
     return einsum_f32("...d,dv->...v", x, lm_head.astype(dtype))
 
 
+def num_parameters(module: nnx.Module) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
     """A randomly initialised model (normal(0, init_std) weights, unit norms, zero biases)."""
     return Transformer(config, rngs=nnx.Rngs(params=seed))

@@ -60,14 +60,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from specjax.config import HeadTrainConfig, SpecConfig
 from specjax.data.dataset import batch_at, prepare
+from specjax import default_models
 from specjax.models import hf
 from specjax.models.eagle import EagleConfig, EagleHead, default_fuse_layers, init_eagle, save_eagle
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Transformer, unembed
+from specjax.models.transformer import Transformer, num_parameters, unembed
 from specjax.training import loop
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
 from specjax.training.lm import fit
@@ -171,9 +171,10 @@ def train_eagle(config: HeadTrainConfig) -> dict:
         raise ValueError(f"train_eagle trains kind 'eagle1' or 'eagle3', got {config.kind!r}")
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    data = dataclasses.replace(config.data, tokenizer=str(config.target))
+    target_dir = default_models.resolve(config.target)
+    data = dataclasses.replace(config.data, tokenizer=str(target_dir))
     tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
-    target = hf.load(config.target)
+    target = hf.load(target_dir)
     if len(tokenizer) > target.config.vocab_size:
         raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "
                          f"vocab_size {target.config.vocab_size}")
@@ -206,7 +207,7 @@ def train_eagle(config: HeadTrainConfig) -> dict:
                "final_loss": records[-1]["loss"] if records else float("nan"),
                "steps": config.optimizer.total_steps, "draft_vocab_size": trained.config.draft_vocab,
                "fuse_layers": list(trained.config.fuse_layers),
-               "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trained, nnx.Param))),
+               "parameters": num_parameters(trained),
                "num_speculative_tokens": config.eval_num_speculative_tokens, "eval_prompts": config.eval_prompts}
     (head_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from specjax.config import OptimizerConfig, TrainConfig
 from specjax.data.dataset import batch_at, eval_batches, prepare
 from specjax.models import hf
-from specjax.models.transformer import Transformer
+from specjax.models.transformer import Transformer, num_parameters
 from specjax.training import loop
 
 
@@ -103,7 +103,7 @@ def train_lm(config: TrainConfig) -> dict:
                                               "pad_token_id": tokenizer.pad_token_id})
     tokenizer.save_pretrained(model_dir)
     summary = {"held_out_loss": held_out, "held_out_perplexity": math.exp(held_out),
-               "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trained, nnx.Param))),
+               "parameters": num_parameters(trained),
                "train_tokens": int(len(train_tokens)), "held_out_tokens": int(len(held_out_tokens)),
                "steps": config.optimizer.total_steps}
     (model_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")

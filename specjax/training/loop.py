@@ -1,5 +1,6 @@
 """The training loop every trainer shares: checkpoints that resume where a killed run stopped and
-refuse to load corrupt data, JSONL metrics that match the restored step, a progress bar.
+refuse to load corrupt data, JSONL metrics that match the restored step (and TensorBoard event files
+where tensorboardX is installed), a progress bar.
 
 Resuming reproduces an uninterrupted run because nothing outside the checkpoint decides what happens
 next: batches are a function of (seed, step) and the state holds parameters, optimizer state and
@@ -77,6 +78,7 @@ def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, tot
     if start:
         state = checkpoints.restore(start, state)
     _truncate_metrics(metrics_path, start)
+    tensorboard = _tensorboard_writer(output_dir / "tensorboard", start)
     with metrics_path.open("a") as log, tqdm(total=total_steps, initial=start, desc=description) as bar:
         for step in range(start + 1, total_steps + 1):
             state, metrics = train_step(state, batch_fn(step))
@@ -85,11 +87,28 @@ def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, tot
                           "time": time.time()}
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+                if tensorboard is not None:
+                    for name, value in record.items():
+                        if name not in ("step", "time"):
+                            tensorboard.add_scalar(f"train/{name}", value, step)
+                    tensorboard.flush()
                 bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
             if step % checkpoint_every == 0 or step == total_steps:
                 checkpoints.save(step, state)
             bar.update(1)
+    if tensorboard is not None:
+        tensorboard.close()
     return state
+
+
+def _tensorboard_writer(directory: Path, start: int):
+    """A TensorBoard writer when tensorboardX is installed (`pip install specjax[tensorboard]`), else None.
+    purge_step makes TensorBoard hide the events a killed run wrote past the restored step."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(directory), purge_step=start + 1 if start else None)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -17,9 +17,10 @@ import optax
 
 from specjax.config import HeadTrainConfig, SpecConfig
 from specjax.data.dataset import batch_at, prepare
+from specjax import default_models
 from specjax.models import hf
 from specjax.models.medusa import LMHead, MedusaConfig, MedusaHeads, init_medusa, save_medusa
-from specjax.models.transformer import Transformer
+from specjax.models.transformer import Transformer, num_parameters
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
 from specjax.training.lm import fit
 
@@ -49,8 +50,9 @@ def train_medusa(config: HeadTrainConfig) -> dict:
         raise ValueError(f"train_medusa needs HeadTrainConfig.kind 'medusa', got {config.kind!r}")
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    target = hf.load(config.target)
-    data = dataclasses.replace(config.data, tokenizer=config.target)
+    target_dir = default_models.resolve(config.target)
+    target = hf.load(target_dir)
+    data = dataclasses.replace(config.data, tokenizer=str(target_dir))
     _, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
     heads = init_medusa(MedusaConfig(num_heads=config.num_heads, hidden_size=target.config.hidden_size,
                                      vocab_size=target.config.vocab_size, num_layers=config.num_layers,
@@ -75,6 +77,7 @@ def train_medusa(config: HeadTrainConfig) -> dict:
                                                                   config.num_heads))
     summary = {
         "steps": config.optimizer.total_steps,
+        "parameters": num_parameters(heads),
         "mean_acceptance_length": mean_acceptance_length(target, spec, heads, prompts,
                                                          config.eval_new_tokens)["mean_acceptance_length"],
         "untrained_mean_acceptance_length": mean_acceptance_length(

@@ -1,0 +1,210 @@
+"""Decoding speed against the memory floor: autoregressive and speculative, Llama-3.1-8B-shaped target.
+
+    PYTHONPATH=. python scripts/bench_decode.py [--batches 1,4,16,64] [--prompt-lens 128,1024]
+        [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5] [--methods eagle,draft_model]
+        [--shape 8b|tiny]
+
+Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target, a
+Llama-3.2-1B-shaped draft LM and an EAGLE-1 head for the 8B shape. For each batch size and prompt
+length it reports:
+- autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
+  remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
+  the untied embedding table, of which only B rows are read, plus each row's valid KV entries at the
+  mean context length) over the copy bandwidth measured in the same run;
+- speculative tokens/s with synthetic acceptance at set mean lengths tau (EAGLE-1 head and draft LM,
+  K drafts), beside the analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component
+  times measured in the same run (T_verify: one target forward over K + 1 positions; T_draft: one
+  drafter step), and the speedup over autoregressive.
+Writes benchmarks/results/bench_decode.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax import benchmarking
+from specjax.config import ModelConfig, SamplingConfig, SpecConfig
+from specjax.decoding import decode_loop, pad_request, speculative_loop
+from specjax.models.eagle import EagleConfig, init_eagle
+from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import init_model
+from specjax.proposers.base import build_proposer
+
+BF16 = dict(param_dtype="bfloat16", dtype="bfloat16")
+SHAPES = {  # name: (target, draft LM)
+    "8b": (ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, intermediate_size=14336, max_position_embeddings=131072, rope_theta=500000.0,
+                       **BF16),
+           ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                       head_dim=64, intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
+                       tie_word_embeddings=True, **BF16)),
+    "tiny": (ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, **BF16),
+             ModelConfig(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                         intermediate_size=64, tie_word_embeddings=True, **BF16)),
+}
+
+
+def on_device(make):
+    """A module built by make() with its parameters created on the device (no host copy of 16 GB)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(make))
+    state = jax.jit(lambda: nnx.split(make())[1])()
+    return nnx.merge(graphdef, state)
+
+
+def weight_bytes(module, config: ModelConfig, batch: int) -> int:
+    """Bytes of parameters one decode step reads: an untied embedding table contributes B rows."""
+    leaves = jax.tree.leaves(nnx.state(module, nnx.Param))
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    if not config.tie_word_embeddings:
+        total -= config.vocab_size * config.hidden_size * jnp.dtype(config.param_dtype).itemsize
+        total += batch * config.hidden_size * jnp.dtype(config.param_dtype).itemsize
+    return total
+
+
+def kv_bytes(config: ModelConfig, batch: int, context: float) -> float:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize * context * batch
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Median wall time of fn() (compiled before), waiting for the device."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahead: int, cache_size: int):
+    rng = np.random.default_rng(batch * 7919 + prompt_len)
+    prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
+    request = pad_request(model, prompts, new_tokens, 0, cache_size, lookahead)
+    return (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+
+
+def component_times(target, drafters: dict, batch: int, context: int, num_draft: int, cache_size: int) -> dict:
+    """Median device times (in a jitted loop) of one target forward over 1 and K + 1 positions and of
+    one step of each drafter, at `context` committed tokens per row."""
+    cfg = target.config
+    cache = KVCache.create(cfg, batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
+
+    def target_forward(width):
+        tokens = jnp.zeros((batch, width), jnp.int32)
+        positions = context + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        return lambda model, cache: model(tokens, positions, cache)[0]
+
+    times = {"t_ar_forward_s": benchmarking.time_in_loop(target_forward(1), target, cache, iterations=10)["median_s"],
+             "t_verify_s": benchmarking.time_in_loop(target_forward(num_draft + 1), target, cache,
+                                                    iterations=10)["median_s"]}
+    draft_lm = drafters["draft_model"]
+    draft_cache = KVCache.create(draft_lm.config, batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
+    times["t_draft_draft_model_s"] = benchmarking.time_in_loop(
+        lambda model, cache: model(jnp.zeros((batch, 1), jnp.int32), jnp.full((batch, 1), context, jnp.int32),
+                                   cache)[0], draft_lm, draft_cache, iterations=10)["median_s"]
+    # One EAGLE draft step as the proposer runs it: the head's layer, then logits through the target's head.
+    proposer = build_proposer(SpecConfig(method="eagle", num_speculative_tokens=num_draft), SamplingConfig(),
+                              cache_size, drafters["eagle"])
+    params = proposer.bind(drafters["eagle"], target)
+    head_cache = KVCache.create(params.head.config.layer, batch, cache_size).with_lengths(
+        jnp.full((batch,), context, jnp.int32))
+
+    def eagle_step(params, cache):
+        out, _ = params.head(jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_dtype),
+                             jnp.full((batch, 1), context, jnp.int32), cache, params.embed)
+        return proposer._logits(params, out[:, 0])
+
+    times["t_draft_eagle_s"] = benchmarking.time_in_loop(eagle_step, params, head_cache, iterations=10)["median_s"]
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--prompt-lens", default="128,1024")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--acceptance-lengths", default="4.0")
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, draft_model")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--name", default="bench_decode")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
+    taus = [float(t) for t in args.acceptance_lengths.split(",")]
+    methods = args.methods.split(",") if args.methods else []
+    num_draft, new_tokens = args.num_speculative_tokens, args.new_tokens
+
+    bandwidth = benchmarking.copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    target_config, draft_config = SHAPES[args.shape]
+    target = on_device(lambda: init_model(target_config, seed=0))
+    head_layer = dataclasses.replace(target_config, num_layers=1)
+    drafters = {"draft_model": on_device(lambda: init_model(draft_config, seed=1)),
+                "eagle": on_device(lambda: init_eagle(EagleConfig(layer=head_layer, version=1), seed=2))}
+    greedy = SamplingConfig()
+    rows = []
+    for prompt_len in prompt_lens:
+        # One cache size per prompt length: every batch size and method uses the same padded program.
+        cache_size = -(-(prompt_len + new_tokens + num_draft + 1) // 128) * 128
+        for batch in batches:
+            row = {"B": batch, "prompt": prompt_len, "new": new_tokens, "K": num_draft, "cache": cache_size}
+            run_args = generation_args(target, batch, prompt_len, new_tokens, num_draft + 1, cache_size)
+            one_args = generation_args(target, batch, prompt_len, 1, num_draft + 1, cache_size)
+            ar = lambda a: decode_loop(target, *a, sampling=greedy, eos_token_ids=(), cache_size=cache_size)
+            t_prefill = timed(lambda: ar(one_args))
+            t_full = timed(lambda: ar(run_args))
+            step = (t_full - t_prefill) / (new_tokens - 1)
+            context = prompt_len + new_tokens / 2
+            floor_bytes = weight_bytes(target, target_config, batch) + kv_bytes(target_config, batch, context)
+            row.update(ar_step_ms=step * 1e3, ar_tok_s=batch / step, floor_tok_s=batch * bandwidth / floor_bytes,
+                       ar_fraction_of_floor=floor_bytes / bandwidth / step, prefill_ms=t_prefill * 1e3)
+            row.update(component_times(target, drafters, batch, int(context), num_draft, cache_size))
+            for method in methods:
+                t_draft = row[f"t_draft_{method}_s"]
+                for tau in taus:
+                    spec = SpecConfig(method=method, num_speculative_tokens=num_draft,
+                                      rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
+                    proposer = build_proposer(spec, greedy, cache_size, drafters[method])
+                    bound = proposer.bind(drafters[method], target)
+                    spec_run = lambda a: speculative_loop(target, bound, *a, proposer=proposer, eos_token_ids=())
+                    # As for autoregressive: the full run minus a one-token run (same program).
+                    t_spec_one, t_spec = timed(lambda: spec_run(one_args)), timed(lambda: spec_run(run_args))
+                    generated = float(jnp.sum(spec_run(run_args).decode.num_generated))
+                    spec_tok_s = (generated - batch) / (t_spec - t_spec_one)
+                    bound_tok_s = batch * tau / (row["t_verify_s"] + num_draft * t_draft)
+                    row[f"{method}_tau{tau}_tok_s"] = spec_tok_s
+                    row[f"{method}_tau{tau}_bound_tok_s"] = bound_tok_s
+                    row[f"{method}_tau{tau}_of_bound"] = spec_tok_s / bound_tok_s
+                    row[f"{method}_tau{tau}_speedup"] = spec_tok_s / row["ar_tok_s"]
+            print({k: (f"{v * 1e3:.3f} ms" if k.startswith("t_") else round(v, 3) if isinstance(v, float) else v)
+                   for k, v in row.items()}, flush=True)
+            rows.append(row)
+
+    columns = [("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
+               ("floor_tok_s", "floor tok/s"), ("ar_fraction_of_floor", "AR / floor"),
+               ("t_ar_forward_s", "T_forward(1) s"), ("t_verify_s", "T_verify(K+1) s")]
+    for method in methods:
+        for tau in taus:
+            columns += [(f"t_draft_{method}_s", f"T_draft {method} s"), (f"{method}_tau{tau}_tok_s", f"{method} τ={tau} tok/s"),
+                        (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
+                        (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
+    meta = {**benchmarking.environment(), "shape": args.shape, "dtype": "bfloat16",
+            "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
+            "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}
+    paths = benchmarking.write_results(args.name, rows, columns, meta, args.out_dir)
+    print("wrote", *paths)
+
+
+if __name__ == "__main__":
+    main()

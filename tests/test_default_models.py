@@ -1,0 +1,75 @@
+"""The bundled default models: each loads by its `default:` name, each drafter is lossless on them
+(greedy speculative tokens = greedy autoregressive tokens), the README's demo config runs end to end,
+and the GPU sweep config is a valid grid."""
+
+import json
+
+import pytest
+
+from specjax import cli, default_models
+from specjax.config import ConfigError, SpecConfig
+from specjax.decoding import generate
+from specjax.experiments import RunConfig, load_models, load_prompts, load_sweep
+from test_experiments import REPO
+
+METHODS = ["draft_model", "eagle", "eagle3", "medusa", "ngram"]
+
+
+@pytest.fixture(scope="module")
+def target_and_prompts():
+    target, tokenizer, _ = load_models(default_models.TARGET, dtype="float32")
+    prompts = load_prompts(RunConfig(target=default_models.TARGET, num_prompts=6, prompt_len=48), tokenizer)
+    return target, prompts, generate(target, prompts, max_new_tokens=24)
+
+
+def test_the_card_matches_the_bundled_files():
+    card = json.loads((default_models.path("target").parent / "model_card.json").read_text())
+    assert card["size_MB"] <= 40
+    assert card["vocab_size"] == load_models(default_models.TARGET)[0].config.vocab_size
+    for name in default_models.NAMES:
+        assert (default_models.path(name) / "eval.json").exists()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_bundled_drafter_is_lossless_at_temperature_zero(target_and_prompts, method):
+    target, prompts, autoregressive = target_and_prompts
+    _, _, drafter = load_models(default_models.TARGET, method, dtype="float32")
+    result = generate(target, prompts, max_new_tokens=24, spec=SpecConfig(method=method, num_speculative_tokens=4),
+                      drafter=drafter)
+    assert result.sequences() == autoregressive.sequences()
+    if method != "ngram":  # trained: an untrained drafter's first token is accepted about 1% of the time
+        assert result.metrics.summary()["per_position_acceptance"][0] > 0.15
+
+
+def test_unknown_default_names_are_refused():
+    with pytest.raises(ValueError, match="default model 'eagle2' does not exist: allowed"):
+        default_models.resolve("default:eagle2")
+    with pytest.raises(ValueError, match="no bundled drafter for method 'lookahead'"):
+        default_models.drafter_folder("lookahead")
+
+
+def test_the_demo_config_runs_end_to_end(tmp_path, capsys):
+    assert cli.main(["sweep", str(REPO / "configs/demo.yaml"), "--set", f"output_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted(row["method"] for row in rows) == sorted(METHODS)
+    assert all(row["greedy_identical_rows"] == row["prompts"] for row in rows)
+    assert all(f"| {method} | 4 | standard | 0 | greedy |" in out for method in METHODS)
+    assert {p.name for p in tmp_path.glob("*.png")} >= {"acceptance_vs_k.png", "speedup_vs_k.png"}
+
+
+def test_the_k_sweep_config_is_the_full_grid():
+    sweep = load_sweep(REPO / "configs/sweeps/k_sweep.yaml")
+    assert sweep.grid["spec.num_speculative_tokens"] == list(range(1, 9))
+    assert sorted(sweep.grid["spec.method"]) == sorted(METHODS)
+    with pytest.raises(ConfigError, match="k_sweep.yaml"):
+        load_sweep(REPO / "configs/sweeps/k_sweep.yaml", ["grid.spec.method=[eagle, lookahead]"])
+
+
+def test_the_example_research_script_runs():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "scripts/example_research.py", "--prompts", "2", "--new-tokens", "8"],
+                         cwd=REPO, check=True, capture_output=True, text=True)
+    assert "2/2" in run.stdout and "block    mean acceptance length" in run.stdout
