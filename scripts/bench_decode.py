@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax import benchmarking
+from specjax import benchmarking, sharding
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, pad_request, speculative_loop
 from specjax.models.eagle import EagleConfig, init_eagle
@@ -127,6 +127,20 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
     return times
 
 
+def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args):
+    """Final decode states of a greedy autoregressive run and of one synthetic speculative run."""
+    greedy = SamplingConfig()
+    states = [decode_loop(target, *run_args, sampling=greedy, eos_token_ids=(), cache_size=cache_size)]
+    for method in methods:
+        for tau in taus:
+            spec = SpecConfig(method=method, num_speculative_tokens=num_draft, rejection_sample_method="synthetic",
+                              synthetic_acceptance_length=tau)
+            proposer = build_proposer(spec, greedy, cache_size, drafters[method])
+            states.append(speculative_loop(target, proposer.bind(drafters[method], target), *run_args,
+                                           proposer=proposer, eos_token_ids=()).decode)
+    return states
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -138,6 +152,9 @@ def main():
     parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, draft_model")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="bench_decode")
+    parser.add_argument("--model-parallel", type=int, default=1,
+                        help="split the models over this many GPUs (specjax.sharding, model axis); above 1, "
+                             "greedy outputs are also compared with one GPU's")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
@@ -153,20 +170,39 @@ def main():
     drafters = {"draft_model": on_device(lambda: init_model(draft_config, seed=1)),
                 "eagle": on_device(lambda: init_eagle(EagleConfig(layer=head_layer, version=1), seed=2))}
     greedy = SamplingConfig()
+    parallel = args.model_parallel
+    mesh = sharding.make_mesh(1, parallel)
+    cases = [(p, b, -(-(p + new_tokens + num_draft + 1) // 128) * 128) for p in prompt_lens for b in batches]
+    # One GPU's greedy tokens (autoregressive, and speculative with the first method and tau), to compare with.
+    reference = {}
+    if parallel > 1:
+        for prompt_len, batch, cache_size in cases:
+            reference[prompt_len, batch] = [np.asarray(state.tokens) for state in run_both(
+                target, drafters, methods[:1], taus[:1], num_draft, cache_size,
+                generation_args(target, batch, prompt_len, new_tokens, num_draft + 1, cache_size))]
+    target = sharding.shard(target, mesh)
+    drafters = {name: sharding.shard(drafter, mesh) for name, drafter in drafters.items()}
     rows = []
-    for prompt_len in prompt_lens:
-        # One cache size per prompt length: every batch size and method uses the same padded program.
-        cache_size = -(-(prompt_len + new_tokens + num_draft + 1) // 128) * 128
-        for batch in batches:
-            row = {"B": batch, "prompt": prompt_len, "new": new_tokens, "K": num_draft, "cache": cache_size}
-            run_args = generation_args(target, batch, prompt_len, new_tokens, num_draft + 1, cache_size)
-            one_args = generation_args(target, batch, prompt_len, 1, num_draft + 1, cache_size)
+    with jax.set_mesh(mesh):
+        for prompt_len, batch, cache_size in cases:
+            row = {"B": batch, "prompt": prompt_len, "new": new_tokens, "K": num_draft, "cache": cache_size,
+                   "gpus": parallel}
+            run_args = sharding.put(generation_args(target, batch, prompt_len, new_tokens, num_draft + 1,
+                                                    cache_size), mesh)
+            one_args = sharding.put(generation_args(target, batch, prompt_len, 1, num_draft + 1, cache_size), mesh)
+            if reference:
+                outputs = [sharding.to_host(state.tokens) for state in run_both(
+                    target, drafters, methods[:1], taus[:1], num_draft, cache_size, run_args)]
+                row["greedy_equal_one_gpu"] = all(np.array_equal(a, b) for a, b in
+                                                  zip(outputs, reference[prompt_len, batch], strict=True))
             ar = lambda a: decode_loop(target, *a, sampling=greedy, eos_token_ids=(), cache_size=cache_size)
             t_prefill = timed(lambda: ar(one_args))
             t_full = timed(lambda: ar(run_args))
             step = (t_full - t_prefill) / (new_tokens - 1)
             context = prompt_len + new_tokens / 2
-            floor_bytes = weight_bytes(target, target_config, batch) + kv_bytes(target_config, batch, context)
+            # Per GPU: each reads its 1 / parallel of the weights and of the KV heads.
+            floor_bytes = (weight_bytes(target, target_config, batch)
+                           + kv_bytes(target_config, batch, context)) / parallel
             row.update(ar_step_ms=step * 1e3, ar_tok_s=batch / step, floor_tok_s=batch * bandwidth / floor_bytes,
                        ar_fraction_of_floor=floor_bytes / bandwidth / step, prefill_ms=t_prefill * 1e3)
             row.update(component_times(target, drafters, batch, int(context), num_draft, cache_size))
@@ -191,7 +227,7 @@ def main():
                    for k, v in row.items()}, flush=True)
             rows.append(row)
 
-    columns = [("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
+    columns = [("gpus", "GPUs"), ("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
                ("floor_tok_s", "floor tok/s"), ("ar_fraction_of_floor", "AR / floor"),
                ("t_ar_forward_s", "T_forward(1) s"), ("t_verify_s", "T_verify(K+1) s")]
     for method in methods:
@@ -199,6 +235,8 @@ def main():
             columns += [(f"t_draft_{method}_s", f"T_draft {method} s"), (f"{method}_tau{tau}_tok_s", f"{method} τ={tau} tok/s"),
                         (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
+    if parallel > 1:
+        columns.append(("greedy_equal_one_gpu", "greedy = 1 GPU"))
     meta = {**benchmarking.environment(), "shape": args.shape, "dtype": "bfloat16",
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}

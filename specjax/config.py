@@ -396,6 +396,18 @@ class OptimizerConfig:
         _require(self.lr > 0, "OptimizerConfig", "lr", self.lr, "a float > 0")
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """A (data, model) device mesh (specjax.sharding): data=-1 takes every device the model axis leaves."""
+
+    data: int = -1
+    model: int = 1
+
+    def __post_init__(self):
+        _require(self.data == -1 or self.data >= 1, "MeshConfig", "data", self.data, "-1 or an integer >= 1")
+        _require(self.model >= 1, "MeshConfig", "model", self.model, "an integer >= 1")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainingRun:
     """What every training run has: data, optimizer, where it writes, how often it saves and logs."""
@@ -406,6 +418,10 @@ class TrainingRun:
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 10
+    # Devices: batches split over mesh.data; weights split over mesh.model by specjax.sharding's rules
+    # and, with fsdp, also over mesh.data (each device keeps a slice of weights and optimizer state).
+    mesh: MeshConfig = MeshConfig()
+    fsdp: bool = False
 
     def __post_init__(self):
         owner = type(self).__name__

@@ -11,6 +11,7 @@ seed and prompt only, never on what else is in the batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Sequence
@@ -18,6 +19,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from specjax.config import DTYPES, SamplingConfig, SpecConfig, dtype_from_name
@@ -25,6 +27,8 @@ from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
+from specjax import sharding
+from specjax.sharding import BATCH, constrain
 from specjax.verify import verifier_for, verifier_name
 from specjax.verify.sampling import processed_probs, sample
 
@@ -82,7 +86,7 @@ def _prefill(model: Transformer, prompt_tokens, prompt_lengths, budgets, token_k
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
     _, hidden, cache = model(prompt_tokens, positions, cache, hidden_layers=hidden_layers, compute_logits=False)
     logits = model.unembed(hidden.final[rows, prompt_lengths - 1])
-    tokens = jnp.zeros((batch, cache_size), jnp.int32).at[:, :prompt_len].set(prompt_tokens)
+    tokens = constrain(jnp.zeros((batch, cache_size), jnp.int32), BATCH).at[:, :prompt_len].set(prompt_tokens)
     state = DecodeState(tokens=tokens, lengths=prompt_lengths, num_generated=jnp.zeros_like(budgets),
                         done=budgets <= 0, cache=cache.with_lengths(prompt_lengths))
     first = sample(logits, jax.vmap(jax.random.fold_in)(token_keys, state.num_generated), sampling)
@@ -139,7 +143,7 @@ class SpecState:
     counters: AcceptanceCounters
 
 
-@functools.partial(jax.jit, static_argnames=("proposer", "eos_token_ids", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("proposer", "eos_token_ids", "cache_dtype", "gather_logits"))
 def speculative_loop(
     model: Transformer,
     drafter: Any,
@@ -151,6 +155,7 @@ def speculative_loop(
     proposer: Proposer,
     eos_token_ids: tuple[int, ...],
     cache_dtype: str | None = None,
+    gather_logits: bool = False,
 ) -> SpecState:
     """Speculative prefill and decode as one program: each step proposes K drafts, scores the last
     committed token and the drafts in one target forward over K + 1 positions, verifies, commits
@@ -181,6 +186,8 @@ def speculative_loop(
         block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1]
         positions = (decode.lengths - 1)[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
         logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers)
+        if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
+            logits = constrain(logits, BATCH)
         scores = logits if scores_are_logits else processed_probs(logits, sampling)
         num_accepted, next_token = verifier(scores, draft_tokens, draft_probs, verify_keys)
 
@@ -222,11 +229,13 @@ class PaddedBatch:
 
 
 def pad_request(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                seeds: int | Sequence[int] = 0, cache_size: int | None = None, lookahead: int = 0) -> PaddedBatch:
+                seeds: int | Sequence[int] = 0, cache_size: int | None = None, lookahead: int = 0,
+                batch_multiple: int = 1) -> PaddedBatch:
     """Validates a request and pads it to buckets; every problem is a ValueError naming the row.
 
     lookahead: cache slots needed past prompt + budget (K + 1 for speculative decoding, whose last
-    verify may write K + 1 entries past the last committed token)."""
+    verify may write K + 1 entries past the last committed token). batch_multiple: the padded batch
+    is a multiple of it (the data axis of a mesh)."""
     config = model.config
     if not prompts:
         raise ValueError("prompts is empty: give at least one prompt (a list of token ids)")
@@ -260,7 +269,7 @@ def pad_request(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
                          f"{cache_size}")
     # A prompt bucket larger than the cache would prefill out of bounds: pad only as far as it fits.
     prompt_bucket = min(prompt_bucket, cache_size)
-    batch_bucket = bucket(batch)
+    batch_bucket = -(-bucket(batch) // batch_multiple) * batch_multiple
     tokens = np.zeros((batch_bucket, prompt_bucket), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, :len(prompt)] = prompt
@@ -284,35 +293,47 @@ def generate(
     cache_dtype: str | None = None,
     spec: SpecConfig | None = None,
     drafter: Any = None,
+    mesh: Mesh | None = None,
+    gather_logits: bool = False,
 ) -> GenerationResult:
     """Generation for a batch of ragged prompts (lists of token ids): autoregressive, or speculative
     when `spec` is given (`drafter` is then the proposer's weights, e.g. the draft Transformer).
 
     max_new_tokens and seeds are one value or one per prompt. A row stops after its budget or at the
     first EOS (which is kept in its output). cache_size defaults to what the padded request needs.
+    mesh (specjax.sharding.make_mesh) runs the same program over several devices: weights split by
+    specjax.sharding's rules (placed once: pass models already `sharding.shard`ed to skip the check),
+    rows over the data axis. The verifier then works on vocabulary-split logits, or, with
+    gather_logits, on logits gathered once per step.
     """
     if cache_dtype is not None:
         dtype_from_name(cache_dtype, "cache_dtype")
     eos_token_ids = tuple(int(t) for t in eos_token_ids)
     lookahead = 0 if spec is None else spec.num_speculative_tokens + 1
-    request = pad_request(model, prompts, max_new_tokens, seeds, cache_size, lookahead)
+    request = pad_request(model, prompts, max_new_tokens, seeds, cache_size, lookahead,
+                          batch_multiple=1 if mesh is None else mesh.shape[sharding.DATA])
     args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
             jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
-    if spec is None:
-        state = decode_loop(model, *args, sampling=sampling, eos_token_ids=eos_token_ids,
-                            cache_size=request.cache_size, cache_dtype=cache_dtype)
-        return _result(state, request, eos_token_ids)
-    proposer = build_proposer(spec, sampling, request.cache_size, drafter)
-    proposer.check(drafter, model.config)
-    drafter = proposer.bind(drafter, model)
-    state = speculative_loop(model, drafter, *args, proposer=proposer, eos_token_ids=eos_token_ids,
-                             cache_dtype=cache_dtype)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        if mesh is not None:
+            model, args = sharding.shard(model, mesh), sharding.put(args, mesh)
+        if spec is None:
+            state = decode_loop(model, *args, sampling=sampling, eos_token_ids=eos_token_ids,
+                                cache_size=request.cache_size, cache_dtype=cache_dtype)
+            return _result(state, request, eos_token_ids)
+        proposer = build_proposer(spec, sampling, request.cache_size, drafter)
+        proposer.check(drafter, model.config)
+        drafter = proposer.bind(drafter, model)
+        if mesh is not None:
+            drafter = sharding.shard(drafter, mesh)
+        state = speculative_loop(model, drafter, *args, proposer=proposer, eos_token_ids=eos_token_ids,
+                                 cache_dtype=cache_dtype, gather_logits=gather_logits)
     metrics = AcceptanceMetrics.from_counters(state.counters, request.batch_size)
     return dataclasses.replace(_result(state.decode, request, eos_token_ids), metrics=metrics)
 
 
 def _result(state: DecodeState, request: PaddedBatch, eos_token_ids: tuple[int, ...]) -> GenerationResult:
-    tokens, num_generated = jax.device_get((state.tokens, state.num_generated))
+    tokens, num_generated = sharding.to_host((state.tokens, state.num_generated))
     rows = request.batch_size
     width = int(request.budgets[:rows].max())
     out = np.zeros((rows, width), np.int32)

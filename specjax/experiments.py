@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from specjax import default_models
 from specjax.config import ConfigError, DataConfig, SamplingConfig, SpecConfig, load_yaml
+from specjax.proposers import UnsupportedSpeculation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +167,7 @@ class Runner:
         summary = result.metrics.summary()
         greedy = config.sampling.is_greedy
         return {
-            "method": config.spec.method, "K": config.spec.num_speculative_tokens,
-            "rejection_sample_method": config.spec.rejection_sample_method,
-            "draft_sample_method": config.spec.draft_sample_method,
-            "temperature": config.sampling.temperature,
+            **point_fields(config),
             "mean_acceptance_length": summary["mean_acceptance_length"],
             "acceptance_rate": summary["acceptance_rate"],
             "per_position_acceptance": summary["per_position_acceptance"],
@@ -184,6 +182,13 @@ class Runner:
         }
 
 
+def point_fields(config: RunConfig) -> dict:
+    """What names a run in tables and plots."""
+    return {"method": config.spec.method, "K": config.spec.num_speculative_tokens,
+            "rejection_sample_method": config.spec.rejection_sample_method,
+            "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature}
+
+
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "jax")
 TABLE = [("method", "method"), ("K", "K"), ("rejection_sample_method", "verifier"), ("temperature", "T"),
          ("draft_sample_method", "drafting"), ("mean_acceptance_length", "mean acc. length"),
@@ -192,8 +197,10 @@ TABLE = [("method", "method"), ("K", "K"), ("rejection_sample_method", "verifier
 
 
 def markdown(rows: list[dict]) -> str:
+    """The table of the runs; points a drafter cannot run are listed under it."""
     lines = ["| " + " | ".join(h for _, h in TABLE) + " |", "|" + "---|" * len(TABLE)]
-    for row in rows:
+    skipped = [row for row in rows if "skipped" in row]
+    for row in (row for row in rows if "skipped" not in row):
         cells = []
         for key, _ in TABLE:
             value = row.get(key)
@@ -201,6 +208,10 @@ def markdown(rows: list[dict]) -> str:
                 value = f"{value}/{row['prompts']}"
             cells.append(f"{value:.3g}" if isinstance(value, float) else ("" if value is None else str(value)))
         lines.append("| " + " | ".join(cells) + " |")
+    if skipped:
+        lines += ["", f"Skipped {len(skipped)} points the drafter cannot run:"]
+        lines += [f"- {row['method']} K={row['K']} {row['rejection_sample_method']} T={row['temperature']:g}: "
+                  f"{row['skipped']}" for row in skipped]
     return "\n".join(lines) + "\n"
 
 
@@ -251,7 +262,11 @@ def run_sweep(sweep: SweepConfig, runner: Runner | None = None) -> list[dict]:
     missing = [(a, c) for a, c in points if point_id(a) not in done]
     with results_path.open("a") as log:
         for assignment, config in tqdm(missing, desc=f"sweep ({len(points) - len(missing)} done)"):
-            record = {"point": point_id(assignment), **runner.run(config)}
+            try:
+                result = runner.run(config)
+            except UnsupportedSpeculation as error:  # e.g. K above Medusa's heads: recorded, not retried
+                result = {**point_fields(config), "skipped": str(error)}
+            record = {"point": point_id(assignment), **result}
             log.write(json.dumps(record) + "\n")
             log.flush()
             done[record["point"]] = record
@@ -262,54 +277,64 @@ def run_sweep(sweep: SweepConfig, runner: Runner | None = None) -> list[dict]:
 
 
 def write_tables(rows: list[dict], out: Path) -> None:
-    fields = [k for k in rows[0] if k != "per_position_acceptance"] + ["per_position_acceptance"]
+    fields = list(dict.fromkeys(k for row in rows for k in row if k != "per_position_acceptance"))
     with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
+        writer = csv.DictWriter(f, fieldnames=fields + ["per_position_acceptance"])
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "per_position_acceptance": " ".join(f"{p:.3f}" for p in row["per_position_acceptance"])})
+            writer.writerow({**row, "per_position_acceptance": " ".join(
+                f"{p:.3f}" for p in row.get("per_position_acceptance", []))})
     (out / "results.md").write_text(markdown(rows))
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    """Mean acceptance length and speedup against K per (method, verifier, T); per-position acceptance."""
+    """Mean acceptance length and speedup against K, one panel per temperature, a line per (method,
+    verifier); per-position acceptance at each series' largest K."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
+    rows = [row for row in rows if "skipped" not in row]
+    temperatures = sorted({row["temperature"] for row in rows})
+    methods = sorted({row["method"] for row in rows})
+    colors = {method: plt.get_cmap("tab10")(i) for i, method in enumerate(methods)}
+    styles = {"standard": "-", "block": "--", "greedy": "-", "synthetic": ":"}
     series: dict[tuple, list[dict]] = {}
     for row in rows:
-        series.setdefault((row["method"], row["rejection_sample_method"], row["temperature"]), []).append(row)
-    for key, ylabel, name in (("mean_acceptance_length", "mean acceptance length", "acceptance_vs_k.png"),
-                              ("speedup", "speedup over autoregressive", "speedup_vs_k.png")):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for (method, verifier, temperature), points in sorted(series.items()):
-            points = sorted(points, key=lambda r: r["K"])
-            ax.plot([p["K"] for p in points], [p[key] for p in points], marker="o",
-                    label=f"{method}, {verifier}, T={temperature:g}")
-        ax.set_xlabel("num_speculative_tokens (K)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        series.setdefault((row["temperature"], row["method"], row["rejection_sample_method"]), []).append(row)
+
+    def figure(ylabel: str, name: str, draw) -> None:
+        fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures), 4.2), squeeze=False,
+                                 sharey=True)
+        for ax, temperature in zip(axes[0], temperatures):
+            for (t, method, verifier), points in sorted(series.items()):
+                if t == temperature:
+                    draw(ax, sorted(points, key=lambda r: r["K"]), dict(
+                        color=colors[method], linestyle=styles.get(verifier, "-"), marker="o", markersize=3,
+                        label=f"{method}, {verifier}"))
+            ax.set_title(f"T = {temperature:g}")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (method, verifier, temperature), points in sorted(series.items()):
-        widest = max(points, key=lambda r: r["K"])
-        ax.plot(range(1, widest["K"] + 1), widest["per_position_acceptance"], marker="o",
-                label=f"{method}, {verifier}, T={temperature:g} (K={widest['K']})")
-    ax.set_xlabel("draft position")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("fraction of steps accepting it")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "per_position_acceptance.png", dpi=120)
-    plt.close(fig)
+
+    for key, ylabel, name in (("mean_acceptance_length", "mean acceptance length", "acceptance_vs_k.png"),
+                              ("speedup", "speedup over autoregressive", "speedup_vs_k.png")):
+        def against_k(ax, points, style, key=key):
+            ax.plot([p["K"] for p in points], [p[key] for p in points], **style)
+            ax.set_xlabel("num_speculative_tokens (K)")
+        figure(ylabel, name, against_k)
+
+    def per_position(ax, points, style):
+        widest = points[-1]
+        ax.plot(range(1, widest["K"] + 1), widest["per_position_acceptance"], **style)
+        ax.set_xlabel("draft position (at the largest K)")
+    figure("fraction of steps accepting it", "per_position_acceptance.png", per_position)
 
 
 def load_run(path, overrides=()) -> RunConfig:

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from specjax import sharding
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("steps", "drafted", "accepted", "emitted", "length_histogram", "accepted_at"),
@@ -65,7 +67,7 @@ class AcceptanceMetrics:
 
     @classmethod
     def from_counters(cls, counters: AcceptanceCounters, num_rows: int) -> AcceptanceMetrics:
-        host = jax.device_get(counters)
+        host = sharding.to_host(counters)
         return cls(**{f.name: np.asarray(getattr(host, f.name))[:num_rows].astype(np.int64)
                       for f in dataclasses.fields(AcceptanceCounters)})
 

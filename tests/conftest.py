@@ -7,6 +7,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from pathlib import Path  # noqa: E402
 
+import jax  # noqa: E402
+
+# Eight host devices, for the meshes of tests/test_sharding.py; everything else runs on device 0.
+jax.config.update("jax_num_cpu_devices", 8)
+
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

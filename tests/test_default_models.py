@@ -73,3 +73,17 @@ def test_the_example_research_script_runs():
     run = subprocess.run([sys.executable, "scripts/example_research.py", "--prompts", "2", "--new-tokens", "8"],
                          cwd=REPO, check=True, capture_output=True, text=True)
     assert "2/2" in run.stdout and "block    mean acceptance length" in run.stdout
+
+
+def test_a_sweep_records_points_the_drafter_cannot_run_and_goes_on(tmp_path):
+    import yaml
+
+    config = tmp_path / "sweep.yaml"
+    config.write_text(yaml.safe_dump({
+        "base": {"target": "default:target", "num_prompts": 2, "prompt_len": 16, "max_new_tokens": 8},
+        "grid": {"spec.method": ["medusa"], "spec.num_speculative_tokens": [4, 5]}, "output_dir": str(tmp_path)}))
+    assert cli.main(["sweep", str(config)]) == 0
+    rows = {row["K"]: row for row in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert "skipped" not in rows[4] and rows[4]["greedy_identical_rows"] == 2
+    assert rows[5]["skipped"] == "Medusa has 4 heads but num_speculative_tokens is 5: allowed K <= 4"
+    assert "Skipped 1 points the drafter cannot run:\n- medusa K=5" in (tmp_path / "results.md").read_text()

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from specjax.config import ModelConfig
+from specjax.sharding import BATCH, CACHE, constrain
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "lengths"), meta_fields=())
@@ -30,8 +31,9 @@ class KVCache:
         """An empty cache for `batch_size` rows of up to `max_length` tokens (dtype: model's by default)."""
         shape = (config.num_layers, batch_size, max_length, config.num_kv_heads, config.head_dim)
         dtype = dtype or config.jnp_dtype
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   lengths=jnp.zeros((batch_size,), jnp.int32))
+        # On a mesh: rows over the data axis, KV heads over the model axis (see specjax.sharding).
+        return cls(k=constrain(jnp.zeros(shape, dtype), CACHE), v=constrain(jnp.zeros(shape, dtype), CACHE),
+                   lengths=constrain(jnp.zeros((batch_size,), jnp.int32), BATCH))
 
     @property
     def max_length(self) -> int:

@@ -158,7 +158,9 @@ def _value(param, dtype):
 
 
 def _project(x, w, b, spec: str, dtype):
-    y = jnp.einsum(spec, x, _value(w, dtype))
+    # Accumulated and returned in float32, then rounded once: a row-parallel projection split over
+    # several devices then sums its partial products in float32 too, as one device does.
+    y = einsum_f32(spec, x, _value(w, dtype)).astype(dtype)
     return y if b is None else y + _value(b, dtype)
 
 

@@ -4,6 +4,7 @@ from specjax.proposers import draft_model  # noqa: F401  (registers "draft_model
 from specjax.proposers import eagle  # noqa: F401  (registers "eagle", "eagle3")
 from specjax.proposers import medusa  # noqa: F401  (registers "medusa")
 from specjax.proposers import ngram  # noqa: F401  (registers "ngram")
-from specjax.proposers.base import PROPOSERS, Context, Proposer, TargetOutput, build_proposer, register
+from specjax.proposers.base import (PROPOSERS, Context, Proposer, TargetOutput, UnsupportedSpeculation,
+                                    build_proposer, register)
 
-__all__ = ["PROPOSERS", "Context", "Proposer", "TargetOutput", "build_proposer", "register"]
+__all__ = ["PROPOSERS", "Context", "Proposer", "TargetOutput", "UnsupportedSpeculation", "build_proposer", "register"]

@@ -30,6 +30,11 @@ from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig
 from specjax.models.transformer import Hidden
 
 
+class UnsupportedSpeculation(ValueError):
+    """The drafter cannot run this SpecConfig at all (e.g. more draft tokens than Medusa has heads),
+    as opposed to a mistake in it; a sweep records such points as skipped and goes on."""
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class Context:

@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax.models.medusa import LMHead, MedusaHeads
 from specjax.models.transformer import Transformer
-from specjax.proposers.base import Context, ProposerSettings, TargetOutput, register
+from specjax.proposers.base import Context, ProposerSettings, TargetOutput, UnsupportedSpeculation, register
 from specjax.proposers.draft_model import draw_draft_tokens
 
 
@@ -54,7 +54,7 @@ class MedusaProposer:
             raise ValueError(f"Medusa vocab_size {c.vocab_size} differs from the target's "
                              f"{target_config.vocab_size}: allowed only equal vocabularies")
         if c.num_heads < num_draft:
-            raise ValueError(f"Medusa has {c.num_heads} heads but num_speculative_tokens is {num_draft}: "
+            raise UnsupportedSpeculation(f"Medusa has {c.num_heads} heads but num_speculative_tokens is {num_draft}: "
                              f"allowed K <= {c.num_heads}")
 
     def bind(self, heads: MedusaHeads, target: Transformer) -> BoundMedusa:

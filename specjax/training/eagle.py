@@ -195,8 +195,8 @@ def train_eagle(config: HeadTrainConfig) -> dict:
             batch["noise"] = rng.uniform(-config.feature_noise, config.feature_noise, noise_shape).astype(np.float32)
         return batch
 
-    trained = fit(head, loss_fn, batch_fn, config.optimizer, output_dir, checkpoint_every=config.checkpoint_every,
-                  log_every=config.log_every, description=f"train-eagle ({config.kind})", frozen=target)
+    trained = fit(head, loss_fn, batch_fn, config, output_dir, description=f"train-eagle ({config.kind})",
+                  frozen=target)
     head_dir = output_dir / "head"
     save_eagle(trained, head_dir)
     acceptance = closing_eval(config, target, trained, held_out_tokens)

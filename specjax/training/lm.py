@@ -8,6 +8,7 @@ and by transformers) with eval.json (held-out loss and perplexity).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from specjax.config import OptimizerConfig, TrainConfig
+from specjax import sharding
+from specjax.config import OptimizerConfig, TrainConfig, TrainingRun
 from specjax.data.dataset import batch_at, eval_batches, prepare
 from specjax.models import hf
 from specjax.models.transformer import Transformer, num_parameters
@@ -42,28 +44,26 @@ def next_token_loss(model: Transformer, batch) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def data_mesh() -> Mesh:
-    """All local devices on one 'data' axis: batches split over it, parameters replicated."""
-    return Mesh(np.asarray(jax.local_devices()), ("data",))
-
-
-def fit(module: nnx.Module, loss_fn, batch_fn, config: OptimizerConfig, output_dir: Path, *, checkpoint_every: int,
-        log_every: int, description: str, frozen=None) -> nnx.Module:
+def fit(module: nnx.Module, loss_fn, batch_fn, run: TrainingRun, output_dir: Path, *, description: str,
+        frozen=None) -> nnx.Module:
     """Trains the module's nnx.Param (other variables stay fixed) to minimise
-    loss_fn(module, batch, frozen) -> (loss, metrics) over batch_fn(step), data parallel over the local
-    devices, resumable; returns the trained module. `frozen` (e.g. the target a head learns from) is
-    passed to the compiled step as an argument, not baked into it as constants."""
+    loss_fn(module, batch, frozen) -> (loss, metrics) over batch_fn(step) with run's optimizer, on
+    run's mesh (batches over the data axis; weights and optimizer state split by specjax.sharding's
+    rules, and over the data axis too with run.fsdp), resumable; returns the trained module.
+    `frozen` (e.g. the target a head learns from) is passed to the compiled step as an argument, not
+    baked into it as constants."""
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    tx = optimizer(config)
-    mesh = data_mesh()
-    state = jax.device_put({"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)},
-                           NamedSharding(mesh, PartitionSpec()))
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    tx = optimizer(run.optimizer)
+    mesh = sharding.make_mesh(run.mesh.data, run.mesh.model)
+    state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+    state_shardings = sharding.shardings(state, mesh, run.fsdp)
+    state = jax.device_put(state, state_shardings)
+    rest, frozen = sharding.shard(rest, mesh), sharding.shard(frozen, mesh)
 
     def loss_of(params, batch, frozen):
         return loss_fn(nnx.merge(graphdef, params, rest), batch, frozen)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())))
     def train_step(state, batch, frozen):
         (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(state["params"], batch, frozen)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -71,11 +71,11 @@ def fit(module: nnx.Module, loss_fn, batch_fn, config: OptimizerConfig, output_d
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    frozen = jax.device_put(frozen, NamedSharding(mesh, PartitionSpec()))
-    state = loop.run(state, lambda state, batch: train_step(state, batch, frozen),
-                     lambda step: jax.device_put(batch_fn(step), batch_sharding),
-                     total_steps=config.total_steps, output_dir=output_dir, checkpoint_every=checkpoint_every,
-                     log_every=log_every, description=description)
+    with jax.set_mesh(mesh):
+        state = loop.run(state, lambda state, batch: train_step(state, batch, frozen),
+                         lambda step: sharding.put(batch_fn(step), mesh),
+                         total_steps=run.optimizer.total_steps, output_dir=output_dir,
+                         checkpoint_every=run.checkpoint_every, log_every=run.log_every, description=description)
     return nnx.merge(graphdef, state["params"], rest)
 
 
@@ -94,8 +94,7 @@ def train_lm(config: TrainConfig) -> dict:
         loss = next_token_loss(model, batch)
         return loss, {"loss": loss}
 
-    trained = fit(model, loss_fn, batch_fn, config.optimizer, output_dir, checkpoint_every=config.checkpoint_every,
-                  log_every=config.log_every, description="train-lm")
+    trained = fit(model, loss_fn, batch_fn, config, output_dir, description="train-lm")
     held_out = evaluate(trained, eval_batches(held_out_tokens, config.eval_batches, data.batch_size, data.seq_len))
     model_dir = output_dir / "model"
     hf.save(trained, model_dir, extra_config={"bos_token_id": tokenizer.bos_token_id,

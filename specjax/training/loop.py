@@ -23,14 +23,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
+from specjax import sharding
+
 
 class CheckpointCorrupted(RuntimeError):
     """A checkpoint that cannot be read back exactly; the message names its folder and what differs."""
 
 
 def digests(state: Any) -> dict[str, str]:
-    return {jax.tree_util.keystr(path): hashlib.sha256(np.ascontiguousarray(np.asarray(leaf)).tobytes()).hexdigest()
-            for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+    return {jax.tree_util.keystr(path): hashlib.sha256(np.ascontiguousarray(leaf).tobytes()).hexdigest()
+            for path, leaf in jax.tree_util.tree_leaves_with_path(sharding.to_host(state))}
 
 
 class Checkpoints:

@@ -68,8 +68,7 @@ def train_medusa(config: HeadTrainConfig) -> dict:
     def batch_fn(step):
         return batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
 
-    heads = fit(heads, loss_fn, batch_fn, config.optimizer, output_dir, checkpoint_every=config.checkpoint_every,
-                log_every=config.log_every, description="train-medusa", frozen=target)
+    heads = fit(heads, loss_fn, batch_fn, config, output_dir, description="train-medusa", frozen=target)
     head_dir = output_dir / "heads"
     save_medusa(heads, head_dir, base_model_name_or_path=str(config.target))
     prompts = held_out_prompts(held_out_tokens, config.eval_prompts, config.eval_prompt_len, config.seed)

@@ -1,0 +1,147 @@
+"""Several devices: one `Mesh` with a data and a model axis, and where every array lives on it.
+
+Parameters are split Megatron-style over the model axis: q, k, v, gate and up projections by their
+output (heads, intermediate) — column parallel — and the attention output and down projections by
+their input — row parallel, so each layer needs one all-reduce after attention and one after the MLP.
+The embedding and the LM head are split over the vocabulary (logits come out vocabulary-split). KV
+caches are split over batch (data axis) and KV heads (model axis); batches over the data axis.
+A dimension the axis does not divide stays whole (e.g. 2 KV heads on a model axis of 4: k and v
+projections and caches replicated), so every model runs on every mesh.
+
+Inside jitted code nothing names a device: the loops call `constrain(x, spec)`, a no-op unless a mesh
+is set (`jax.set_mesh`, which `specjax.decoding.generate(mesh=...)` does), and GSPMD partitions the
+one program. The same program serves one device, one host with several, and several hosts after
+`initialize_distributed()`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DATA, MODEL = "data", "model"
+BATCH = PartitionSpec(DATA)  # [B, ...] arrays
+CACHE = PartitionSpec(None, DATA, None, MODEL, None)  # KVCache.k / .v: [L, B, S, H_kv, D]
+
+# Parameter name -> the mesh axis of each dimension. Decoder weights are stacked on a leading layer
+# axis (specjax.models.transformer.DecoderLayers); names not listed are replicated.
+PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
+    "wq": (None, None, MODEL, None),  # [L, D, H, E]: column parallel over heads
+    "wk": (None, None, MODEL, None),  # [L, D, H_kv, E]
+    "wv": (None, None, MODEL, None),
+    "bq": (None, MODEL, None),  # [L, H, E]
+    "bk": (None, MODEL, None),
+    "bv": (None, MODEL, None),
+    "wo": (None, MODEL, None, None),  # [L, H, E, D]: row parallel
+    "w_gate": (None, None, MODEL),  # [L, D, F]: column parallel
+    "w_up": (None, None, MODEL),
+    "b_gate": (None, MODEL),  # [L, F]
+    "b_up": (None, MODEL),
+    "w_down": (None, MODEL, None),  # [L, F, D]: row parallel
+    "embed": (MODEL, None),  # [V, D]: vocabulary parallel
+    "lm_head": (None, MODEL),  # [D, V]
+}
+
+
+def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A (data, model) mesh over the first data * model of `devices` (default: every device of every
+    process). data=-1 takes every device the model axis leaves."""
+    devices = list(jax.devices() if devices is None else devices)
+    if data == -1 and model >= 1:
+        data = len(devices) // model
+    if data < 1 or model < 1 or data * model > len(devices):
+        raise ValueError(f"mesh data={data} x model={model} needs {max(data, 0) * model} devices: allowed at most "
+                         f"{len(devices)} (data=-1 takes what the model axis leaves)")
+    return Mesh(np.asarray(devices[:data * model]).reshape(data, model), (DATA, MODEL))
+
+
+def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: dict[str, int]) -> PartitionSpec:
+    """spec with every axis dropped that does not divide its dimension (that dimension is replicated)."""
+    fitted = []
+    for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        fitted.append(axis if axis is not None and dim % mesh_shape.get(axis, 1) == 0 else None)
+    return PartitionSpec(*fitted)
+
+
+def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool = False) -> PartitionSpec:
+    """The spec of the parameter at `path` (its last name picks the rule). fsdp additionally splits
+    the first whole dimension the data axis divides (after the layer axis of stacked weights)."""
+    name = str(path[-1]) if path else ""
+    rule = PARAMETER_RULES.get(name, ())
+    rule = rule if len(rule) == len(shape) else ()  # e.g. Medusa's per-head LM heads: another layout
+    spec = list(fit_spec(PartitionSpec(*rule), shape, dict(mesh.shape)))
+    if fsdp and mesh.shape[DATA] > 1:
+        first = 1 if len(rule) == len(shape) and len(shape) >= 3 else 0  # skip the stacked layer axis
+        for dim in range(first, len(shape)):
+            if spec[dim] is None and shape[dim] % mesh.shape[DATA] == 0:
+                spec[dim] = DATA
+                break
+    return PartitionSpec(*spec)
+
+
+def shardings(tree, mesh: Mesh, fsdp: bool = False):
+    """A NamedSharding for every array of a pytree (a model, a drafter's bound weights, a training state
+    with its optimizer moments), by the name each array has in the tree (see PARAMETER_RULES)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, parameter_spec(_names(path), np.shape(leaf), mesh, fsdp)), tree)
+
+
+def shard(tree, mesh: Mesh, fsdp: bool = False):
+    """The pytree placed on the mesh by the rules; arrays already placed so are not copied."""
+    return tree if tree is None else jax.device_put(tree, shardings(tree, mesh, fsdp))
+
+
+def put(x, mesh: Mesh, spec: PartitionSpec = BATCH):
+    """Host or device arrays (a pytree) onto the mesh, each split by spec where the mesh divides it."""
+    return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, fit_spec(spec, np.shape(a),
+                                                                                dict(mesh.shape)))), x)
+
+
+def to_host(tree):
+    """Numpy copies of whole arrays, also of arrays split over several hosts (gathered from every
+    process, which must all call this)."""
+    from jax.experimental import multihost_utils
+
+    def whole(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(whole, tree)
+
+
+def constrain(x, spec: PartitionSpec):
+    """Inside jit: x laid out as spec on the mesh set by `jax.set_mesh` (axes that do not divide are
+    dropped); unchanged when no mesh is set, so single-device code pays nothing."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, fit_spec(spec, x.shape, dict(mesh.shape)))
+
+
+def _names(path) -> tuple[str, ...]:
+    """The attribute and key names along a pytree path (nnx Variables end in `.value`, skipped)."""
+    names = []
+    for key in path:
+        name = getattr(key, "key", getattr(key, "name", None))
+        if name is not None and name != "value":
+            names.append(str(name))
+    return tuple(names)
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """Joins this process to a multi-host run (jax.distributed.initialize); afterwards jax.devices() lists
+    every host's devices and make_mesh spans them. Arguments default to SPECJAX_COORDINATOR,
+    SPECJAX_NUM_PROCESSES and SPECJAX_PROCESS_ID, else to what JAX detects (SLURM, TPU pods)."""
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("SPECJAX_COORDINATOR")
+    if num_processes is None and "SPECJAX_NUM_PROCESSES" in env:
+        num_processes = int(env["SPECJAX_NUM_PROCESSES"])
+    if process_id is None and "SPECJAX_PROCESS_ID" in env:
+        process_id = int(env["SPECJAX_PROCESS_ID"])
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
