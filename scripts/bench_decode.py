@@ -195,6 +195,10 @@ def main():
                     target, drafters, methods[:1], taus[:1], num_draft, cache_size, run_args)]
                 row["greedy_equal_one_gpu"] = all(np.array_equal(a, b) for a, b in
                                                   zip(outputs, reference[prompt_len, batch], strict=True))
+                # Where the first differing token is, counted in generated tokens (None when all agree).
+                differing = [np.argwhere(a != b)[:, 1].min() - prompt_len for a, b in
+                             zip(outputs, reference[prompt_len, batch]) if not np.array_equal(a, b)]
+                row["first_difference"] = int(min(differing)) if differing else None
             ar = lambda a: decode_loop(target, *a, sampling=greedy, eos_token_ids=(), cache_size=cache_size)
             t_prefill = timed(lambda: ar(one_args))
             t_full = timed(lambda: ar(run_args))
@@ -236,7 +240,7 @@ def main():
                         (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
     if parallel > 1:
-        columns.append(("greedy_equal_one_gpu", "greedy = 1 GPU"))
+        columns += [("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token")]
     meta = {**benchmarking.environment(), "shape": args.shape, "dtype": "bfloat16",
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}

@@ -7,6 +7,7 @@ jitted loop (benchmarking.time_in_loop) against the bytes it must read over the 
 in the same run:
 - model: the model call as the decode loop makes it (layers in one lax.scan over stacked weights);
 - unrolled: the same layers (transformer.decoder_layer) in a Python loop with static layer indices;
+- unrolled_split: the same loop over weights held as separate per-layer arrays (no slicing at all);
 - matmuls_stacked / matmuls_split: only the seven projections of each layer and the LM head, reading
   the stacked weights with a dynamic layer index in a scan, or separate per-layer arrays: what the
   matrix-vector products alone cost, and whether slicing stacked weights costs extra;
@@ -58,14 +59,19 @@ def main():
     def model_step(model, cache):
         return model(token, position, cache)[0]
 
-    def unrolled(model, cache):
+    def unrolled(model, cache, layers=None):
+        """Layers in a Python loop: sliced from the stacked weights by static index, or given as
+        separate per-layer arrays (layers)."""
         x = model.embed[...][token].astype(dtype)
         slots = cache.lengths[:, None]
         for i in range(L):
-            layer = jax.tree.map(lambda w: w[i], model.layers)
+            layer = jax.tree.map(lambda w: w[i], model.layers) if layers is None else layers[i]
             x, cache = decoder_layer(x, layer, i, position, slots, cache, config)
         final = normalize(x, model.final_norm[...], None, config)
         return unembed(final, model.embed[...], model.lm_head[...], dtype)
+
+    # Every layer's weights copied out into arrays of their own (what an unstacked model would hold).
+    per_layer = jax.block_until_ready([jax.tree.map(lambda w: w[i] + 0, model.layers) for i in range(L)])
 
     names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -99,6 +105,7 @@ def main():
     variants = {
         "model": (model_step, (model, cache), weights + kv_read),
         "unrolled": (unrolled, (model, cache), weights + kv_read),
+        "unrolled_split": (unrolled, (model, cache, per_layer), weights + kv_read),
         "matmuls_stacked": (matmuls_stacked, (model,), weights),
         "matmuls_split": (matmuls_split, (split_weights, model.embed[...], model.lm_head[...]), weights),
         "attention": (attention_only, (cache,), kv_read),
