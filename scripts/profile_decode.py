@@ -1,6 +1,7 @@
 """Where does an autoregressive decode step's time go? Variants of one 8B-shaped step, timed on the GPU.
 
-    PYTHONPATH=. python scripts/profile_decode.py [--batch 1] [--context 256] [--dump-hlo DIR]
+    PYTHONPATH=. python scripts/profile_decode.py [--batch 1] [--context 256] [--dump-hlo DIR] [--name NAME]
+    XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true ... --name profile_decode_dsf   (a compiler option tried)
 
 Each variant is one bfloat16 forward of one token per row at `context` cached tokens, timed inside a
 jitted loop (benchmarking.time_in_loop) against the bytes it must read over the copy bandwidth measured
@@ -38,6 +39,7 @@ def main():
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--cache", type=int, default=512)
     parser.add_argument("--dump-hlo", default=None)
+    parser.add_argument("--name", default="profile_decode", help="results file name (e.g. per XLA_FLAGS tried)")
     args = parser.parse_args()
     if args.dump_hlo:
         # Before the backend starts (at the first computation); every module of the run is dumped.
@@ -119,8 +121,9 @@ def main():
         rows.append({"variant": name, "ms": seconds * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds})
         print(f"{name:16s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
     meta = {**benchmarking.environment(), "shape": args.shape, "batch": B, "context": args.context,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "config": dataclasses.asdict(config)}
-    benchmarking.write_results("profile_decode", rows, [("variant", "variant"), ("ms", "ms"), ("floor_ms", "floor ms"),
+    benchmarking.write_results(args.name, rows, [("variant", "variant"), ("ms", "ms"), ("floor_ms", "floor ms"),
                                                        ("fraction_of_floor", "of floor")], meta,
                                os.environ.get("OUT", "benchmarks/results"))
 
