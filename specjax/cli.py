@@ -33,9 +33,16 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
     if tokenizer.bos_token_id is not None:
         prompt = [tokenizer.bos_token_id, *prompt]
+    mesh = None
+    if args.mesh:
+        from specjax import sharding
+
+        data, model_axis = _mesh_shape(args.mesh)
+        mesh = sharding.make_mesh(data, model_axis)
     start = time.perf_counter()
     result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                      eos_token_ids=hf.eos_token_ids(model_dir), seeds=args.seed, spec=spec, drafter=drafter)
+                      eos_token_ids=hf.eos_token_ids(model_dir), seeds=args.seed, spec=spec, drafter=drafter,
+                      mesh=mesh)
     seconds = time.perf_counter() - start
     tokens = result.sequences()[0]
     print(args.prompt + tokenizer.decode(tokens, skip_special_tokens=True))
@@ -44,6 +51,13 @@ def _generate(args: argparse.Namespace) -> int:
     if result.metrics is not None:
         print(result.metrics.format_summary())
     return 0
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise ValueError(f"--mesh {text!r} is invalid: allowed DATA,MODEL device counts, e.g. 1,2 (DATA -1: the rest)")
+    return int(parts[0]), int(parts[1])
 
 
 def _train_lm(args: argparse.Namespace) -> int:
@@ -106,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--param-dtype", default=None, help="weights dtype (default: the checkpoint's)")
     gen.add_argument("--dtype", default=None, help="compute dtype (default: the weights')")
+    gen.add_argument("--mesh", default=None, metavar="DATA,MODEL",
+                     help="run on a data x model device mesh, e.g. 1,2 (default: one device)")
     spec = gen.add_argument_group("speculative decoding (with --draft)")
     spec.add_argument("--draft", default=None, help="draft model folder (same vocabulary), e.g. default:draft")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="K, tokens drafted per step")

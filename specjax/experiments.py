@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax import default_models
-from specjax.config import ConfigError, DataConfig, SamplingConfig, SpecConfig, load_yaml
+from specjax import default_models, sharding
+from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
 from specjax.proposers import UnsupportedSpeculation
 
 
@@ -50,6 +50,8 @@ class RunConfig:
     # verify pass over K + 1 positions and the one-token autoregressive pass round differently, and
     # a near-tie in the logits can then flip a greedy token (seen on the default models: 1 row in 16).
     dtype: str | None = "float32"
+    # Devices (specjax.sharding): None runs on one device; e.g. {data: 1, model: 2} splits the models.
+    mesh: MeshConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +156,11 @@ class Runner:
     def run(self, config: RunConfig) -> dict:
         target, tokenizer = self._target(config.target, config.dtype)
         prompts = load_prompts(config, tokenizer)
+        mesh = None if config.mesh is None else sharding.make_mesh(config.mesh.data, config.mesh.model)
         common = dict(model=target, prompts=prompts, max_new_tokens=config.max_new_tokens,
-                      sampling=config.sampling, seeds=list(range(len(prompts))))
-        baseline_key = (config.target, config.dtype, json.dumps(prompts), config.max_new_tokens, config.sampling)
+                      sampling=config.sampling, seeds=list(range(len(prompts))), mesh=mesh)
+        baseline_key = (config.target, config.dtype, json.dumps(prompts), config.max_new_tokens, config.sampling,
+                        config.mesh)
         if baseline_key not in self._baselines:
             self._baselines[baseline_key] = self._timed(**common)
         baseline, ar_seconds = self._baselines[baseline_key]
@@ -178,7 +182,8 @@ class Runner:
             # Rows whose speculative tokens equal the autoregressive ones (greedy runs only).
             "greedy_identical_rows": sum(a == b for a, b in zip(result.sequences(), baseline.sequences(), strict=True))
             if greedy else None,
-            "prompts": len(prompts), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "prompts": len(prompts), "device": jax.devices()[0].device_kind, "devices": 1 if mesh is None else mesh.size,
+            "jax": jax.__version__,
         }
 
 
@@ -189,7 +194,7 @@ def point_fields(config: RunConfig) -> dict:
             "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature}
 
 
-TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "jax")
+TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")
 TABLE = [("method", "method"), ("K", "K"), ("rejection_sample_method", "verifier"), ("temperature", "T"),
          ("draft_sample_method", "drafting"), ("mean_acceptance_length", "mean acc. length"),
          ("acceptance_rate", "acc. rate"), ("spec_tokens_per_s", "tokens/s"), ("speedup", "speedup"),

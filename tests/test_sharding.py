@@ -196,3 +196,20 @@ def test_the_compiled_loops_all_reduce_activations_and_never_gather_weights(mode
         # Row-parallel outputs of the decode step ([rows, 1 or K + 1, D]) are summed over the model axis.
         width = 1 if name == "autoregressive" else 4
         assert (rows_per_shard, width, TARGET.hidden_size) in collectives(text, "all-reduce"), name
+
+
+def test_runs_and_generate_take_a_mesh_from_the_command_line(tmp_path, capsys):
+    import yaml
+
+    from specjax import cli
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"target": "default:target", "spec": {"method": "eagle"}, "num_prompts": 4,
+                                      "prompt_len": 32, "max_new_tokens": 16}))
+    assert cli.main(["run", str(config), "--set", "mesh={data: 2, model: 2}"]) == 0
+    out = capsys.readouterr().out
+    assert "| eagle | 4 | standard | 0 | greedy |" in out and out.split("\n")[2].endswith("| 4/4 |")
+    assert cli.main(["generate", "--mesh", "1,2", "--prompt", "import os", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("import os")
+    assert cli.main(["generate", "--mesh", "two", "--prompt", "x"]) == 2
+    assert "--mesh 'two' is invalid: allowed DATA,MODEL" in capsys.readouterr().err
