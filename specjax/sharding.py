@@ -46,6 +46,9 @@ PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
 }
 
 
+STACKED = ("layers", "layer")  # modules whose weights carry a leading layer axis (DecoderLayers)
+
+
 def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
     """A (data, model) mesh over the first data * model of `devices` (default: every device of every
     process). data=-1 takes every device the model axis leaves."""
@@ -74,8 +77,8 @@ def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool =
     rule = rule if len(rule) == len(shape) else ()  # e.g. Medusa's per-head LM heads: another layout
     spec = list(fit_spec(PartitionSpec(*rule), shape, dict(mesh.shape)))
     if fsdp and mesh.shape[DATA] > 1:
-        first = 1 if len(rule) == len(shape) and len(shape) >= 3 else 0  # skip the stacked layer axis
-        for dim in range(first, len(shape)):
+        stacked = any(n in STACKED for n in path)  # the layer axis stays whole: the scan slices it
+        for dim in range(1 if stacked else 0, len(shape)):
             if spec[dim] is None and shape[dim] % mesh.shape[DATA] == 0:
                 spec[dim] = DATA
                 break

@@ -68,6 +68,7 @@ def test_weights_are_placed_megatron_style():
     assert sharding.parameter_spec(("layers", "wq"), (2, 64, 8, 8), mesh, fsdp=True) == PartitionSpec(
         None, "data", "model", None)
     assert sharding.parameter_spec(("final_norm",), (64,), mesh, fsdp=True) == PartitionSpec("data")
+    assert sharding.parameter_spec(("layers", "attn_norm"), (2, 64), mesh, fsdp=True) == PartitionSpec(None, "data")
 
 
 def test_bad_meshes_are_refused():
