@@ -321,6 +321,8 @@ def generate(
             state = decode_loop(model, *args, sampling=sampling, eos_token_ids=eos_token_ids,
                                 cache_size=request.cache_size, cache_dtype=cache_dtype)
             return _result(state, request, eos_token_ids)
+        if verifier_name(spec, sampling) == "greedy":  # every lossless verifier: one program at T = 0
+            spec = dataclasses.replace(spec, rejection_sample_method="standard", verify_impl="auto")
         proposer = build_proposer(spec, sampling, request.cache_size, drafter)
         proposer.check(drafter, model.config)
         drafter = proposer.bind(drafter, model)

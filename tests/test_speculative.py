@@ -279,3 +279,20 @@ def test_at_temperature_zero_nothing_over_the_vocabulary_is_exponentiated():
     vocab = target_and_drafts()[0].config.vocab_size
     assert vocab not in _exp_output_widths(SamplingConfig(temperature=0.0))
     assert vocab in _exp_output_widths(SamplingConfig(temperature=1.0))  # the check can see it
+
+
+def test_at_temperature_zero_every_lossless_verifier_shares_one_program():
+    """At T = 0 standard and block are greedy verification: a sweep over both compiles once."""
+    target, drafts = target_and_drafts()
+    prompts = [[3, 9, 27], [5, 1]]
+    kwargs = dict(max_new_tokens=9, drafter=drafts["perturbed"])
+    first = generate(target, prompts, spec=SpecConfig(method="draft_model", num_speculative_tokens=3), **kwargs)
+    compiled = speculative_loop._cache_size()
+    second = generate(target, prompts, spec=SpecConfig(method="draft_model", num_speculative_tokens=3,
+                                                       rejection_sample_method="block"), **kwargs)
+    assert speculative_loop._cache_size() == compiled
+    assert second.sequences() == first.sequences()
+    generate(target, prompts, spec=SpecConfig(method="draft_model", num_speculative_tokens=3,
+                                              rejection_sample_method="block"), sampling=SamplingConfig(1.0),
+             **kwargs)
+    assert speculative_loop._cache_size() == compiled + 1  # sampling: block is its own program
