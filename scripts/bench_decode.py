@@ -141,6 +141,23 @@ def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args):
     return states
 
 
+def crossover_notes(rows: list[dict], methods: list[str], taus: list[float], prompt_lens: list[int]) -> str:
+    """For each drafter, tau and prompt length: the largest batch at which speculation still beats
+    autoregressive decoding, and the first at which it does not."""
+    lines = []
+    for method in methods:
+        for tau in taus:
+            for prompt_len in prompt_lens:
+                speedups = sorted((row["B"], row[f"{method}_tau{tau}_speedup"]) for row in rows
+                                  if row["prompt"] == prompt_len)
+                pays = [b for b, x in speedups if x > 1.0]
+                stops = [b for b, x in speedups if x <= 1.0]
+                lines.append(f"- {method}, tau {tau}, prompt {prompt_len}: speculation pays up to batch "
+                             f"{max(pays) if pays else 'none'}"
+                             + (f"; it stops paying at batch {min(stops)}" if stops else " (every batch measured)"))
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -244,7 +261,8 @@ def main():
     meta = {**benchmarking.environment(), "shape": args.shape, "dtype": "bfloat16",
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}
-    paths = benchmarking.write_results(args.name, rows, columns, meta, args.out_dir)
+    paths = benchmarking.write_results(args.name, rows, columns, meta, args.out_dir,
+                                       notes=crossover_notes(rows, methods, taus, prompt_lens))
     print("wrote", *paths)
 
 
