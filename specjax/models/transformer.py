@@ -157,10 +157,12 @@ def _value(param, dtype):
     return None if param is None else param[...].astype(dtype)
 
 
-def _project(x, w, b, spec: str, dtype):
-    # Accumulated and returned in float32, then rounded once: a row-parallel projection split over
-    # several devices then sums its partial products in float32 too, as one device does.
-    y = einsum_f32(spec, x, _value(w, dtype)).astype(dtype)
+def _project(x, w, b, spec: str, dtype, *, row_parallel: bool = False):
+    """x @ w (+ b). row_parallel: the contraction is what specjax.sharding splits over devices (the
+    attention-output and down projections), so the result comes out in float32 and is rounded once
+    after the partial products are summed, as on one device."""
+    w = _value(w, dtype)
+    y = einsum_f32(spec, x, w).astype(dtype) if row_parallel else jnp.einsum(spec, x, w)
     return y if b is None else y + _value(b, dtype)
 
 
@@ -172,7 +174,7 @@ def _mlp(x: Float[Array, "B T D"], layer: DecoderLayers, config: ModelConfig) ->
         act = jax.nn.silu(gate) * up
     else:
         act = jax.nn.gelu(up, approximate=True)
-    return _project(act, layer.w_down, layer.b_down, "btf,fd->btd", dtype)
+    return _project(act, layer.w_down, layer.b_down, "btf,fd->btd", dtype, row_parallel=True)
 
 
 def query_slots_for(batch: int, num_new: int, cache: KVCache | None) -> Int[Array, "B T"]:
@@ -202,7 +204,7 @@ def decoder_layer(x: Float[Array, "B T D"], layer: DecoderLayers, index, positio
         cache = cache.write(index, k, v)
         k, v = cache.k[index].astype(dtype), cache.v[index].astype(dtype)
     attn = attention(q, k, v, query_slots, c)
-    x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype)
+    x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
     h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
     return x + _mlp(h, layer, c), cache
 
