@@ -34,7 +34,7 @@ from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, pad_request, speculative_loop
 from specjax.models.eagle import EagleConfig, init_eagle
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import init_model
+from specjax.models.transformer import init_model, split_layers
 from specjax.proposers.base import build_proposer
 
 BF16 = dict(param_dtype="bfloat16", dtype="bfloat16")
@@ -182,12 +182,13 @@ def main():
     bandwidth = benchmarking.copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     target_config, draft_config = SHAPES[args.shape]
-    target = on_device(lambda: init_model(target_config, seed=0))
+    parallel = args.model_parallel
+    # In the decoding layout (split_layers), as experiments.load_models gives it.
+    target = split_layers(on_device(lambda: init_model(target_config, seed=0)), parallel)
     head_layer = dataclasses.replace(target_config, num_layers=1)
-    drafters = {"draft_model": on_device(lambda: init_model(draft_config, seed=1)),
+    drafters = {"draft_model": split_layers(on_device(lambda: init_model(draft_config, seed=1)), parallel),
                 "eagle": on_device(lambda: init_eagle(EagleConfig(layer=head_layer, version=1), seed=2))}
     greedy = SamplingConfig()
-    parallel = args.model_parallel
     mesh = sharding.make_mesh(1, parallel)
     cases = [(p, b, -(-(p + new_tokens + num_draft + 1) // 128) * 128) for p in prompt_lens for b in batches]
     # One GPU's greedy tokens (autoregressive, and speculative with the first method and tau), to compare with.
@@ -199,6 +200,19 @@ def main():
                 generation_args(target, batch, prompt_len, new_tokens, num_draft + 1, cache_size))]
     target = sharding.shard(target, mesh)
     drafters = {name: sharding.shard(drafter, mesh) for name, drafter in drafters.items()}
+    columns = [("gpus", "GPUs"), ("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
+               ("floor_tok_s", "floor tok/s"), ("ar_fraction_of_floor", "AR / floor"),
+               ("t_ar_forward_s", "T_forward(1) s"), ("t_verify_s", "T_verify(K+1) s")]
+    for method in methods:
+        for tau in taus:
+            columns += [(f"t_draft_{method}_s", f"T_draft {method} s"), (f"{method}_tau{tau}_tok_s", f"{method} τ={tau} tok/s"),
+                        (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
+                        (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
+    if parallel > 1:
+        columns += [("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token")]
+    meta = {**benchmarking.environment(), "shape": args.shape, "dtype": "bfloat16",
+            "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
+            "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}
     rows = []
     with jax.set_mesh(mesh):
         for prompt_len, batch, cache_size in cases:
@@ -247,22 +261,10 @@ def main():
             print({k: (f"{v * 1e3:.3f} ms" if k.startswith("t_") else round(v, 3) if isinstance(v, float) else v)
                    for k, v in row.items()}, flush=True)
             rows.append(row)
+            # After every case: a run cut short keeps what it measured.
+            paths = benchmarking.write_results(args.name, rows, columns, meta, args.out_dir,
+                                               notes=crossover_notes(rows, methods, taus, prompt_lens))
 
-    columns = [("gpus", "GPUs"), ("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
-               ("floor_tok_s", "floor tok/s"), ("ar_fraction_of_floor", "AR / floor"),
-               ("t_ar_forward_s", "T_forward(1) s"), ("t_verify_s", "T_verify(K+1) s")]
-    for method in methods:
-        for tau in taus:
-            columns += [(f"t_draft_{method}_s", f"T_draft {method} s"), (f"{method}_tau{tau}_tok_s", f"{method} τ={tau} tok/s"),
-                        (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
-                        (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
-    if parallel > 1:
-        columns += [("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token")]
-    meta = {**benchmarking.environment(), "shape": args.shape, "dtype": "bfloat16",
-            "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
-            "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}
-    paths = benchmarking.write_results(args.name, rows, columns, meta, args.out_dir,
-                                       notes=crossover_notes(rows, methods, taus, prompt_lens))
     print("wrote", *paths)
 
 

@@ -76,21 +76,23 @@ def specjax_side(target_dir: Path, draft_dir: Path, prompts: list[list[int]], ne
     from specjax.config import SpecConfig
     from specjax.decoding import generate
     from specjax.models import hf
+    from specjax.models.transformer import split_layers
 
-    target, draft = hf.load(target_dir, dtype=dtype, param_dtype=dtype), hf.load(draft_dir, dtype=dtype,
-                                                                                param_dtype=dtype)
+    target, draft = (split_layers(hf.load(folder, dtype=dtype, param_dtype=dtype)) for folder in (target_dir, draft_dir))
     modes = {"specjax_ar": {}, "specjax_speculative": dict(spec=SpecConfig(method="draft_model",
                                                                            num_speculative_tokens=k), drafter=draft)}
     results = {}
     for name, extra in modes.items():
         outputs, seconds = [], 0.0
         for index, prompt in enumerate(prompts):
-            if index == 0:
-                generate(target, [prompt], max_new_tokens=new_tokens, **extra)  # compiles
-            start = time.perf_counter()
-            result = generate(target, [prompt], max_new_tokens=new_tokens, **extra)
-            jax.block_until_ready(result.tokens)
-            seconds += time.perf_counter() - start
+            # float32 products in float32, as PyTorch's default (the GPU's TF32 would round differently).
+            with jax.default_matmul_precision("float32" if dtype == "float32" else None):
+                if index == 0:
+                    generate(target, [prompt], max_new_tokens=new_tokens, **extra)  # compiles
+                start = time.perf_counter()
+                result = generate(target, [prompt], max_new_tokens=new_tokens, **extra)
+                jax.block_until_ready(result.tokens)
+                seconds += time.perf_counter() - start
             outputs.append(result.sequences()[0])
         results[name] = {"tokens": outputs, "tok_s": new_tokens * len(prompts) / seconds}
     return results
@@ -107,7 +109,7 @@ def shapes_8b(new_tokens: int, k: int, prompt_len: int = 128) -> dict:
     from specjax.config import SamplingConfig
     from specjax.decoding import decode_loop
     from specjax.models.hf import config_to_hf
-    from specjax.models.transformer import init_model
+    from specjax.models.transformer import init_model, split_layers
 
     target_config, draft_config = SHAPES["8b"]
     models = []
@@ -121,7 +123,7 @@ def shapes_8b(new_tokens: int, k: int, prompt_len: int = 128) -> dict:
     del models
     torch.cuda.empty_cache()
 
-    target = on_device(lambda: init_model(target_config, seed=0))
+    target = split_layers(on_device(lambda: init_model(target_config, seed=0)))
     cache_size = -(-(prompt_len + new_tokens + k + 1) // 128) * 128
     args = generation_args(target, 1, prompt_len, new_tokens, k + 1, cache_size)
     run = lambda: decode_loop(target, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=cache_size)  # noqa: E731

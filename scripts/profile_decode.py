@@ -6,21 +6,34 @@
 Each variant is one bfloat16 forward of one token per row at `context` cached tokens, timed inside a
 jitted loop (benchmarking.time_in_loop) against the bytes it must read over the copy bandwidth measured
 in the same run:
-- model: the model call as the decode loop makes it (layers in one lax.scan over stacked weights);
+- model: the model call as the decode loop makes it (transformer.split_layers: a Python loop over
+  per-layer weights);
+- model_stacked: the model call with stacked weights (layers in one lax.scan);
 - unrolled: the same layers (transformer.decoder_layer) in a Python loop with static layer indices;
 - unrolled_split: the same loop over weights held as separate per-layer arrays (no slicing at all);
 - matmuls_stacked / matmuls_split: only the seven projections of each layer and the LM head, reading
   the stacked weights with a dynamic layer index in a scan, or separate per-layer arrays: what the
   matrix-vector products alone cost, and whether slicing stacked weights costs extra;
-- attention: only the attention over the cache (all layers).
+- matmuls_fused: the same with q, k, v in one [D, (H + 2K) E] weight and gate, up in one [D, 2F]
+  (four products a layer instead of seven);
+- attention: only the attention over the cache (all layers);
+- gemv DxF / gemv FxD^T: one activation-times-weight product for each weight shape of the layer, with
+  the weight stored [in, out] (as specjax stores it) or [out, in] (contraction over its minor axis),
+  against the copy bandwidth.
+--trace STEPS profiles STEPS tokens of the real decode loop (jax.profiler) and tabulates the GPU
+kernels by total time: which kernels the step spends its time in, and how much is gaps between them.
 --dump-hlo writes the optimised HLO of every program (XLA's own dump) for reading off the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import glob
 import os
+import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +52,15 @@ def main():
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--cache", type=int, default=512)
     parser.add_argument("--dump-hlo", default=None)
+    parser.add_argument("--only", default="", help="time only the variants whose names match this regex")
+    parser.add_argument("--trace", type=int, default=0, help="profile this many steps of the decode loop")
     parser.add_argument("--name", default="profile_decode", help="results file name (e.g. per XLA_FLAGS tried)")
     args = parser.parse_args()
     if args.dump_hlo:
         # Before the backend starts (at the first computation); every module of the run is dumped.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.dump_hlo}"
                                    " --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$")
-    from specjax.models.transformer import init_model
+    from specjax.models.transformer import init_model, split_layers
 
     bandwidth = benchmarking.copy_bandwidth()
     config, _ = SHAPES[args.shape]
@@ -99,33 +114,123 @@ def main():
             x = projections(x, w)
         return x @ lm_head
 
+    def fused_projections(x, w):
+        qkv = x @ w["wqkv"]
+        q = qkv[:, :config.num_heads * config.head_dim]
+        o = q @ w["wo"]
+        gate, up = jnp.split(x @ w["w_gate_up"], 2, axis=-1)
+        return x + o + (jax.nn.silu(gate) * up) @ w["w_down"] + qkv[:, -1:].astype(x.dtype)
+
+    fused_weights = jax.block_until_ready([{
+        "wqkv": jnp.concatenate([w["wq"].reshape(w["wq"].shape[0], -1), w["wk"].reshape(w["wk"].shape[0], -1),
+                                 w["wv"].reshape(w["wv"].shape[0], -1)], axis=1),
+        "wo": w["wo"].reshape(-1, w["wo"].shape[-1]),
+        "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1), "w_down": w["w_down"]} for w in split_weights])
+
+    def matmuls_fused(fused_weights, embed, lm_head):
+        x = embed[token[:, 0]].astype(dtype)
+        for w in fused_weights:
+            x = fused_projections(x, w)
+        return x @ lm_head
+
     def attention_only(cache):
         q = jnp.ones((B, 1, config.num_heads, config.head_dim), dtype)
         out = [attention(q, cache.k[i], cache.v[i], cache.lengths[:, None], config) for i in range(L)]
         return sum(o.astype(jnp.float32).sum() for o in out)
 
+    def gemv(x, w, transposed):
+        return jnp.einsum("bd,fd->bf" if transposed else "bd,df->bf", x, w)
+
+    F, Q, KV = config.intermediate_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    gemv_shapes = {"q": (config.hidden_size, Q), "kv": (config.hidden_size, KV), "o": (Q, config.hidden_size),
+                   "up": (config.hidden_size, F), "down": (F, config.hidden_size),
+                   "qkv_fused": (config.hidden_size, Q + 2 * KV), "gate_up_fused": (config.hidden_size, 2 * F),
+                   "lm_head": (config.hidden_size, config.vocab_size)}
+    key = jax.random.key(0)
+    gemvs = {}
+    for name, (d_in, d_out) in gemv_shapes.items():
+        x = jax.random.normal(key, (B, d_in), dtype)
+        for transposed in (False, True):
+            w = jax.random.normal(key, (d_out, d_in) if transposed else (d_in, d_out), dtype)
+            label = f"gemv {name} {'[out,in]' if transposed else '[in,out]'} {d_in}x{d_out}"
+            gemvs[label] = (lambda x, w, t=transposed: gemv(x, w, t), (x, w), w.size * w.dtype.itemsize)
+
     variants = {
-        "model": (model_step, (model, cache), weights + kv_read),
+        "model": (model_step, (split_layers(model), cache), weights + kv_read),
+        "model_stacked": (model_step, (model, cache), weights + kv_read),
         "unrolled": (unrolled, (model, cache), weights + kv_read),
         "unrolled_split": (unrolled, (model, cache, per_layer), weights + kv_read),
         "matmuls_stacked": (matmuls_stacked, (model,), weights),
         "matmuls_split": (matmuls_split, (split_weights, model.embed[...], model.lm_head[...]), weights),
+        "matmuls_fused": (matmuls_fused, (fused_weights, model.embed[...], model.lm_head[...]), weights),
         "attention": (attention_only, (cache,), kv_read),
+        **gemvs,
     }
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB, KV {kv_read / 1e6:.1f} MB; "
           f"B={B} context={args.context}")
     rows = []
     for name, (fn, fn_args, floor_bytes) in variants.items():
+        if not re.search(args.only, name):
+            continue
         seconds = benchmarking.time_in_loop(fn, *fn_args, iterations=10)["median_s"]
         floor = floor_bytes / bandwidth
         rows.append({"variant": name, "ms": seconds * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds})
-        print(f"{name:16s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
+        print(f"{name:40s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
+    notes = kernel_table(split_layers(model), cache, args.trace) if args.trace else ""
     meta = {**benchmarking.environment(), "shape": args.shape, "batch": B, "context": args.context,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "config": dataclasses.asdict(config)}
     benchmarking.write_results(args.name, rows, [("variant", "variant"), ("ms", "ms"), ("floor_ms", "floor ms"),
                                                        ("fraction_of_floor", "of floor")], meta,
-                               os.environ.get("OUT", "benchmarks/results"))
+                               os.environ.get("OUT", "benchmarks/results"), notes=notes)
+
+
+def kernel_table(model, cache, steps: int, top: int = 30) -> str:
+    """GPU kernels of `steps` decode-loop steps under jax.profiler, by total time: a markdown table
+    (kernel, XLA op, launches per step, microseconds per step, share), with the busy time against the
+    wall time between the first kernel's start and the last kernel's end."""
+    from jax.profiler import ProfileData
+
+    from specjax.config import SamplingConfig
+    from specjax.decoding import decode_loop
+
+    B = cache.lengths.shape[0]
+    args = (jnp.ones((B, 128), jnp.int32), jnp.full((B,), 128, jnp.int32), jnp.full((B,), steps, jnp.int32),
+            jax.vmap(jax.random.key)(jnp.arange(B)))
+    run = lambda: decode_loop(model, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=512).tokens
+    jax.block_until_ready(run())
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        jax.block_until_ready(run())
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    totals, counts, ops = collections.Counter(), collections.Counter(), {}
+    first, last, lines_seen = None, None, set()
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            lines_seen.add(line.name)
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                totals[event.name] += event.duration_ns
+                counts[event.name] += 1
+                ops.setdefault(event.name, dict(event.stats).get("hlo_op", ""))
+                first = event.start_ns if first is None else min(first, event.start_ns)
+                last = max(last or 0, event.start_ns + event.duration_ns)
+    busy = sum(totals.values())
+    if not totals:
+        print(message := f"(no GPU kernels found in the trace; device lines: {sorted(lines_seen)})")
+        return message
+    lines = [f"Trace of {steps} decode steps (prefill included): kernels busy {busy / 1e6:.2f} ms of a "
+             f"{(last - first) / 1e6:.2f} ms span ({busy / (last - first):.0%}); {sum(counts.values())} launches; "
+             f"device lines {sorted(lines_seen)}", "",
+             "| kernel | XLA op | launches / step | µs / step | share |", "|---|---|---|---|---|"]
+    for name, total in totals.most_common(top):
+        lines.append(f"| {name[:80]} | {str(ops[name])[:40]} | {counts[name] / steps:.1f} | "
+                     f"{total / steps / 1e3:.1f} | {total / busy:.1%} |")
+    print("\n".join(lines), flush=True)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

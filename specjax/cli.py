@@ -19,26 +19,31 @@ def _generate(args: argparse.Namespace) -> int:
     from specjax import default_models
     from specjax.decoding import generate
     from specjax.models import hf
+    from specjax.models.transformer import decoding_layout
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    mesh, model_shards = None, 1
+    if args.mesh:
+        from specjax import sharding
+
+        data, model_shards = _mesh_shape(args.mesh)
+        mesh = sharding.make_mesh(data, model_shards)
+
+    def load(folder):
+        return decoding_layout(hf.load(folder, param_dtype=args.param_dtype, dtype=args.dtype), model_shards)
+
     spec = drafter = None
     if args.draft is not None:
         spec = SpecConfig(method="draft_model", num_speculative_tokens=args.num_speculative_tokens,
                           rejection_sample_method=args.rejection_sample_method,
                           draft_sample_method=args.draft_sample_method)
-        drafter = hf.load(default_models.resolve(args.draft), param_dtype=args.param_dtype, dtype=args.dtype)
+        drafter = load(default_models.resolve(args.draft))
     model_dir = default_models.resolve(args.model)
-    model = hf.load(model_dir, param_dtype=args.param_dtype, dtype=args.dtype)
+    model = load(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(args.model))
     prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
     if tokenizer.bos_token_id is not None:
         prompt = [tokenizer.bos_token_id, *prompt]
-    mesh = None
-    if args.mesh:
-        from specjax import sharding
-
-        data, model_axis = _mesh_shape(args.mesh)
-        mesh = sharding.make_mesh(data, model_axis)
     start = time.perf_counter()
     result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
                       eos_token_ids=hf.eos_token_ids(model_dir), seeds=args.seed, spec=spec, drafter=drafter,

@@ -65,9 +65,10 @@ class SweepConfig:
 
 # ------------------------------------------------------------------------------------------ loading
 
-def load_drafter(method: str, folder: str | None, target, dtype: str | None = None):
+def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1):
     """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one);
-    dtype is the compute dtype (None: the checkpoint's; EAGLE heads compute in the target's)."""
+    dtype is the compute dtype (None: the checkpoint's; EAGLE heads compute in the target's); a draft
+    LM comes in transformer.decoding_layout for model_shards."""
     if method == "ngram":
         return None
     if folder is None:
@@ -75,8 +76,9 @@ def load_drafter(method: str, folder: str | None, target, dtype: str | None = No
     folder = default_models.resolve(folder)
     if method == "draft_model":
         from specjax.models import hf
+        from specjax.models.transformer import decoding_layout
 
-        return hf.load(folder, dtype=dtype)
+        return decoding_layout(hf.load(folder, dtype=dtype), model_shards)
     if method in ("eagle", "eagle3"):
         from specjax.models.eagle import load_eagle
 
@@ -95,21 +97,24 @@ def drafter_folder(config: RunConfig) -> str | None:
     return config.drafter
 
 
-def load_models(target: str, method: str | None = None, drafter: str | None = None, dtype: str | None = None):
+def load_models(target: str, method: str | None = None, drafter: str | None = None, dtype: str | None = None,
+                model_shards: int = 1):
     """(target model, its tokenizer, drafter) from folders, for research scripts; `default:NAME` names a
     bundled model, and with the bundled target the drafter defaults to the bundled one of the method.
-    dtype: the compute dtype of both (None: the checkpoints')."""
+    dtype: the compute dtype of both (None: the checkpoints'). Models come in the layout that decodes
+    fastest on the backend (transformer.decoding_layout), for a mesh of model_shards on its model axis."""
     from transformers import AutoTokenizer
 
     from specjax.models import hf
+    from specjax.models.transformer import decoding_layout
 
-    model = hf.load(default_models.resolve(target), dtype=dtype)
+    model = decoding_layout(hf.load(default_models.resolve(target), dtype=dtype), model_shards)
     tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(target))
     if method is None:
         return model, tokenizer, None
     if drafter is None and target == default_models.TARGET:
         drafter = default_models.drafter_folder(method)
-    return model, tokenizer, load_drafter(method, drafter, model, dtype)
+    return model, tokenizer, load_drafter(method, drafter, model, dtype, model_shards)
 
 
 def load_prompts(config: RunConfig, tokenizer) -> list[list[int]]:
@@ -140,34 +145,40 @@ class Runner:
         self._models: dict = {}
         self._baselines: dict = {}
 
-    def _target(self, folder: str, dtype: str | None):
-        if (folder, dtype) not in self._models:
-            self._models[folder, dtype] = load_models(folder, dtype=dtype)[:2]
-        return self._models[folder, dtype]
+    def _target(self, folder: str, dtype: str | None, model_shards: int):
+        if (folder, dtype, model_shards) not in self._models:
+            self._models[folder, dtype, model_shards] = load_models(folder, dtype=dtype, model_shards=model_shards)[:2]
+        return self._models[folder, dtype, model_shards]
 
-    def _timed(self, **kwargs):
+    @staticmethod
+    def _timed(precision: str | None, **kwargs):
         from specjax.decoding import generate
 
-        generate(**kwargs)  # compile
-        start = time.perf_counter()
-        result = generate(**kwargs)
+        with jax.default_matmul_precision(precision):
+            generate(**kwargs)  # compile
+            start = time.perf_counter()
+            result = generate(**kwargs)
         return result, time.perf_counter() - start
 
     def run(self, config: RunConfig) -> dict:
-        target, tokenizer = self._target(config.target, config.dtype)
+        model_shards = 1 if config.mesh is None else config.mesh.model
+        target, tokenizer = self._target(config.target, config.dtype, model_shards)
         prompts = load_prompts(config, tokenizer)
         mesh = None if config.mesh is None else sharding.make_mesh(config.mesh.data, config.mesh.model)
         common = dict(model=target, prompts=prompts, max_new_tokens=config.max_new_tokens,
                       sampling=config.sampling, seeds=list(range(len(prompts))), mesh=mesh)
         baseline_key = (config.target, config.dtype, json.dumps(prompts), config.max_new_tokens, config.sampling,
                         config.mesh)
+        # float32 runs multiply in float32: GPUs otherwise take float32 products in TF32, whose rounding
+        # flips greedy near-ties between the verify pass and the one-token pass (seen: 1 row in 32).
+        precision = "float32" if config.dtype == "float32" else None
         if baseline_key not in self._baselines:
-            self._baselines[baseline_key] = self._timed(**common)
+            self._baselines[baseline_key] = self._timed(precision, **common)
         baseline, ar_seconds = self._baselines[baseline_key]
-        drafter_key = (config.spec.method, drafter_folder(config), config.dtype)
+        drafter_key = (config.spec.method, drafter_folder(config), config.dtype, model_shards)
         if drafter_key not in self._models:
-            self._models[drafter_key] = load_drafter(*drafter_key[:2], target, config.dtype)
-        result, spec_seconds = self._timed(**common, spec=config.spec, drafter=self._models[drafter_key])
+            self._models[drafter_key] = load_drafter(*drafter_key[:2], target, config.dtype, model_shards)
+        result, spec_seconds = self._timed(precision, **common, spec=config.spec, drafter=self._models[drafter_key])
         summary = result.metrics.summary()
         greedy = config.sampling.is_greedy
         return {

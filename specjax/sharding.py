@@ -26,27 +26,32 @@ DATA, MODEL = "data", "model"
 BATCH = PartitionSpec(DATA)  # [B, ...] arrays
 CACHE = PartitionSpec(None, DATA, None, MODEL, None)  # KVCache.k / .v: [L, B, S, H_kv, D]
 
-# Parameter name -> the mesh axis of each dimension. Decoder weights are stacked on a leading layer
-# axis (specjax.models.transformer.DecoderLayers); names not listed are replicated.
+# Parameter name -> the mesh axis of each dimension of one layer's weight; names not listed are
+# replicated. Stacked decoder weights (specjax.models.transformer.DecoderLayers) carry a leading layer
+# axis in front, which stays whole.
 PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
-    "wq": (None, None, MODEL, None),  # [L, D, H, E]: column parallel over heads
-    "wk": (None, None, MODEL, None),  # [L, D, H_kv, E]
-    "wv": (None, None, MODEL, None),
-    "bq": (None, MODEL, None),  # [L, H, E]
-    "bk": (None, MODEL, None),
-    "bv": (None, MODEL, None),
-    "wo": (None, MODEL, None, None),  # [L, H, E, D]: row parallel
-    "w_gate": (None, None, MODEL),  # [L, D, F]: column parallel
-    "w_up": (None, None, MODEL),
-    "b_gate": (None, MODEL),  # [L, F]
-    "b_up": (None, MODEL),
-    "w_down": (None, MODEL, None),  # [L, F, D]: row parallel
+    "wq": (None, MODEL, None),  # [D, H, E]: column parallel over heads
+    "wk": (None, MODEL, None),  # [D, H_kv, E]
+    "wv": (None, MODEL, None),
+    "bq": (MODEL, None),  # [H, E]
+    "bk": (MODEL, None),
+    "bv": (MODEL, None),
+    "wo": (MODEL, None, None),  # [H, E, D]: row parallel
+    "w_gate": (None, MODEL),  # [D, F]: column parallel
+    "w_up": (None, MODEL),
+    "b_gate": (MODEL,),  # [F]
+    "b_up": (MODEL,),
+    "w_down": (MODEL, None),  # [F, D]: row parallel
+    "wqkv": (None, MODEL, None, None),  # [D, M, H/M + 2K/M, E]: transformer.DecodingLayer, shard-major
+    "bqkv": (MODEL, None, None),
+    "w_gate_up": (None, MODEL, None, None),  # [D, M, 2, F/M]
+    "b_gate_up": (MODEL, None, None),
     "embed": (MODEL, None),  # [V, D]: vocabulary parallel
     "lm_head": (None, MODEL),  # [D, V]
 }
 
 
-STACKED = ("layers", "layer")  # modules whose weights carry a leading layer axis (DecoderLayers)
+STACKED = ("layers", "layer")  # modules whose weights may carry a leading layer axis (DecoderLayers)
 
 
 def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
@@ -74,11 +79,13 @@ def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool =
     the first whole dimension the data axis divides (after the layer axis of stacked weights)."""
     name = str(path[-1]) if path else ""
     rule = PARAMETER_RULES.get(name, ())
+    # Stacked layers carry the layer axis; split_layers' have a layer index in their path instead.
+    stacked = any(n in STACKED for n in path) and not any(n.isdigit() for n in path)
+    rule = (None, *rule) if stacked and rule else rule
     rule = rule if len(rule) == len(shape) else ()  # e.g. Medusa's per-head LM heads: another layout
     spec = list(fit_spec(PartitionSpec(*rule), shape, dict(mesh.shape)))
     if fsdp and mesh.shape[DATA] > 1:
-        stacked = any(n in STACKED for n in path)  # the layer axis stays whole: the scan slices it
-        for dim in range(1 if stacked else 0, len(shape)):
+        for dim in range(1 if stacked else 0, len(shape)):  # the layer axis stays whole: the scan slices it
             if spec[dim] is None and shape[dim] % mesh.shape[DATA] == 0:
                 spec[dim] = DATA
                 break
@@ -129,7 +136,7 @@ def _names(path) -> tuple[str, ...]:
     """The attribute and key names along a pytree path (nnx Variables end in `.value`, skipped)."""
     names = []
     for key in path:
-        name = getattr(key, "key", getattr(key, "name", None))
+        name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
         if name is not None and name != "value":
             names.append(str(name))
     return tuple(names)

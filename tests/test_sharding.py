@@ -20,7 +20,7 @@ from specjax.config import (DataConfig, MeshConfig, ModelConfig, OptimizerConfig
 from specjax.decoding import decode_loop, generate, pad_request, speculative_loop
 from specjax.models.eagle import EagleConfig, init_eagle
 from specjax.models.medusa import MedusaConfig, init_medusa
-from specjax.models.transformer import init_model
+from specjax.models.transformer import init_model, split_layers
 from specjax.proposers import build_proposer
 from specjax.training.lm import fit, next_token_loss
 
@@ -99,6 +99,27 @@ def test_autoregressive_tokens_match_one_device(models, prompts, mesh_shape):
         assert got.sequences() == want.sequences()
 
 
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+def test_the_decoding_layout_matches_one_device(models, prompts, mesh_shape):
+    """split_layers made for the mesh's model axis: the same greedy and sampled tokens as the stacked
+    model on one device, autoregressive and speculative, and its fused weights split by heads."""
+    mesh = sharding.make_mesh(*mesh_shape)
+    target = split_layers(models["target"], model_shards=mesh_shape[1])
+    draft = split_layers(models["draft_model"], model_shards=mesh_shape[1])
+    placed = sharding.shard(target, mesh)
+    model_axis = sharding.MODEL if TARGET.num_kv_heads % mesh_shape[1] == 0 else None  # else one-device layout
+    assert placed.layers[0].wqkv[...].sharding.spec == PartitionSpec(None, model_axis, None, None)
+    assert placed.layers[0].w_gate_up[...].sharding.spec == PartitionSpec(None, model_axis, None, None)
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3)
+    for sampling in (GREEDY, T1):
+        for extra, reference in [({}, {}), (dict(spec=spec, drafter=draft), dict(spec=spec, drafter=models["draft_model"]))]:
+            want = generate(models["target"], prompts, max_new_tokens=10, sampling=sampling, seeds=list(range(8)),
+                            **reference)
+            got = generate(placed, prompts, max_new_tokens=10, sampling=sampling, seeds=list(range(8)), mesh=mesh,
+                           **extra)
+            assert got.sequences() == want.sequences(), (sampling, bool(extra))
+
+
 VERIFIERS = [  # (sampling, SpecConfig changes, gather_logits)
     (GREEDY, {}, False),
     (T1, {"rejection_sample_method": "standard", "draft_sample_method": "probabilistic"}, False),
@@ -172,24 +193,28 @@ def parameter_shapes(module) -> set[tuple[int, ...]]:
     return shapes
 
 
-def test_the_compiled_loops_all_reduce_activations_and_never_gather_weights(models, prompts):
+@pytest.mark.parametrize("layout", ["stacked", "decoding"])
+def test_the_compiled_loops_all_reduce_activations_and_never_gather_weights(models, prompts, layout):
+    """Also for the decoding layout (split_layers for 4 model shards): its fused q/k/v and gate/up
+    weights are shard-major, so splitting them needs no collective either."""
     mesh = sharding.make_mesh(2, 4)
-    target = models["target"]
+    split = (lambda m: split_layers(m, model_shards=4)) if layout == "decoding" else (lambda m: m)  # noqa: E731
+    target, draft_model = split(models["target"]), split(models["draft_model"])
     request = pad_request(target, prompts, 12, 0, None, 4, batch_multiple=2)
     args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
             jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
     proposer = build_proposer(SpecConfig(method="draft_model", num_speculative_tokens=3), T1, request.cache_size,
-                              models["draft_model"])
+                              draft_model)
     with jax.set_mesh(mesh):
         placed, placed_args = sharding.shard(target, mesh), sharding.put(args, mesh)
-        draft = sharding.shard(proposer.bind(models["draft_model"], target), mesh)
+        draft = sharding.shard(proposer.bind(draft_model, target), mesh)
         programs = {
             "autoregressive": compiled_text(decode_loop.lower(placed, *placed_args, sampling=GREEDY,
                                                               eos_token_ids=(), cache_size=request.cache_size)),
             "speculative": compiled_text(speculative_loop.lower(placed, draft, *placed_args, proposer=proposer,
                                                                 eos_token_ids=())),
         }
-    weights = parameter_shapes(target) | parameter_shapes(models["draft_model"])
+    weights = parameter_shapes(target) | parameter_shapes(draft_model)
     rows_per_shard = request.tokens.shape[0] // 2
     for name, text in programs.items():
         gathered = collectives(text, "all-gather")

@@ -8,6 +8,7 @@ from conftest import fixture_dir, positions_like
 
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import DecodingLayer, decoding_layout, split_layers
 
 PROMPT_LENGTHS = (5, 9, 2)
 DECODE_STEPS = 7
@@ -70,3 +71,38 @@ def test_bfloat16_compute_stays_close_to_float32():
     bf16, hidden, _ = bf16_model(tokens, positions_like(tokens))
     assert bf16.dtype == jnp.float32 and hidden.final.dtype == jnp.bfloat16
     assert np.abs(np.asarray(bf16) - np.asarray(f32)).max() < 0.15 * np.abs(np.asarray(f32)).max()
+
+
+@pytest.mark.parametrize("model_shards", [1, 2])
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt2", "qwen2"])
+def test_the_decoding_layout_is_the_same_model(name, model_shards):
+    """split_layers (per-layer arrays, fused q/k/v and gate/up, shard-major for model_shards) computes
+    what the stacked model computes: a full forward with hidden layers, then cached decode steps."""
+    stacked = hf.load(fixture_dir(name))
+    split = split_layers(stacked, model_shards)
+    assert isinstance(split.layers[0], DecodingLayer) and len(split.layers) == stacked.config.num_layers
+    assert split_layers(split) is split
+    c = stacked.config
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, c.vocab_size, (2, 9)))
+    hidden_layers = (0, c.num_layers - 1, c.num_layers)
+    (la, ha, _), (lb, hb, _) = (m(tokens, positions_like(tokens), hidden_layers=hidden_layers)
+                                for m in (stacked, split))
+    np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0)
+    # The residual stream grows to ~10 here: float32 rounding of differently blocked products, to scale.
+    scale = float(np.abs(np.asarray(ha.layers)).max())
+    np.testing.assert_allclose(np.asarray(hb.layers), np.asarray(ha.layers), atol=2e-6 * scale, rtol=0)
+    caches = [KVCache.create(c, 2, 16) for _ in range(2)]
+    for step in range(3):
+        chunk = tokens[:, 3 * step:3 * step + 3]
+        positions = positions_like(chunk) + 3 * step
+        (la, _, caches[0]), (lb, _, caches[1]) = (m(chunk, positions, cache) for m, cache in
+                                                   zip((stacked, split), caches))
+        np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0, err_msg=f"step {step}")
+    np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), atol=1e-5, rtol=0)
+
+
+def test_the_decoding_layout_is_taken_on_gpus_only(monkeypatch):
+    model = hf.load(fixture_dir("llama_gqa"))
+    assert decoding_layout(model) is model  # this backend: the stacked model as is
+    monkeypatch.setattr("jax.default_backend", lambda: "gpu")
+    assert isinstance(decoding_layout(model, 2).layers[0], DecodingLayer)
