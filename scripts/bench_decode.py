@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_decode.py [--batches 1,4,16,64] [--prompt-lens 128,1024]
         [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5] [--methods eagle,draft_model]
-        [--shape 8b|tiny]
+        [--shape 8b|tiny] [--dtype bfloat16|float32] [--model-parallel N]
 
 Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target, a
 Llama-3.2-1B-shaped draft LM and an EAGLE-1 head for the 8B shape. For each batch size and prompt
@@ -15,7 +15,10 @@ length it reports:
   K drafts), beside the analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component
   times measured in the same run (T_verify: one target forward over K + 1 positions; T_draft: one
   drafter step), and the speedup over autoregressive.
-Writes benchmarks/results/bench_decode.{json,md}.
+With --model-parallel N the models are split over N GPUs and greedy tokens are compared with one
+GPU's; at a first difference the gap between the two tokens' logits (one GPU, full forward) says
+whether it is a near-tie decided by summation order (bfloat16 random weights leave many; --dtype
+float32 for an identity check). Writes benchmarks/results/bench_decode.{json,md}, after every case.
 """
 
 from __future__ import annotations
@@ -127,6 +130,17 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
     return times
 
 
+def first_difference(model, got: np.ndarray, want: np.ndarray) -> tuple[int, float]:
+    """The first position where two greedy runs' tokens differ (over all rows), and the gap between the
+    two tokens' logits there under `model` (one forward over the common prefix)."""
+    rows, cols = np.nonzero(got != want)
+    row, col = rows[np.argmin(cols)], cols.min()
+    prefix = jnp.asarray(want[row, :col])[None]
+    logits, _, _ = jax.jit(lambda m, t: m(t, jnp.arange(t.shape[1])[None]))(model, prefix)
+    last = np.asarray(logits[0, -1], np.float32)
+    return int(col), float(abs(last[want[row, col]] - last[got[row, col]]))
+
+
 def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args):
     """Final decode states of a greedy autoregressive run and of one synthetic speculative run."""
     greedy = SamplingConfig()
@@ -169,6 +183,8 @@ def main():
     parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, draft_model")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="bench_decode")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="weights and compute; float32 also multiplies in float32 (not TF32)")
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="split the models over this many GPUs (specjax.sharding, model axis); above 1, "
                              "greedy outputs are also compared with one GPU's")
@@ -181,7 +197,10 @@ def main():
 
     bandwidth = benchmarking.copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    target_config, draft_config = SHAPES[args.shape]
+    target_config, draft_config = (dataclasses.replace(c, param_dtype=args.dtype, dtype=args.dtype)
+                                   for c in SHAPES[args.shape])
+    if args.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "float32")
     parallel = args.model_parallel
     # In the decoding layout (split_layers), as experiments.load_models gives it.
     target = split_layers(on_device(lambda: init_model(target_config, seed=0)), parallel)
@@ -198,7 +217,7 @@ def main():
             reference[prompt_len, batch] = [np.asarray(state.tokens) for state in run_both(
                 target, drafters, methods[:1], taus[:1], num_draft, cache_size,
                 generation_args(target, batch, prompt_len, new_tokens, num_draft + 1, cache_size))]
-    target = sharding.shard(target, mesh)
+    one_gpu, target = target, sharding.shard(target, mesh)
     drafters = {name: sharding.shard(drafter, mesh) for name, drafter in drafters.items()}
     columns = [("gpus", "GPUs"), ("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
                ("floor_tok_s", "floor tok/s"), ("ar_fraction_of_floor", "AR / floor"),
@@ -209,8 +228,9 @@ def main():
                         (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
     if parallel > 1:
-        columns += [("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token")]
-    meta = {**benchmarking.environment(), "shape": args.shape, "dtype": "bfloat16",
+        columns += [("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token"),
+                    ("logit_gap_at_difference", "logit gap there")]
+    meta = {**benchmarking.environment(), "shape": args.shape, "dtype": args.dtype,
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}
     rows = []
@@ -226,10 +246,13 @@ def main():
                     target, drafters, methods[:1], taus[:1], num_draft, cache_size, run_args)]
                 row["greedy_equal_one_gpu"] = all(np.array_equal(a, b) for a, b in
                                                   zip(outputs, reference[prompt_len, batch], strict=True))
-                # Where the first differing token is, counted in generated tokens (None when all agree).
-                differing = [np.argwhere(a != b)[:, 1].min() - prompt_len for a, b in
-                             zip(outputs, reference[prompt_len, batch]) if not np.array_equal(a, b)]
-                row["first_difference"] = int(min(differing)) if differing else None
+                # Where the first differing token is, counted in generated tokens (None when all agree),
+                # and how far apart one GPU's logits put the two tokens there: a gap at rounding level
+                # is a near-tie that summation order decides, not a wrong result.
+                differing = [first_difference(one_gpu, a, b) for a, b in zip(outputs, reference[prompt_len, batch])
+                             if not np.array_equal(a, b)]
+                row["first_difference"] = min(d[0] for d in differing) - prompt_len if differing else None
+                row["logit_gap_at_difference"] = max(d[1] for d in differing) if differing else None
             ar = lambda a: decode_loop(target, *a, sampling=greedy, eos_token_ids=(), cache_size=cache_size)
             t_prefill = timed(lambda: ar(one_args))
             t_full = timed(lambda: ar(run_args))
