@@ -106,3 +106,8 @@ def test_the_decoding_layout_is_taken_on_gpus_only(monkeypatch):
     assert decoding_layout(model) is model  # this backend: the stacked model as is
     monkeypatch.setattr("jax.default_backend", lambda: "gpu")
     assert isinstance(decoding_layout(model, 2).layers[0], DecodingLayer)
+
+
+def test_a_model_in_the_decoding_layout_is_not_saved(tmp_path):
+    with pytest.raises(ValueError, match=r"decoding layout .* save the stacked model"):
+        hf.save(split_layers(hf.load(fixture_dir("llama_gqa"))), tmp_path / "out")

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from specjax.config import ConfigError, ModelConfig, RopeScaling
-from specjax.models.transformer import Transformer
+from specjax.models.transformer import DecoderLayers, Transformer
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -441,6 +441,9 @@ def save(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int = 4 
 
     extra_config is merged into config.json (e.g. bos_token_id, eos_token_id).
     """
+    if not isinstance(model.layers, DecoderLayers):
+        raise ValueError("model.layers is in the decoding layout (transformer.split_layers), which is not a "
+                         "checkpoint layout: save the stacked model it was made from")
     config = model.config
     hf_config = {**config_to_hf(config), **(extra_config or {})}
     hf_config["dtype"] = config.param_dtype if config.param_dtype in _CHECKPOINT_DTYPES else "float32"
