@@ -185,10 +185,17 @@ def main():
                                os.environ.get("OUT", "benchmarks/results"), notes=notes)
 
 
+# Kernel name patterns (first match wins) for the per-kind summary of a trace.
+KERNEL_KINDS = [("matrix products", r"gemm|nvjet|cutlass|gemv|cublas|dot"), ("copies", r"memcpy|copy"),
+                ("KV cache writes", r"dynamic_update_slice"), ("reductions (norms, softmax)", r"reduce"),
+                ("other", r"")]
+
+
 def kernel_table(model, cache, steps: int, top: int = 30) -> str:
     """GPU kernels of `steps` decode-loop steps under jax.profiler, by total time: a markdown table
-    (kernel, XLA op, launches per step, microseconds per step, share), with the busy time against the
-    wall time between the first kernel's start and the last kernel's end."""
+    (kernel, XLA op, launches per step, microseconds per step, share), a summary by kind of kernel
+    (KERNEL_KINDS) with the idle time between kernels, and the busy time against the wall time
+    between the first kernel's start and the last kernel's end."""
     from jax.profiler import ProfileData
 
     from specjax.config import SamplingConfig
@@ -203,35 +210,45 @@ def kernel_table(model, cache, steps: int, top: int = 30) -> str:
     with jax.profiler.trace(trace_dir):
         jax.block_until_ready(run())
     (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    totals, counts, ops = collections.Counter(), collections.Counter(), {}
-    first, last, lines_seen = None, None, set()
+    events, lines_seen = [], set()
     for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU:0"):
-            continue
-        for line in plane.lines:
-            lines_seen.add(line.name)
-            if not line.name.startswith("Stream"):
-                continue
-            for event in line.events:
-                totals[event.name] += event.duration_ns
-                counts[event.name] += 1
-                ops.setdefault(event.name, dict(event.stats).get("hlo_op", ""))
-                first = event.start_ns if first is None else min(first, event.start_ns)
-                last = max(last or 0, event.start_ns + event.duration_ns)
-    busy = sum(totals.values())
-    if not totals:
+        if plane.name.startswith("/device:GPU:0"):
+            for line in plane.lines:
+                lines_seen.add(line.name)
+                if line.name.startswith("Stream"):
+                    events += [(e.name, dict(e.stats).get("hlo_op", ""), e.start_ns, e.duration_ns) for e in line.events]
+    if not events:
         print(message := f"(no GPU kernels found in the trace; device lines: {sorted(lines_seen)})")
         return message
+    text = summarize_kernels(events, steps, top)
+    print(text, flush=True)
+    return text
+
+
+def summarize_kernels(events: list[tuple[str, str, int, int]], steps: int, top: int = 30) -> str:
+    """Markdown tables of (kernel name, XLA op, start ns, duration ns) events over `steps` steps."""
+    totals, counts, ops = collections.Counter(), collections.Counter(), {}
+    for name, op, _, duration in events:
+        totals[name] += duration
+        counts[name] += 1
+        ops.setdefault(name, op)
+    busy = sum(totals.values())
+    span = max(start + duration for _, _, start, duration in events) - min(start for _, _, start, _ in events)
     lines = [f"Trace of {steps} decode steps (prefill included): kernels busy {busy / 1e6:.2f} ms of a "
-             f"{(last - first) / 1e6:.2f} ms span ({busy / (last - first):.0%}); {sum(counts.values())} launches; "
-             f"device lines {sorted(lines_seen)}", "",
+             f"{span / 1e6:.2f} ms span ({busy / span:.0%}); {len(events)} launches", "",
              "| kernel | XLA op | launches / step | µs / step | share |", "|---|---|---|---|---|"]
     for name, total in totals.most_common(top):
         lines.append(f"| {name[:80]} | {str(ops[name])[:40]} | {counts[name] / steps:.1f} | "
                      f"{total / steps / 1e3:.1f} | {total / busy:.1%} |")
-    print("\n".join(lines), flush=True)
+    kinds = collections.defaultdict(lambda: [0, 0])
+    for name, total in totals.items():
+        kind = next(kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name))
+        kinds[kind][0] += total
+        kinds[kind][1] += counts[name]
+    kinds["idle between kernels"] = [span - busy, 0]
+    lines += ["", "| kind | launches / step | µs / step |", "|---|---|---|"]
+    lines += [f"| {kind} | {n / steps:.1f} | {total / steps / 1e3:.1f} |" for kind, (total, n) in kinds.items()]
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()
