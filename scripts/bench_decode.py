@@ -35,7 +35,7 @@ from flax import nnx
 from specjax import benchmarking, sharding
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, pad_request, speculative_loop
-from specjax.models.eagle import EagleConfig, init_eagle
+from specjax.models.eagle import EagleConfig, init_eagle, split_head
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import init_model, split_layers
 from specjax.proposers.base import build_proposer
@@ -204,7 +204,8 @@ def main():
     target = split_layers(on_device(lambda: init_model(target_config, seed=0)), parallel)
     head_layer = dataclasses.replace(target_config, num_layers=1)
     drafters = {"draft_model": split_layers(on_device(lambda: init_model(draft_config, seed=1)), parallel),
-                "eagle": on_device(lambda: init_eagle(EagleConfig(layer=head_layer, version=1), seed=2))}
+                "eagle": split_head(on_device(lambda: init_eagle(EagleConfig(layer=head_layer, version=1), seed=2)),
+                                    parallel)}
     greedy = SamplingConfig()
     mesh = sharding.make_mesh(1, parallel)
     cases = [(p, b, -(-(p + new_tokens + num_draft + 1) // 128) * 128) for p in prompt_lens for b in batches]

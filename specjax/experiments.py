@@ -67,8 +67,8 @@ class SweepConfig:
 
 def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1):
     """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one);
-    dtype is the compute dtype (None: the checkpoint's; EAGLE heads compute in the target's); a draft
-    LM comes in transformer.decoding_layout for model_shards."""
+    dtype is the compute dtype (None: the checkpoint's; EAGLE heads compute in the target's); draft
+    LMs and EAGLE heads come in transformer.decoding_layout for model_shards."""
     if method == "ngram":
         return None
     if folder is None:
@@ -80,9 +80,11 @@ def load_drafter(method: str, folder: str | None, target, dtype: str | None = No
 
         return decoding_layout(hf.load(folder, dtype=dtype), model_shards)
     if method in ("eagle", "eagle3"):
-        from specjax.models.eagle import load_eagle
+        from specjax.models.eagle import load_eagle, split_head
+        from specjax.models.transformer import decoding_layout
 
-        return load_eagle(folder, target.config, version=1 if method == "eagle" else 3)
+        head = load_eagle(folder, target.config, version=1 if method == "eagle" else 3)
+        return decoding_layout(head, model_shards, split=split_head)
     if method == "medusa":
         from specjax.models.medusa import load_medusa
 

@@ -81,7 +81,7 @@ def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool =
     rule = PARAMETER_RULES.get(name, ())
     # Stacked layers carry the layer axis; split_layers' have a layer index in their path instead.
     stacked = any(n in STACKED for n in path) and not any(n.isdigit() for n in path)
-    rule = (None, *rule) if stacked and rule else rule
+    rule = (None, *rule) if stacked and len(shape) == len(rule) + 1 else rule
     rule = rule if len(rule) == len(shape) else ()  # e.g. Medusa's per-head LM heads: another layout
     spec = list(fit_spec(PartitionSpec(*rule), shape, dict(mesh.shape)))
     if fsdp and mesh.shape[DATA] > 1:

@@ -17,7 +17,7 @@ from test_speculative import (TINY, exact_joint, ragged_requests, speculative_jo
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.eagle import EagleConfig, init_eagle, load_eagle, save_eagle
+from specjax.models.eagle import EagleConfig, init_eagle, load_eagle, save_eagle, split_head
 from specjax.models.kv_cache import KVCache
 from specjax.proposers import build_proposer
 from specjax.proposers.base import Context, TargetOutput
@@ -49,6 +49,23 @@ def test_greedy_output_is_identical_to_autoregressive(method, num_draft):
     result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], drafter=head_for(method),
                       spec=SpecConfig(method=method, num_speculative_tokens=num_draft))
     assert result.sequences() == autoregressive_outputs().sequences()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_the_heads_decoding_layout_drafts_the_same(method, tmp_path):
+    """split_head (fused q/k/v and gate/up): the same greedy tokens and acceptance counts as the
+    stacked head, and it is not saved as a checkpoint."""
+    target, _ = target_and_drafts()
+    head = head_for(method)
+    split = split_head(head)
+    assert split_head(split) is split and split.layer.wqkv is not None
+    prompts, budgets = ragged_requests()
+    spec = SpecConfig(method=method, num_speculative_tokens=3)
+    want, got = (generate(target, prompts, max_new_tokens=budgets, drafter=h, spec=spec) for h in (head, split))
+    assert got.sequences() == want.sequences()
+    assert got.metrics.summary() == want.metrics.summary()
+    with pytest.raises(ValueError, match=r"decoding layout .* save the head it was made from"):
+        save_eagle(split, tmp_path / "out")
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

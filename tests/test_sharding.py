@@ -18,7 +18,7 @@ from specjax import sharding
 from specjax.config import (DataConfig, MeshConfig, ModelConfig, OptimizerConfig, SamplingConfig, SpecConfig,
                             TrainConfig)
 from specjax.decoding import decode_loop, generate, pad_request, speculative_loop
-from specjax.models.eagle import EagleConfig, init_eagle
+from specjax.models.eagle import EagleConfig, init_eagle, split_head
 from specjax.models.medusa import MedusaConfig, init_medusa
 from specjax.models.transformer import init_model, split_layers
 from specjax.proposers import build_proposer
@@ -101,18 +101,25 @@ def test_autoregressive_tokens_match_one_device(models, prompts, mesh_shape):
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
 def test_the_decoding_layout_matches_one_device(models, prompts, mesh_shape):
-    """split_layers made for the mesh's model axis: the same greedy and sampled tokens as the stacked
-    model on one device, autoregressive and speculative, and its fused weights split by heads."""
+    """split_layers and split_head made for the mesh's model axis: the same greedy and sampled tokens as
+    the stacked models on one device, autoregressive and speculative (draft model, EAGLE-1), and their
+    fused weights split by heads."""
     mesh = sharding.make_mesh(*mesh_shape)
     target = split_layers(models["target"], model_shards=mesh_shape[1])
-    draft = split_layers(models["draft_model"], model_shards=mesh_shape[1])
+    drafters = {"draft_model": split_layers(models["draft_model"], model_shards=mesh_shape[1]),
+                "eagle": split_head(models["eagle"], model_shards=mesh_shape[1])}
     placed = sharding.shard(target, mesh)
     model_axis = sharding.MODEL if TARGET.num_kv_heads % mesh_shape[1] == 0 else None  # else one-device layout
     assert placed.layers[0].wqkv[...].sharding.spec == PartitionSpec(None, model_axis, None, None)
     assert placed.layers[0].w_gate_up[...].sharding.spec == PartitionSpec(None, model_axis, None, None)
-    spec = SpecConfig(method="draft_model", num_speculative_tokens=3)
+    assert sharding.shard(drafters["eagle"], mesh).layer.wqkv[...].sharding.spec == PartitionSpec(
+        None, model_axis, None, None)
+    runs = [({}, {})]
+    for method, drafter in drafters.items():
+        spec = SpecConfig(method=method, num_speculative_tokens=3)
+        runs.append((dict(spec=spec, drafter=drafter), dict(spec=spec, drafter=models[method])))
     for sampling in (GREEDY, T1):
-        for extra, reference in [({}, {}), (dict(spec=spec, drafter=draft), dict(spec=spec, drafter=models["draft_model"]))]:
+        for extra, reference in runs:
             want = generate(models["target"], prompts, max_new_tokens=10, sampling=sampling, seeds=list(range(8)),
                             **reference)
             got = generate(placed, prompts, max_new_tokens=10, sampling=sampling, seeds=list(range(8)), mesh=mesh,

@@ -31,8 +31,8 @@ from jaxtyping import Array, Float, Int
 from specjax.config import ConfigError, ModelConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import (DecoderLayers, Hidden, _param, decoder_layer, einsum_f32, normalize,
-                                        query_slots_for)
+from specjax.models.transformer import (DecoderLayers, DecodingLayer, Hidden, _param, decoder_layer, einsum_f32,
+                                        normalize, query_slots_for)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ class EagleHead(nnx.Module):
         dtype = c.jnp_dtype
         embedded = embed[tokens].astype(dtype)
         features = features.astype(dtype)
-        layer = jax.tree.map(lambda w: w[0], self.layer)
+        layer = self.layer if isinstance(self.layer, DecodingLayer) else jax.tree.map(lambda w: w[0], self.layer)
         slots = query_slots_for(tokens.shape[0], tokens.shape[1], cache)
         if self.config.version == 1:
             x = jnp.einsum("btf,fd->btd", jnp.concatenate([embedded, features], -1), self.fc[...].astype(dtype))
@@ -131,6 +131,17 @@ class EagleHead(nnx.Module):
 
 def init_eagle(config: EagleConfig, seed: int = 0) -> EagleHead:
     return EagleHead(config, rngs=nnx.Rngs(params=seed))
+
+
+def split_head(head: EagleHead, model_shards: int = 1) -> EagleHead:
+    """The head with its layer in the decoding layout (transformer.DecodingLayer: q/k/v and gate/up
+    fused, shard-major for model_shards): a draft step reads the layer's weights in four products
+    instead of seven. Training and checkpoints keep the stacked layer; a split head is returned as is."""
+    if isinstance(head.layer, DecodingLayer):
+        return head
+    split = jax.tree.map(lambda w: w, head)  # a new module over the same arrays
+    split.layer = DecodingLayer(head.layer, 0, head.config.layer, model_shards)
+    return split
 
 
 # ------------------------------------------------------------------------------ public checkpoints
@@ -201,6 +212,9 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
 
 def save_eagle(head: EagleHead, folder: str | Path) -> None:
     """Writes the public layout that load_eagle reads."""
+    if isinstance(head.layer, DecodingLayer):
+        raise ValueError("head.layer is in the decoding layout (eagle.split_head), which is not a checkpoint "
+                         "layout: save the head it was made from")
     folder = Path(folder)
     config = head.config
     raw = hf.config_to_hf(config.layer)

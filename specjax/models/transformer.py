@@ -318,12 +318,16 @@ class DecodingLayer(nnx.Module):
 
     The fused weights are shard-major for `model_shards` devices on the model axis: wqkv is
     [D, M, H/M + 2 K/M, E] and w_gate_up [D, M, 2, F/M], so that splitting their M axis (specjax.sharding)
-    gives each device its own heads and MLP columns, as the separate weights' rules do."""
+    gives each device its own heads and MLP columns, as the separate weights' rules do. model_shards
+    must divide the query heads, KV heads and MLP width, else the layout is made for one device."""
 
-    def __init__(self, layers: DecoderLayers, index: int, config: ModelConfig, model_shards: int):
-        c, M = config, model_shards
+    def __init__(self, layers: DecoderLayers, index: int, config: ModelConfig, model_shards: int = 1):
+        c = config
+        divides = all(n % model_shards == 0 for n in (c.num_heads, c.num_kv_heads, c.intermediate_size))
+        M = model_shards if divides else 1
         take = lambda w: None if w is None else w[...][index]  # noqa: E731
-        self.attn_norm, self.attn_norm_bias = nnx.Param(take(layers.attn_norm)), _optional(take(layers.attn_norm_bias))
+        # attn_norm is None in EAGLE-1's head layer.
+        self.attn_norm, self.attn_norm_bias = _optional(take(layers.attn_norm)), _optional(take(layers.attn_norm_bias))
         self.mlp_norm, self.mlp_norm_bias = nnx.Param(take(layers.mlp_norm)), _optional(take(layers.mlp_norm_bias))
         self.wo, self.bo = nnx.Param(take(layers.wo)), _optional(take(layers.bo))
         self.w_down, self.b_down = nnx.Param(take(layers.w_down)), _optional(take(layers.b_down))
@@ -356,25 +360,23 @@ def _optional(value) -> nnx.Param | None:
 def split_layers(model: Transformer, model_shards: int = 1) -> Transformer:
     """The same model in the decoding layout: one DecodingLayer per layer, run as a Python loop (see
     the module docstring and DecodingLayer). model_shards: the size of the mesh's model axis it will
-    be split over (specjax.sharding); it must divide the query heads, KV heads and MLP width, else the
-    layout is made for one device. The weights are new buffers (keep the stacked model only if it is
+    be split over (specjax.sharding). The weights are new buffers (keep the stacked model only if it is
     needed again); a model already split is returned as is."""
     if not isinstance(model.layers, DecoderLayers):
         return model
     c = model.config
-    if any(n % model_shards for n in (c.num_heads, c.num_kv_heads, c.intermediate_size)):
-        model_shards = 1
     split = jax.tree.map(lambda w: w, model)  # a new module over the same arrays
     split.layers = nnx.List([DecodingLayer(model.layers, i, c, model_shards) for i in range(c.num_layers)])
     return split
 
 
-def decoding_layout(model: Transformer, model_shards: int = 1) -> Transformer:
-    """split_layers on GPUs, where it pays (2.5x faster 8B-shaped decode steps); elsewhere the model as
-    is: on the CPU the Python loop over layers costs compile time (the demo sweep: 30 s against 20) for
-    a gain not measured, and on TPUs, where scans over stacked weights are the usual practice, it is
-    unmeasured."""
-    return split_layers(model, model_shards) if jax.default_backend() == "gpu" else model
+def decoding_layout(module, model_shards: int = 1, split=split_layers):
+    """split(module, model_shards) on GPUs, where it pays (2.5x faster 8B-shaped decode steps);
+    elsewhere the module as is: on the CPU the Python loop over layers costs compile time (the demo
+    sweep: 30 s against 20) for a gain not measured, and on TPUs, where scans over stacked weights are
+    the usual practice, it is unmeasured. split: split_layers for a Transformer, eagle.split_head for
+    an EAGLE head."""
+    return split(module, model_shards) if jax.default_backend() == "gpu" else module
 
 
 def num_parameters(module: nnx.Module) -> int:
