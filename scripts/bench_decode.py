@@ -1,24 +1,27 @@
 """Decoding speed against the memory floor: autoregressive and speculative, Llama-3.1-8B-shaped target.
 
     PYTHONPATH=. python scripts/bench_decode.py [--batches 1,4,16,64] [--prompt-lens 128,1024]
-        [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5] [--methods eagle,draft_model]
+        [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5] [--methods eagle,eagle3,draft_model]
         [--shape 8b|tiny] [--dtype bfloat16|float32] [--model-parallel N]
+    PYTHONPATH=. python scripts/bench_decode.py --plot benchmarks/results/bench_decode.json [more.json ...]
 
-Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target, a
-Llama-3.2-1B-shaped draft LM and an EAGLE-1 head for the 8B shape. For each batch size and prompt
+Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target and the
+drafters in --methods: an EAGLE-1 head for the 8B shape (eagle), an EAGLE-3 head with its own LM head
+over a 32000-token draft vocabulary, as released for Llama-3.1-8B (eagle3; a draft step then reads a
+quarter of the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model). For each batch size and prompt
 length it reports:
 - autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
   remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
   the untied embedding table, of which only B rows are read, plus each row's valid KV entries at the
   mean context length) over the copy bandwidth measured in the same run;
-- speculative tokens/s with synthetic acceptance at set mean lengths tau (EAGLE-1 head and draft LM,
-  K drafts), beside the analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component
+- speculative tokens/s with synthetic acceptance at set mean lengths tau (K drafts), beside the analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component
   times measured in the same run (T_verify: one target forward over K + 1 positions; T_draft: one
   drafter step), and the speedup over autoregressive.
 With --model-parallel N the models are split over N GPUs and greedy tokens are compared with one
 GPU's; at a first difference the gap between the two tokens' logits (one GPU, full forward) says
 whether it is a near-tie decided by summation order (bfloat16 random weights leave many; --dtype
-float32 for an identity check). Writes benchmarks/results/bench_decode.{json,md}, after every case.
+float32 for an identity check). Writes benchmarks/results/bench_decode.{json,md}, after every case;
+--plot draws tokens/s against batch size from results files (bench_decode_batch_scaling.png).
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ from flax import nnx
 from specjax import benchmarking, sharding
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, pad_request, speculative_loop
-from specjax.models.eagle import EagleConfig, init_eagle, split_head
-from specjax.models.kv_cache import KVCache
+from specjax.models.eagle import EagleConfig, default_fuse_layers, init_eagle, split_head
 from specjax.models.transformer import init_model, split_layers
 from specjax.proposers.base import build_proposer
 
@@ -48,7 +50,7 @@ SHAPES = {  # name: (target, draft LM)
            ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                        head_dim=64, intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
                        tie_word_embeddings=True, **BF16)),
-    "tiny": (ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    "tiny": (ModelConfig(vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate_size=128, **BF16),
              ModelConfig(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                          intermediate_size=64, tie_word_embeddings=True, **BF16)),
@@ -98,33 +100,37 @@ def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahe
 def component_times(target, drafters: dict, batch: int, context: int, num_draft: int, cache_size: int) -> dict:
     """Median device times (in a jitted loop) of one target forward over 1 and K + 1 positions and of
     one step of each drafter, at `context` committed tokens per row. Weights are loop-invariant (as in
-    the decode loops); caches, tokens and features vary per iteration, so no work on them is hoisted."""
+    the decode loops); caches are carried from one iteration to the next with their lengths reset, so
+    their writes are in place as in the decode loops (benchmarking.time_in_loop)."""
     cfg = target.config
-    measure = lambda fn, *args: benchmarking.time_in_loop(fn, *args, invariant=1, iterations=10)["median_s"]  # noqa: E731
-    cache = KVCache.create(cfg, batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
+    measure = lambda fn, *args: benchmarking.time_in_loop(fn, *args, invariant=1, carry=True,  # noqa: E731
+                                                          iterations=10)["median_s"]
+    cache = target.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
 
     def forward(model, cache, tokens):
         positions = context + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return model(tokens, positions, cache)[0]
+        logits, _, written = model(tokens, positions, cache)
+        return logits, (written.with_lengths(cache.lengths), tokens)
 
     times = {"t_ar_forward_s": measure(forward, target, cache, jnp.zeros((batch, 1), jnp.int32)),
              "t_verify_s": measure(forward, target, cache, jnp.zeros((batch, num_draft + 1), jnp.int32))}
-    draft_lm = drafters["draft_model"]
-    draft_cache = KVCache.create(draft_lm.config, batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
-    times["t_draft_draft_model_s"] = measure(forward, draft_lm, draft_cache, jnp.zeros((batch, 1), jnp.int32))
-    # One EAGLE draft step as the proposer runs it: the head's layer, then logits through the target's head.
-    proposer = build_proposer(SpecConfig(method="eagle", num_speculative_tokens=num_draft), SamplingConfig(),
-                              cache_size, drafters["eagle"])
-    params = proposer.bind(drafters["eagle"], target)
-    head_cache = KVCache.create(params.head.config.layer, batch, cache_size).with_lengths(
-        jnp.full((batch,), context, jnp.int32))
+    for method, drafter in drafters.items():
+        draft_cache = drafter.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
+        if method == "draft_model":
+            times["t_draft_draft_model_s"] = measure(forward, drafter, draft_cache, jnp.zeros((batch, 1), jnp.int32))
+            continue
+        # One EAGLE draft step as the proposer runs it: the head's layer, then logits through the
+        # target's LM head (EAGLE-1) or the head's own over its draft vocabulary (EAGLE-3).
+        proposer = build_proposer(SpecConfig(method=method, num_speculative_tokens=num_draft), SamplingConfig(),
+                                  cache_size, drafter)
 
-    def eagle_step(params, cache, tokens, features):
-        out, _ = params.head(tokens, features, jnp.full((batch, 1), context, jnp.int32), cache, params.embed)
-        return proposer._logits(params, out[:, 0])
+        def eagle_step(params, cache, tokens, features, proposer=proposer):
+            out, written = params.head(tokens, features, jnp.full((batch, 1), context, jnp.int32), cache, params.embed)
+            return proposer._logits(params, out[:, 0]), (written.with_lengths(cache.lengths), tokens, features)
 
-    times["t_draft_eagle_s"] = measure(eagle_step, params, head_cache, jnp.zeros((batch, 1), jnp.int32),
-                                    jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_dtype))
+        times[f"t_draft_{method}_s"] = measure(eagle_step, proposer.bind(drafter, target), draft_cache,
+                                               jnp.zeros((batch, 1), jnp.int32),
+                                               jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_dtype))
     return times
 
 
@@ -170,6 +176,34 @@ def crossover_notes(rows: list[dict], methods: list[str], taus: list[float], pro
     return "\n".join(lines)
 
 
+def plot_batch_scaling(rows: list[dict], path) -> None:
+    """Tokens/s against batch size (log-log): the floor, autoregressive and each speculative decoder,
+    a line per prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    speculative = sorted({key[:-len("_tok_s")] for row in rows for key in row
+                          if key.endswith("_tok_s") and "_tau" in key and not key.endswith("_bound_tok_s")})
+    for prompt_len, style in zip(sorted({row["prompt"] for row in rows}), ("-", "--", ":"), strict=False):
+        mine = sorted((row for row in rows if row["prompt"] == prompt_len), key=lambda row: row["B"])
+        batches = [row["B"] for row in mine]
+        ax.plot(batches, [row["floor_tok_s"] for row in mine], style, color="gray", label=f"AR floor, prompt {prompt_len}")
+        ax.plot(batches, [row["ar_tok_s"] for row in mine], style, marker="o", color="C0", label=f"AR, prompt {prompt_len}")
+        for i, name in enumerate(speculative):
+            ax.plot(batches, [row[f"{name}_tok_s"] for row in mine], style, marker="s", color=f"C{i + 1}",
+                    label=f"{name.replace('_tau', ', τ ')}, prompt {prompt_len}")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens / s",
+           title="8B-shaped target on one GPU: decoding speed against batch size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -178,15 +212,24 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--acceptance-lengths", default="4.0")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
-    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, draft_model")
+    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, eagle3, draft_model")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="bench_decode")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="weights and compute; float32 also multiplies in float32 (not TF32)")
+    parser.add_argument("--plot", nargs="+", metavar="JSON", default=None,
+                        help="only draw the batch-scaling plot from these results files (into the first's folder)")
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="split the models over this many GPUs (specjax.sharding, model axis); above 1, "
                              "greedy outputs are also compared with one GPU's")
     args = parser.parse_args()
+    if args.plot:
+        import json
+        import pathlib
+
+        rows = [row for path in args.plot for row in json.loads(pathlib.Path(path).read_text())["rows"]]
+        plot_batch_scaling(rows, pathlib.Path(args.plot[0]).with_name("bench_decode_batch_scaling.png"))
+        return
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
     taus = [float(t) for t in args.acceptance_lengths.split(",")]
@@ -203,9 +246,17 @@ def main():
     # In the decoding layout (split_layers), as experiments.load_models gives it.
     target = split_layers(on_device(lambda: init_model(target_config, seed=0)), parallel)
     head_layer = dataclasses.replace(target_config, num_layers=1)
-    drafters = {"draft_model": split_layers(on_device(lambda: init_model(draft_config, seed=1)), parallel),
-                "eagle": split_head(on_device(lambda: init_eagle(EagleConfig(layer=head_layer, version=1), seed=2)),
-                                    parallel)}
+    head_configs = {"eagle": EagleConfig(layer=head_layer, version=1),
+                    # EAGLE-3 as released for Llama-3.1-8B: its own LM head over a 32000-token draft vocabulary.
+                    "eagle3": EagleConfig(layer=head_layer, version=3, draft_vocab_size=min(32000, target_config.vocab_size),
+                                          fuse_layers=default_fuse_layers(target_config.num_layers))}
+    unknown = set(methods) - {"draft_model", *head_configs}
+    if unknown:
+        raise SystemExit(f"--methods {args.methods!r}: {sorted(unknown)} unknown; allowed draft_model, eagle, eagle3")
+    drafters = {method: split_layers(on_device(lambda: init_model(draft_config, seed=1)), parallel)
+                if method == "draft_model" else
+                split_head(on_device(lambda m=method: init_eagle(head_configs[m], seed=2)), parallel)
+                for method in methods}
     greedy = SamplingConfig()
     mesh = sharding.make_mesh(1, parallel)
     cases = [(p, b, -(-(p + new_tokens + num_draft + 1) // 128) * 128) for p in prompt_lens for b in batches]

@@ -16,10 +16,13 @@ in the same run:
   matrix-vector products alone cost, and whether slicing stacked weights costs extra;
 - matmuls_fused: the same with q, k, v in one [D, (H + 2K) E] weight and gate, up in one [D, 2F]
   (four products a layer instead of seven);
-- attention: only the attention over the cache (all layers);
+- attention: only the attention over the cache (all layers); attention_verify over K + 1 = 6 new
+  positions; *_cudnn the same through jax.nn.dot_product_attention(implementation="cudnn");
 - gemv DxF / gemv FxD^T: one activation-times-weight product for each weight shape of the layer, with
   the weight stored [in, out] (as specjax stores it) or [out, in] (contraction over its minor axis),
   against the copy bandwidth.
+--loop also times a step of the real decode loop (bench_decode's way: a long run minus a one-token run),
+the figure the variants above approximate; under different XLA_FLAGS it compares compiler options.
 --trace STEPS profiles STEPS tokens of the real decode loop (jax.profiler) and tabulates the GPU
 kernels by total time: which kernels the step spends its time in, and how much is gaps between them.
 --dump-hlo writes the optimised HLO of every program (XLA's own dump) for reading off the device.
@@ -54,6 +57,7 @@ def main():
     parser.add_argument("--dump-hlo", default=None)
     parser.add_argument("--only", default="", help="time only the variants whose names match this regex")
     parser.add_argument("--trace", type=int, default=0, help="profile this many steps of the decode loop")
+    parser.add_argument("--loop", action="store_true", help="also time a step of the real decode loop")
     parser.add_argument("--name", default="profile_decode", help="results file name (e.g. per XLA_FLAGS tried)")
     args = parser.parse_args()
     if args.dump_hlo:
@@ -73,8 +77,10 @@ def main():
     kv_read = 2 * L * B * args.context * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
     weights = weight_bytes(model, config, B)
 
+    # The variants that write the cache return it (lengths as they were) for time_in_loop to carry.
     def model_step(model, cache):
-        return model(token, position, cache)[0]
+        logits, _, written = model(token, position, cache)
+        return logits, (written.with_lengths(cache.lengths),)
 
     def unrolled(model, cache, layers=None):
         """Layers in a Python loop: sliced from the stacked weights by static index, or given as
@@ -85,7 +91,7 @@ def main():
             layer = jax.tree.map(lambda w: w[i], model.layers) if layers is None else layers[i]
             x, cache = decoder_layer(x, layer, i, position, slots, cache, config)
         final = normalize(x, model.final_norm[...], None, config)
-        return unembed(final, model.embed[...], model.lm_head[...], dtype)
+        return unembed(final, model.embed[...], model.lm_head[...], dtype), (cache,)
 
     # Every layer's weights copied out into arrays of their own (what an unstacked model would hold).
     per_layer = jax.block_until_ready([jax.tree.map(lambda w: w[i] + 0, model.layers) for i in range(L)])
@@ -138,6 +144,20 @@ def main():
         out = [attention(q, cache.k[i], cache.v[i], cache.lengths[:, None], config) for i in range(L)]
         return sum(o.astype(jnp.float32).sum() for o in out)
 
+    def cudnn_attention(q, k, v, query_slots, config):
+        """transformer.attention through cuDNN's fused attention: one kernel a layer."""
+        if q.shape[1] == 1:
+            return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=query_slots[:, 0] + 1,
+                                                implementation="cudnn")
+        visible = jnp.arange(k.shape[1])[None, None, :] <= query_slots[:, :, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=visible[:, None], implementation="cudnn")
+
+    def attention_layers(cache, num_new=1, impl=attention):
+        q = jnp.ones((B, num_new, config.num_heads, config.head_dim), dtype)
+        slots = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
+        out = [impl(q, cache.k[i], cache.v[i], slots, config) for i in range(L)]
+        return sum(o.astype(jnp.float32).sum() for o in out)
+
     def gemv(x, w, transposed):
         return jnp.einsum("bd,fd->bf" if transposed else "bd,df->bf", x, w)
 
@@ -153,37 +173,67 @@ def main():
         for transposed in (False, True):
             w = jax.random.normal(key, (d_out, d_in) if transposed else (d_in, d_out), dtype)
             label = f"gemv {name} {'[out,in]' if transposed else '[in,out]'} {d_in}x{d_out}"
-            gemvs[label] = (lambda x, w, t=transposed: gemv(x, w, t), (x, w), w.size * w.dtype.itemsize)
+            gemvs[label] = (lambda w, x, t=transposed: gemv(x, w, t), (w, x), 1, w.size * w.dtype.itemsize)
 
     split_model = split_layers(model)  # the decoding layout, built once (every copy here is a full 8B model)
+    split_cache = split_model.create_cache(B, args.cache).with_lengths(cache.lengths)  # one array per layer
+    # name: (function, arguments, how many leading arguments are weights (loop-invariant), bytes to read)
     variants = {
-        "model": (model_step, (split_model, cache), weights + kv_read),
-        "model_stacked": (model_step, (model, cache), weights + kv_read),
-        "unrolled": (unrolled, (model, cache), weights + kv_read),
-        "unrolled_split": (unrolled, (model, cache, per_layer), weights + kv_read),
-        "matmuls_stacked": (matmuls_stacked, (model,), weights),
-        "matmuls_split": (matmuls_split, (split_weights, model.embed[...], model.lm_head[...]), weights),
-        "matmuls_fused": (matmuls_fused, (fused_weights, model.embed[...], model.lm_head[...]), weights),
-        "attention": (attention_only, (cache,), kv_read),
+        "model": (model_step, (split_model, split_cache), 1, weights + kv_read),
+        "model_stacked": (model_step, (model, cache), 1, weights + kv_read),
+        "unrolled": (unrolled, (model, cache), 1, weights + kv_read),
+        "unrolled_split": (lambda model, layers, cache: unrolled(model, cache, layers), (model, per_layer, cache), 2,
+                           weights + kv_read),
+        "matmuls_stacked": (matmuls_stacked, (model,), 1, weights),
+        "matmuls_split": (matmuls_split, (split_weights, model.embed[...], model.lm_head[...]), 3, weights),
+        "matmuls_fused": (matmuls_fused, (fused_weights, model.embed[...], model.lm_head[...]), 3, weights),
+        "attention": (attention_only, (cache,), 0, kv_read),
+        "attention_cudnn": (lambda c: attention_layers(c, 1, cudnn_attention), (cache,), 0, kv_read),
+        "attention_verify": (lambda c: attention_layers(c, 6), (cache,), 0, kv_read),
+        "attention_verify_cudnn": (lambda c: attention_layers(c, 6, cudnn_attention), (cache,), 0, kv_read),
         **gemvs,
     }
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB, KV {kv_read / 1e6:.1f} MB; "
           f"B={B} context={args.context}")
     rows = []
-    for name, (fn, fn_args, floor_bytes) in variants.items():
+    for name, (fn, fn_args, invariant, floor_bytes) in variants.items():
         if not re.search(args.only, name):
             continue
-        seconds = benchmarking.time_in_loop(fn, *fn_args, iterations=10)["median_s"]
+        try:
+            seconds = benchmarking.time_in_loop(fn, *fn_args, invariant=invariant, iterations=10,
+                                                carry=name.startswith(("model", "unrolled")))["median_s"]
+        except Exception as error:  # e.g. cuDNN refusing a shape: say so and go on
+            print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            continue
         floor = floor_bytes / bandwidth
         rows.append({"variant": name, "ms": seconds * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds})
         print(f"{name:40s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
-    notes = kernel_table(split_model, cache, args.trace) if args.trace else ""
+    if args.loop:
+        seconds = decode_loop_step(split_model, B)
+        floor = (weights + kv_read) / bandwidth
+        rows.append({"variant": "decode_loop", "ms": seconds * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds})
+        print(f"{'decode_loop':40s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
+    notes = kernel_table(split_model, split_cache, args.trace) if args.trace else ""
     meta = {**benchmarking.environment(), "shape": args.shape, "batch": B, "context": args.context,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "config": dataclasses.asdict(config)}
     benchmarking.write_results(args.name, rows, [("variant", "variant"), ("ms", "ms"), ("floor_ms", "floor ms"),
                                                        ("fraction_of_floor", "of floor")], meta,
                                os.environ.get("OUT", "benchmarks/results"), notes=notes)
+
+
+def decode_loop_step(model, batch: int, prompt_len: int = 128, new_tokens: int = 256) -> float:
+    """Seconds a step of the real greedy decode loop takes: a run of new_tokens tokens minus a one-token
+    run (the prefill and the call's fixed costs), over the remaining steps (as bench_decode times it)."""
+    from bench_decode import generation_args, timed
+
+    from specjax.config import SamplingConfig
+    from specjax.decoding import decode_loop
+
+    cache_size = 512
+    run = lambda a: decode_loop(model, *a, sampling=SamplingConfig(), eos_token_ids=(), cache_size=cache_size)  # noqa: E731
+    full, one = (generation_args(model, batch, prompt_len, n, 1, cache_size) for n in (new_tokens, 1))
+    return (timed(lambda: run(full), 5) - timed(lambda: run(one), 5)) / (new_tokens - 1)
 
 
 # Kernel name patterns (first match wins) for the per-kind summary of a trace.
@@ -196,47 +246,66 @@ def kernel_table(model, cache, steps: int, top: int = 30) -> str:
     """GPU kernels of `steps` decode-loop steps under jax.profiler, by total time: a markdown table
     (kernel, XLA op, launches per step, microseconds per step, share), a summary by kind of kernel
     (KERNEL_KINDS) with the idle time between kernels, and the busy time against the wall time
-    between the first kernel's start and the last kernel's end."""
+    between the first kernel's start and the last kernel's end. The prefill is taken out: the same
+    loop is traced for one token and for 1 + steps tokens, and the first trace's kernels and span
+    are subtracted from the second's."""
     from jax.profiler import ProfileData
 
     from specjax.config import SamplingConfig
     from specjax.decoding import decode_loop
 
     B = cache.lengths.shape[0]
-    args = (jnp.ones((B, 128), jnp.int32), jnp.full((B,), 128, jnp.int32), jnp.full((B,), steps, jnp.int32),
-            jax.vmap(jax.random.key)(jnp.arange(B)))
-    run = lambda: decode_loop(model, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=512).tokens
-    jax.block_until_ready(run())
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir):
+
+    def trace(new_tokens: int):
+        args = (jnp.ones((B, 128), jnp.int32), jnp.full((B,), 128, jnp.int32), jnp.full((B,), new_tokens, jnp.int32),
+                jax.vmap(jax.random.key)(jnp.arange(B)))
+        run = lambda: decode_loop(model, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=512).tokens
         jax.block_until_ready(run())
-    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    events, lines_seen = [], set()
-    for plane in ProfileData.from_file(path).planes:
-        if plane.name.startswith("/device:GPU:0"):
-            for line in plane.lines:
-                lines_seen.add(line.name)
-                if line.name.startswith("Stream"):
-                    events += [(e.name, dict(e.stats).get("hlo_op", ""), e.start_ns, e.duration_ns) for e in line.events]
-    if not events:
-        print(message := f"(no GPU kernels found in the trace; device lines: {sorted(lines_seen)})")
-        return message
-    text = summarize_kernels(events, steps, top)
+        trace_dir = tempfile.mkdtemp()
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(run())
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        events, lines_seen = [], set()
+        for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/device:GPU:0"):
+                for line in plane.lines:
+                    lines_seen.add(line.name)
+                    if line.name.startswith("Stream"):
+                        events += [(e.name, dict(e.stats).get("hlo_op", ""), e.start_ns, e.duration_ns)
+                                   for e in line.events]
+        if not events:
+            raise RuntimeError(f"no GPU kernels found in the trace; device lines: {sorted(lines_seen)}")
+        return events
+
+    text = summarize_kernels(trace(1 + steps), steps, top, baseline=trace(1))
     print(text, flush=True)
     return text
 
 
-def summarize_kernels(events: list[tuple[str, str, int, int]], steps: int, top: int = 30) -> str:
-    """Markdown tables of (kernel name, XLA op, start ns, duration ns) events over `steps` steps."""
+def _totals(events):
     totals, counts, ops = collections.Counter(), collections.Counter(), {}
     for name, op, _, duration in events:
         totals[name] += duration
         counts[name] += 1
         ops.setdefault(name, op)
-    busy = sum(totals.values())
     span = max(start + duration for _, _, start, duration in events) - min(start for _, _, start, _ in events)
-    lines = [f"Trace of {steps} decode steps (prefill included): kernels busy {busy / 1e6:.2f} ms of a "
-             f"{span / 1e6:.2f} ms span ({busy / span:.0%}); {len(events)} launches", "",
+    return totals, counts, ops, span
+
+
+def summarize_kernels(events: list[tuple[str, str, int, int]], steps: int, top: int = 30,
+                      baseline: list[tuple[str, str, int, int]] | None = None) -> str:
+    """Markdown tables of (kernel name, XLA op, start ns, duration ns) events over `steps` steps, less
+    the events of a baseline run (the same program without those steps) when one is given."""
+    totals, counts, ops, span = _totals(events)
+    if baseline:
+        base_totals, base_counts, _, base_span = _totals(baseline)
+        totals.subtract(base_totals)
+        counts.subtract(base_counts)
+        span -= base_span
+    busy = sum(totals.values())
+    lines = [f"Trace of {steps} decode steps ({'prefill subtracted' if baseline else 'prefill included'}): "
+             f"kernels busy {busy / 1e6:.2f} ms of a {span / 1e6:.2f} ms span ({busy / span:.0%}); "
+             f"{sum(counts.values()) / steps:.0f} launches a step", "",
              "| kernel | XLA op | launches / step | µs / step | share |", "|---|---|---|---|---|"]
     for name, total in totals.most_common(top):
         lines.append(f"| {name[:80]} | {str(ops[name])[:40]} | {counts[name] / steps:.1f} | "
@@ -250,6 +319,7 @@ def summarize_kernels(events: list[tuple[str, str, int, int]], steps: int, top: 
     lines += ["", "| kind | launches / step | µs / step |", "|---|---|---|"]
     lines += [f"| {kind} | {n / steps:.1f} | {total / steps / 1e3:.1f} |" for kind, (total, n) in kinds.items()]
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     main()

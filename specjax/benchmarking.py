@@ -34,25 +34,40 @@ def time_call(fn: Callable, *args, calls_per_sample: int = 10, samples: int = 15
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
-def time_in_loop(fn: Callable, *args, invariant: int = 0, iterations: int = 50, samples: int = 7) -> dict:
-    """Median time of one fn(*args) run `iterations` times inside one jitted fori_loop: the device
-    time a loop step spends on it, without host dispatch. The arguments pass an optimization
-    barrier together with the loop counter, so the work is not hoisted out of the loop; the first
-    `invariant` of them (weights) do not, as in the decode loops, where XLA prepares loop-invariant
-    weights once before the loop (e.g. transposes them into the layout its matmul wants: through the
-    barrier that copy would be timed in every iteration)."""
-    def run(*inputs):
-        fixed, varying = inputs[:invariant], inputs[invariant:]
+def time_in_loop(fn: Callable, *args, invariant: int = 0, carry: bool = False, iterations: int = 50,
+                 samples: int = 7) -> dict:
+    """Median time of one fn(*args) inside one jitted fori_loop: the device time a loop step spends
+    on it, without host dispatch.
 
-        def body(i, carry):
+    The loop runs `iterations` and then 2 * `iterations` times (its trip count is an argument, so both
+    are one program) and the difference is divided by `iterations`: what one call costs whatever the
+    count (dispatching the arguments of a model with hundreds of weight arrays, setting up the loop)
+    cancels out. min_s and max_s are the differences of the two runs' fastest and slowest samples.
+
+    The first `invariant` arguments (weights) are loop invariants, as in the decode loops, where XLA
+    prepares them once before the loop (e.g. transposes them into the layout its matmul wants). The
+    others pass an optimization barrier together with the loop counter each iteration, so no work on
+    them is hoisted out of the loop. With carry=True, fn returns (output, new values of those
+    arguments), which the loop carries into the next iteration, as a decode loop carries its cache:
+    a cache written in fn is then updated in place, where a cache that every iteration must find
+    unchanged is copied before each write."""
+    def run(count, *inputs):
+        fixed = inputs[:invariant]
+
+        def body(i, state):
+            total, varying = state
             fresh, _ = jax.lax.optimization_barrier((varying, i))
-            leaves = jax.tree.leaves(fn(*fixed, *fresh))
-            return carry + sum(jnp.sum(leaf).astype(jnp.float32) for leaf in leaves)
+            out = fn(*fixed, *fresh)
+            out, varying = out if carry else (out, varying)
+            leaves = jax.tree.leaves(out)
+            return total + sum(jnp.sum(leaf).astype(jnp.float32) for leaf in leaves), tuple(varying)
 
-        return jax.lax.fori_loop(0, iterations, body, jnp.float32(0))
+        return jax.lax.fori_loop(0, count, body, (jnp.float32(0), tuple(inputs[invariant:])))[0]
 
-    timing = time_call(jax.jit(run), *args, calls_per_sample=1, samples=samples)
-    return {key: value / iterations for key, value in timing.items()}
+    compiled = jax.jit(run)
+    short, long = (time_call(compiled, jnp.int32(count), *args, calls_per_sample=1, samples=samples)
+                   for count in (iterations, 2 * iterations))
+    return {key: (long[key] - short[key]) / iterations for key in short}
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:

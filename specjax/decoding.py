@@ -82,7 +82,7 @@ def _prefill(model: Transformer, prompt_tokens, prompt_lengths, budgets, token_k
     drawn with fold_in(token_keys[b], 0) in both loops."""
     batch, prompt_len = prompt_tokens.shape
     rows = jnp.arange(batch)
-    cache = KVCache.create(model.config, batch, cache_size, cache_dtype and DTYPES[cache_dtype])
+    cache = model.create_cache(batch, cache_size, cache_dtype and DTYPES[cache_dtype])
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
     _, hidden, cache = model(prompt_tokens, positions, cache, hidden_layers=hidden_layers, compute_logits=False)
     logits = model.unembed(hidden.final[rows, prompt_lengths - 1])

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 DATA, MODEL = "data", "model"
 BATCH = PartitionSpec(DATA)  # [B, ...] arrays
 CACHE = PartitionSpec(None, DATA, None, MODEL, None)  # KVCache.k / .v: [L, B, S, H_kv, D]
+LAYER_CACHE = PartitionSpec(*CACHE[1:])  # one layer's of a per-layer cache: [B, S, H_kv, D]
 
 # Parameter name -> the mesh axis of each dimension of one layer's weight; names not listed are
 # replicated. Stacked decoder weights (specjax.models.transformer.DecoderLayers) carry a leading layer

@@ -91,14 +91,17 @@ def test_the_decoding_layout_is_the_same_model(name, model_shards):
     # The residual stream grows to ~10 here: float32 rounding of differently blocked products, to scale.
     scale = float(np.abs(np.asarray(ha.layers)).max())
     np.testing.assert_allclose(np.asarray(hb.layers), np.asarray(ha.layers), atol=2e-6 * scale, rtol=0)
-    caches = [KVCache.create(c, 2, 16) for _ in range(2)]
+    # Each model with the cache it makes: stacked, and one array per layer for the split model.
+    caches = [m.create_cache(2, 16) for m in (stacked, split)]
+    assert isinstance(caches[1].k, tuple) and len(caches[1].k) == c.num_layers and caches[1].max_length == 16
     for step in range(3):
         chunk = tokens[:, 3 * step:3 * step + 3]
         positions = positions_like(chunk) + 3 * step
         (la, _, caches[0]), (lb, _, caches[1]) = (m(chunk, positions, cache) for m, cache in
                                                    zip((stacked, split), caches))
         np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0, err_msg=f"step {step}")
-    np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.stack(caches[1].k), np.asarray(caches[0].k), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(caches[1].lengths, caches[0].lengths)
 
 
 def test_the_decoding_layout_is_taken_on_gpus_only(monkeypatch):

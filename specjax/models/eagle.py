@@ -116,6 +116,11 @@ class EagleHead(nnx.Module):
             out, cache = decoder_layer(features, layer, 0, positions, slots, cache, c, attn_input=attn_input)
         return out, cache.with_lengths(cache.lengths + tokens.shape[1])
 
+    def create_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """An empty KV cache for the head's layer, laid out for it (see Transformer.create_cache)."""
+        return KVCache.create(self.config.layer, batch_size, max_length, dtype,
+                              per_layer=isinstance(self.layer, DecodingLayer))
+
     def logits(self, features: Float[Array, "... D"], target_lm_head) -> Float[Array, "... V"]:
         """Float32 logits over the target's vocabulary. target_lm_head(features) -> logits is the
         target's unembedding (EAGLE-1); EAGLE-3 uses its own head and maps draft ids to target ids,

@@ -220,7 +220,7 @@ def decoder_layer(x: Float[Array, "B T D"], layer: DecoderLayers | DecodingLayer
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     if cache is not None:
         cache = cache.write(index, k, v)
-        k, v = cache.k[index].astype(dtype), cache.v[index].astype(dtype)
+        k, v = (kv.astype(dtype) for kv in cache.layer(index))
     attn = attention(q, k, v, query_slots, c)
     x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
     h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
@@ -294,6 +294,11 @@ class Transformer(nnx.Module):
             cache = cache.with_lengths(cache.lengths + num_new)
         logits = self.unembed(final) if compute_logits else None
         return logits, Hidden(final=final, layers=layers), cache
+
+    def create_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """An empty KV cache for this model: one array per layer in the decoding layout, stacked otherwise."""
+        return KVCache.create(self.config, batch_size, max_length, dtype,
+                              per_layer=not isinstance(self.layers, DecoderLayers))
 
     def unembed(self, final_hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
         """Float32 logits from final hidden states (the tied embedding or the LM head)."""

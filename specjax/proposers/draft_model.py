@@ -75,7 +75,7 @@ class DraftModelProposer:
              target_out: TargetOutput) -> DraftModelState:
         draft, bridge = self._split(drafter)
         batch, length = prompt.shape
-        cache = KVCache.create(draft.config, batch, self.settings.cache_size, self.settings.cache_dtype)
+        cache = draft.create_cache(batch, self.settings.cache_size, self.settings.cache_dtype)
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         tokens = prompt if bridge is None else bridge.draft_ids(prompt)
         _, _, cache = draft(tokens, positions, cache, compute_logits=False)

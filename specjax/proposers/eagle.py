@@ -92,8 +92,7 @@ class EagleProposer:
         features = head.fuse(target_out.hidden)  # [B, T, D] over the padded prompt
         prompt_len = lengths - 1
         # Pairs 0 .. L-2 go to the cache now; pair L-1 (with the prefill's token) waits for propose.
-        cache = KVCache.create(head.config.layer, batch, self.settings.cache_size + 2 * width,
-                               self.settings.cache_dtype)
+        cache = head.create_cache(batch, self.settings.cache_size + 2 * width, self.settings.cache_dtype)
         positions = jnp.broadcast_to(jnp.arange(features.shape[1], dtype=jnp.int32), features.shape[:2])
         _, cache = head(prompt[:, 1:], features, positions, cache, params.embed)
         rows = jnp.arange(batch)
