@@ -65,12 +65,13 @@ class KVCache:
         """The same cache with new fill levels: this is how tokens are committed and rolled back."""
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
-    def write(self, layer: Int[Array, ""], k_new: Float[Array, "B T Hkv D"],
+    def write(self, layer: int | Int[Array, ""], k_new: Float[Array, "B T Hkv D"],
               v_new: Float[Array, "B T Hkv D"]) -> KVCache:
         """Writes T new entries of one layer at each row's own offset `lengths[b]`.
 
-        `lengths` is left unchanged (the model advances it once after all layers). The caller
-        guarantees lengths[b] + T <= max_length; `generate` checks this before tracing.
+        `layer` is a Python int for a per-layer cache. `lengths` is left unchanged (the model advances
+        it once after all layers). The caller guarantees lengths[b] + T <= max_length; `generate`
+        checks this before tracing.
         """
         batch, num_new = k_new.shape[:2]
         rows = jnp.arange(batch)[:, None]
