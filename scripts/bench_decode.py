@@ -8,15 +8,16 @@
 Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target and the
 drafters in --methods: an EAGLE-1 head for the 8B shape (eagle), an EAGLE-3 head with its own LM head
 over a 32000-token draft vocabulary, as released for Llama-3.1-8B (eagle3; a draft step then reads a
-quarter of the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model). For each batch size and prompt
-length it reports:
+quarter of the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model). For each batch size and
+prompt length it reports:
 - autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
   remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
   the untied embedding table, of which only B rows are read, plus each row's valid KV entries at the
   mean context length) over the copy bandwidth measured in the same run;
-- speculative tokens/s with synthetic acceptance at set mean lengths tau (K drafts), beside the analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component
-  times measured in the same run (T_verify: one target forward over K + 1 positions; T_draft: one
-  drafter step), and the speedup over autoregressive.
+- speculative tokens/s with synthetic acceptance at set mean lengths tau (K drafts), beside the
+  analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component times measured in the
+  same run (T_verify: one target forward over K + 1 positions; T_draft: one drafter step), and the
+  speedup over autoregressive.
 With --model-parallel N the models are split over N GPUs and greedy tokens are compared with one
 GPU's; at a first difference the gap between the two tokens' logits (one GPU, full forward) says
 whether it is a near-tie decided by summation order (bfloat16 random weights leave many; --dtype

@@ -64,6 +64,10 @@ def main():
         # Before the backend starts (at the first computation); every module of the run is dumped.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.dump_hlo}"
                                    " --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$")
+    # After XLA_FLAGS are final: asking for the backend starts it.
+    if args.trace and jax.default_backend() != "gpu":
+        parser.error(f"--trace {args.trace}: it reads GPU kernels from the profile, and the backend here is "
+                     f"{jax.default_backend()!r}: allowed on a GPU only")
     from specjax.models.transformer import init_model, split_layers
 
     bandwidth = benchmarking.copy_bandwidth()
@@ -222,18 +226,24 @@ def main():
                                os.environ.get("OUT", "benchmarks/results"), notes=notes)
 
 
-def decode_loop_step(model, batch: int, prompt_len: int = 128, new_tokens: int = 256) -> float:
-    """Seconds a step of the real greedy decode loop takes: a run of new_tokens tokens minus a one-token
-    run (the prefill and the call's fixed costs), over the remaining steps (as bench_decode times it)."""
-    from bench_decode import generation_args, timed
+def greedy_decode(model, batch: int, new_tokens: int, prompt_len: int = 128, cache_size: int = 512):
+    """A function running the real greedy decode loop on random prompts (as bench_decode builds them)."""
+    from bench_decode import generation_args
 
     from specjax.config import SamplingConfig
     from specjax.decoding import decode_loop
 
-    cache_size = 512
-    run = lambda a: decode_loop(model, *a, sampling=SamplingConfig(), eos_token_ids=(), cache_size=cache_size)  # noqa: E731
-    full, one = (generation_args(model, batch, prompt_len, n, 1, cache_size) for n in (new_tokens, 1))
-    return (timed(lambda: run(full), 5) - timed(lambda: run(one), 5)) / (new_tokens - 1)
+    args = generation_args(model, batch, prompt_len, new_tokens, 1, cache_size)
+    return lambda: decode_loop(model, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=cache_size).tokens
+
+
+def decode_loop_step(model, batch: int, new_tokens: int = 256) -> float:
+    """Seconds a step of the real greedy decode loop takes: a run of new_tokens tokens minus a one-token
+    run (the prefill and the call's fixed costs), over the remaining steps (as bench_decode times it)."""
+    from bench_decode import timed
+
+    full, one = (greedy_decode(model, batch, n) for n in (new_tokens, 1))
+    return (timed(full, 5) - timed(one, 5)) / (new_tokens - 1)
 
 
 # Kernel name patterns (first match wins) for the per-kind summary of a trace.
@@ -251,15 +261,10 @@ def kernel_table(model, cache, steps: int, top: int = 30) -> str:
     are subtracted from the second's."""
     from jax.profiler import ProfileData
 
-    from specjax.config import SamplingConfig
-    from specjax.decoding import decode_loop
-
     B = cache.lengths.shape[0]
 
     def trace(new_tokens: int):
-        args = (jnp.ones((B, 128), jnp.int32), jnp.full((B,), 128, jnp.int32), jnp.full((B,), new_tokens, jnp.int32),
-                jax.vmap(jax.random.key)(jnp.arange(B)))
-        run = lambda: decode_loop(model, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=512).tokens
+        run = greedy_decode(model, B, new_tokens)
         jax.block_until_ready(run())
         trace_dir = tempfile.mkdtemp()
         with jax.profiler.trace(trace_dir):
