@@ -1,15 +1,17 @@
 """Decoding speed against the memory floor: autoregressive and speculative, Llama-3.1-8B-shaped target.
 
     PYTHONPATH=. python scripts/bench_decode.py [--batches 1,4,16,64] [--prompt-lens 128,1024]
-        [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5] [--methods eagle,eagle3,draft_model]
-        [--shape 8b|tiny] [--dtype bfloat16|float32] [--model-parallel N]
+        [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5]
+        [--methods eagle,eagle_fr,eagle3,draft_model] [--shape 8b|tiny] [--dtype bfloat16|float32] [--model-parallel N]
     PYTHONPATH=. python scripts/bench_decode.py --plot benchmarks/results/bench_decode.json [more.json ...]
 
 Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target and the
-drafters in --methods: an EAGLE-1 head for the 8B shape (eagle), an EAGLE-3 head with its own LM head
-over a 32000-token draft vocabulary, as released for Llama-3.1-8B (eagle3; a draft step then reads a
-quarter of the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model). For each batch size and
-prompt length it reports:
+drafters in --methods: an EAGLE-1 head for the 8B shape (eagle), the same head drafting over a
+32000-token draft vocabulary (eagle_fr, FR-Spec: a draft step reads those 32000 rows of the target's LM
+head, gathered once per generation; method eagle), an EAGLE-3 head with its own LM head over a
+32000-token draft vocabulary, as released for Llama-3.1-8B (eagle3; a draft step then reads a quarter of
+the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model). For each batch size and prompt length
+it reports:
 - autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
   remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
   the untied embedding table, of which only B rows are read, plus each row's valid KV entries at the
@@ -56,6 +58,11 @@ SHAPES = {  # name: (target, draft LM)
              ModelConfig(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                          intermediate_size=64, tie_word_embeddings=True, **BF16)),
 }
+
+
+def spec_method(method: str) -> str:
+    """The SpecConfig method that times the drafter named `method` in --methods."""
+    return "eagle" if method == "eagle_fr" else method
 
 
 def on_device(make):
@@ -121,9 +128,10 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
             times["t_draft_draft_model_s"] = measure(forward, drafter, draft_cache, jnp.zeros((batch, 1), jnp.int32))
             continue
         # One EAGLE draft step as the proposer runs it: the head's layer, then logits through the
-        # target's LM head (EAGLE-1) or the head's own over its draft vocabulary (EAGLE-3).
-        proposer = build_proposer(SpecConfig(method=method, num_speculative_tokens=num_draft), SamplingConfig(),
-                                  cache_size, drafter)
+        # target's LM head (EAGLE-1), its rows of the draft vocabulary (gathered in bind, outside the
+        # timed loop, as once per generation: eagle_fr) or the head's own over its draft vocabulary (EAGLE-3).
+        proposer = build_proposer(SpecConfig(method=spec_method(method), num_speculative_tokens=num_draft),
+                                  SamplingConfig(), cache_size, drafter)
 
         def eagle_step(params, cache, tokens, features, proposer=proposer):
             out, written = params.head(tokens, features, jnp.full((batch, 1), context, jnp.int32), cache, params.embed)
@@ -152,8 +160,8 @@ def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args):
     states = [decode_loop(target, *run_args, sampling=greedy, eos_token_ids=(), cache_size=cache_size)]
     for method in methods:
         for tau in taus:
-            spec = SpecConfig(method=method, num_speculative_tokens=num_draft, rejection_sample_method="synthetic",
-                              synthetic_acceptance_length=tau)
+            spec = SpecConfig(method=spec_method(method), num_speculative_tokens=num_draft,
+                              rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
             proposer = build_proposer(spec, greedy, cache_size, drafters[method])
             states.append(speculative_loop(target, proposer.bind(drafters[method], target), *run_args,
                                            proposer=proposer, eos_token_ids=()).decode)
@@ -213,7 +221,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--acceptance-lengths", default="4.0")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
-    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, eagle3, draft_model")
+    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, eagle_fr, eagle3, draft_model")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="bench_decode")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -247,13 +255,18 @@ def main():
     # In the decoding layout (split_layers), as experiments.load_models gives it.
     target = split_layers(on_device(lambda: init_model(target_config, seed=0)), parallel)
     head_layer = dataclasses.replace(target_config, num_layers=1)
+    draft_vocab = min(32000, target_config.vocab_size)
     head_configs = {"eagle": EagleConfig(layer=head_layer, version=1),
+                    # FR-Spec: the EAGLE-1 head drafting over draft_vocab target ids (the first ones: speed
+                    # does not depend on which).
+                    "eagle_fr": EagleConfig(layer=head_layer, version=1, draft_vocab_size=draft_vocab),
                     # EAGLE-3 as released for Llama-3.1-8B: its own LM head over a 32000-token draft vocabulary.
-                    "eagle3": EagleConfig(layer=head_layer, version=3, draft_vocab_size=min(32000, target_config.vocab_size),
+                    "eagle3": EagleConfig(layer=head_layer, version=3, draft_vocab_size=draft_vocab,
                                           fuse_layers=default_fuse_layers(target_config.num_layers))}
     unknown = set(methods) - {"draft_model", *head_configs}
     if unknown:
-        raise SystemExit(f"--methods {args.methods!r}: {sorted(unknown)} unknown; allowed draft_model, eagle, eagle3")
+        raise SystemExit(f"--methods {args.methods!r}: {sorted(unknown)} unknown; allowed draft_model, eagle, "
+                         "eagle_fr, eagle3")
     drafters = {method: split_layers(on_device(lambda: init_model(draft_config, seed=1)), parallel)
                 if method == "draft_model" else
                 split_head(on_device(lambda m=method: init_eagle(head_configs[m], seed=2)), parallel)
@@ -318,7 +331,7 @@ def main():
             for method in methods:
                 t_draft = row[f"t_draft_{method}_s"]
                 for tau in taus:
-                    spec = SpecConfig(method=method, num_speculative_tokens=num_draft,
+                    spec = SpecConfig(method=spec_method(method), num_speculative_tokens=num_draft,
                                       rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
                     proposer = build_proposer(spec, greedy, cache_size, drafters[method])
                     bound = proposer.bind(drafters[method], target)

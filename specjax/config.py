@@ -444,7 +444,10 @@ class HeadTrainConfig(TrainingRun):
     target: the target's Hugging Face folder or default:target (its tokenizer tokenizes the corpus).
     kind: 'eagle1', 'eagle3' or 'medusa'. num_heads / num_layers: Medusa heads and residual blocks per head;
     shared_lm_head: Medusa heads project with the target's LM head instead of a copy each.
-    fuse_layers / draft_vocab_size: EAGLE-3 (None: layers 2, L//2, L-3 and the target's vocabulary).
+    fuse_layers: EAGLE-3 only (None: layers 2, L//2, L-3). draft_vocab_size: EAGLE-1 or EAGLE-3, the
+    most frequent training ids that drafts are drawn from (None: the target's vocabulary); EAGLE-3 trains
+    its own LM head over them, EAGLE-1 is trained as without one and drafts with those rows of the
+    target's LM head (FR-Spec).
     unroll_steps / step_decay: EAGLE-3's training-time test (draft steps fed their own output, loss
     weights step_decay^i) and Medusa's per-head weights (step_decay^k). feature_noise: EAGLE-1's
     uniform noise on target features. eval_prompts: held-out prompts for the closing acceptance
@@ -470,3 +473,11 @@ class HeadTrainConfig(TrainingRun):
         _require(self.kind in ("eagle1", "eagle3", "medusa"), "HeadTrainConfig", "kind", self.kind,
                  "'eagle1', 'eagle3' or 'medusa'")
         _require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")
+        _require(self.fuse_layers is None or self.kind == "eagle3", "HeadTrainConfig", "fuse_layers",
+                 self.fuse_layers, f"only with kind 'eagle3' (kind is {self.kind!r}), else None")
+        _require(self.draft_vocab_size is None or self.kind in ("eagle1", "eagle3"), "HeadTrainConfig",
+                 "draft_vocab_size", self.draft_vocab_size,
+                 f"only with kind 'eagle1' or 'eagle3' (kind is {self.kind!r}), else None")
+        _require(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
+                                                   and self.draft_vocab_size >= 1),
+                 "HeadTrainConfig", "draft_vocab_size", self.draft_vocab_size, "None or an integer >= 1")

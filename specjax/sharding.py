@@ -49,6 +49,7 @@ PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
     "b_gate_up": (MODEL, None, None),
     "embed": (MODEL, None),  # [V, D]: vocabulary parallel
     "lm_head": (None, MODEL),  # [D, V]
+    "draft_lm_head": (None, MODEL),  # [D, V_draft]: EAGLE-1's restricted unembedding (proposers.eagle.EagleParams)
 }
 
 

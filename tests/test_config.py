@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from specjax.config import ConfigError, ModelConfig, RopeScaling, dtype_from_name
+from specjax.config import ConfigError, HeadTrainConfig, ModelConfig, RopeScaling, dtype_from_name
 
 BASE = dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4,
             intermediate_size=32)
@@ -35,3 +35,20 @@ def test_configs_are_hashable_static_arguments():
     assert hash(config) == hash(dataclasses.replace(config))
     assert config.num_query_groups == 2
     assert dtype_from_name("bfloat16").__name__ == "bfloat16"
+
+
+def test_head_train_config_takes_a_draft_vocabulary_for_either_eagle_kind():
+    for kind in ("eagle1", "eagle3"):  # EAGLE-1: FR-Spec
+        assert HeadTrainConfig(target="t", kind=kind, draft_vocab_size=200).draft_vocab_size == 200
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"kind": "eagle1", "fuse_layers": (0, 1, 2)},
+     r"HeadTrainConfig.fuse_layers = \(0, 1, 2\) is invalid: allowed only with kind 'eagle3' \(kind is 'eagle1'\)"),
+    ({"kind": "medusa", "draft_vocab_size": 200},
+     r"HeadTrainConfig.draft_vocab_size = 200 is invalid: allowed only with kind 'eagle1' or 'eagle3'"),
+    ({"kind": "eagle1", "draft_vocab_size": 0}, r"HeadTrainConfig.draft_vocab_size = 0 is invalid: allowed None or"),
+])
+def test_bad_head_train_config_names_the_field(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        HeadTrainConfig(target="t", **changes)

@@ -1,9 +1,11 @@
 """EAGLE-1 and EAGLE-3 drafting: greedy output identical to autoregressive, lossless sampling,
 drafts that are what the head computes from the committed pairs, public checkpoint layouts, and
-refusals."""
+refusals. "eagle_fr" is the EAGLE-1 head with a reduced draft vocabulary (FR-Spec): drafts only from
+it, still lossless."""
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +19,9 @@ from test_speculative import (TINY, exact_joint, ragged_requests, speculative_jo
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.eagle import EagleConfig, init_eagle, load_eagle, save_eagle, split_head
+from specjax.models.eagle import EagleConfig, init_eagle, load_eagle, save_eagle, split_head, with_draft_vocabulary
 from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import init_model
 from specjax.proposers import build_proposer
 from specjax.proposers.base import Context, TargetOutput
 
@@ -31,36 +34,46 @@ def eagle_config(target_config, version, **kwargs):
 
 
 HEADS = {"eagle": dict(version=1), "eagle3": dict(version=3, draft_vocab_size=100)}
+# FR-Spec: the "eagle" head drafting from half the target's 128 ids; the target's greedy output has
+# tokens outside them too (checked in the greedy test).
+FR_IDS = np.arange(0, 128, 2)
+METHOD = {"eagle": "eagle", "eagle3": "eagle3", "eagle_fr": "eagle"}  # head name -> SpecConfig.method
 
 
 @functools.cache
-def head_for(method):
+def head_for(name):
+    if name == "eagle_fr":
+        return with_draft_vocabulary(head_for("eagle"), FR_IDS)
     target, _ = target_and_drafts()
-    return init_eagle(eagle_config(target.config, **HEADS[method]), seed=3)
+    return init_eagle(eagle_config(target.config, **HEADS[name]), seed=3)
 
 
 @pytest.mark.parametrize("num_draft", [1, 4])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_greedy_output_is_identical_to_autoregressive(method, num_draft):
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
+def test_greedy_output_is_identical_to_autoregressive(name, num_draft):
     from test_speculative import EOS, autoregressive_outputs
 
     target, _ = target_and_drafts()
     prompts, budgets = ragged_requests()
-    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], drafter=head_for(method),
-                      spec=SpecConfig(method=method, num_speculative_tokens=num_draft))
-    assert result.sequences() == autoregressive_outputs().sequences()
+    head = head_for(name)
+    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], drafter=head,
+                      spec=SpecConfig(method=METHOD[name], num_speculative_tokens=num_draft))
+    expected = autoregressive_outputs().sequences()
+    assert result.sequences() == expected
+    if head.draft_to_target is not None:  # the target emits tokens the head can never draft
+        assert {t for row in expected for t in row} - set(np.asarray(head.draft_to_target[...]).tolist())
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_the_heads_decoding_layout_drafts_the_same(method, tmp_path):
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
+def test_the_heads_decoding_layout_drafts_the_same(name, tmp_path):
     """split_head (fused q/k/v and gate/up): the same greedy tokens and acceptance counts as the
     stacked head, and it is not saved as a checkpoint."""
     target, _ = target_and_drafts()
-    head = head_for(method)
+    head = head_for(name)
     split = split_head(head)
     assert split_head(split) is split and split.layer.wqkv is not None
     prompts, budgets = ragged_requests()
-    spec = SpecConfig(method=method, num_speculative_tokens=3)
+    spec = SpecConfig(method=METHOD[name], num_speculative_tokens=3)
     want, got = (generate(target, prompts, max_new_tokens=budgets, drafter=h, spec=spec) for h in (head, split))
     assert got.sequences() == want.sequences()
     assert got.metrics.summary() == want.metrics.summary()
@@ -93,38 +106,130 @@ def test_first_draft_is_the_heads_output_on_every_committed_pair(method):
     assert int(drafts[0, 0]) == int(jnp.argmax(logits[0]))
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_sampling_with_eagle_is_lossless(method):
-    target, _ = tiny_pair()
-    kwargs = dict(HEADS[method])
-    if method == "eagle3":
+def tiny_head(name):
+    """A head for the tiny target of the exact-distribution tests (test_speculative.tiny_pair)."""
+    kwargs = dict(HEADS[METHOD[name]])
+    if name == "eagle3":
         kwargs["draft_vocab_size"] = 6  # a reduced draft vocabulary: two target ids never drafted
         kwargs["fuse_layers"] = (0, 1, 1)  # the tiny target has one layer
     head = init_eagle(eagle_config(TINY, **kwargs), seed=4)
+    return with_draft_vocabulary(head, [1, 2, 4, 7]) if name == "eagle_fr" else head  # half the 8 ids
+
+
+SAMPLED_SPEC = SpecConfig(num_speculative_tokens=2, rejection_sample_method="block",
+                          draft_sample_method="probabilistic")
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
+def test_sampling_with_eagle_is_lossless(name):
+    target, _ = tiny_pair()
     sampling = SamplingConfig(temperature=1.0)
-    spec = SpecConfig(method=method, num_speculative_tokens=2, rejection_sample_method="block",
-                      draft_sample_method="probabilistic")
-    counts, metrics = speculative_joint_counts(spec, sampling, drafter=head)
+    spec = dataclasses.replace(SAMPLED_SPEC, method=METHOD[name])
+    counts, metrics = speculative_joint_counts(spec, sampling, drafter=tiny_head(name))
     assert 0 < metrics.summary()["acceptance_rate"] < 1
     assert chi_square_pvalue(counts, exact_joint(target, sampling)) > 1e-3
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_public_checkpoint_layout_round_trips(method, tmp_path):
+def test_negative_control_draft_probabilities_not_zero_outside_the_draft_vocabulary_fail(monkeypatch):
+    """The same check catches a reduced-vocabulary drafter whose reported q does not match its draws:
+    tokens from the draft vocabulary, q half spread over every target id."""
+    import specjax.proposers.eagle as eagle_proposer
+
+    draw = eagle_proposer.draw_draft_tokens
+
+    def mislabelled(logits, keys, settings):
+        tokens, probs = draw(logits, keys, settings)
+        return tokens, 0.5 * probs + 0.5 / probs.shape[-1]
+
+    monkeypatch.setattr(eagle_proposer, "draw_draft_tokens", mislabelled)
+    sampling = SamplingConfig(temperature=1.0)
+    jax.clear_caches()  # the loop is traced again with the patch, and that program is not kept for other tests
+    try:
+        counts, _ = speculative_joint_counts(dataclasses.replace(SAMPLED_SPEC, method="eagle"), sampling,
+                                             drafter=tiny_head("eagle_fr"))
+    finally:
+        jax.clear_caches()
+    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) < 1e-6
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_draft_vocabulary_logits_are_the_targets_at_its_ids(tied):
+    """An EAGLE-1 head with a draft vocabulary: its logits are the full head's at those ids (the
+    target's LM head, or its tied embedding) and -inf at every other id, through a restricted LM head
+    that bind gathers once."""
+    target = init_model(dataclasses.replace(TINY, tie_word_embeddings=tied), seed=1)
+    assert (target.lm_head is None) == tied
+    ids = np.array([1, 2, 4, 7])
+    full = init_eagle(eagle_config(TINY, version=1), seed=4)
+    reduced = with_draft_vocabulary(full, ids)
+    proposer = build_proposer(SpecConfig(method="eagle"), SamplingConfig(), cache_size=16, drafter=full)
+    features = jax.random.normal(jax.random.key(0), (5, TINY.hidden_size))
+    want = np.asarray(proposer._logits(proposer.bind(full, target), features))
+    params = proposer.bind(reduced, target)
+    assert params.draft_lm_head.shape == (TINY.hidden_size, len(ids))
+    got = np.asarray(proposer._logits(params, features))
+    np.testing.assert_allclose(got[:, ids], want[:, ids], rtol=1e-6, atol=1e-6)
+    assert np.isneginf(np.delete(got, ids, axis=1)).all()
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "sampled"])
+def test_an_eagle1_head_with_a_draft_vocabulary_drafts_only_from_it(sampling):
+    """Every draft of the FR-Spec head is one of its ids, greedy or sampled (and sampled draft
+    probabilities are zero elsewhere); its first greedy draft is the best of those ids under the full
+    head's logits, which often prefer an id outside them."""
     target, _ = target_and_drafts()
-    head = head_for(method)
+    full, reduced = head_for("eagle"), head_for("eagle_fr")
+    rng = np.random.default_rng(5)
+    batch, length = 16, 9
+    prompt = jnp.asarray(rng.integers(0, 128, (batch, length)))
+    sequence = jnp.concatenate([prompt, jnp.asarray(rng.integers(0, 128, (batch, 1)))], axis=1)
+    lengths = jnp.full((batch,), length + 1)
+    spec = SpecConfig(method="eagle", num_speculative_tokens=4, draft_sample_method="probabilistic")
+    proposer = build_proposer(spec, sampling, cache_size=64, drafter=reduced)
+    params = proposer.bind(reduced, target)
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    _, hidden, _ = target(prompt, positions)
+    state = proposer.init(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
+    drafts, probs, _ = proposer.propose(params, state, Context(tokens=sequence, lengths=lengths),
+                                        jax.random.split(jax.random.key(1), batch))
+    assert np.isin(np.asarray(drafts), FR_IDS).all()
+    if probs is not None:
+        probs = np.asarray(probs)
+        assert probs[..., FR_IDS].sum(-1) == pytest.approx(1.0, abs=1e-5)
+        assert (np.delete(probs, FR_IDS, axis=-1) == 0).all()
+        return
+    out, _ = full(sequence[:, 1:], full.fuse(hidden), positions, KVCache.create(full.config.layer, batch, 16),
+                  params.embed)
+    full_logits = np.asarray(proposer._logits(proposer.bind(full, target), out[:, -1]))
+    assert not np.isin(full_logits.argmax(-1), FR_IDS).all()  # the restriction changes some first drafts
+    np.testing.assert_array_equal(np.asarray(drafts[:, 0]), FR_IDS[full_logits[:, FR_IDS].argmax(-1)])
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
+def test_public_checkpoint_layout_round_trips(name, tmp_path):
+    """Saved and loaded back with the version read from the weights; a draft vocabulary (d2t and
+    draft_vocab_size) survives for either version."""
+    target, _ = target_and_drafts()
+    head = head_for(name)
     save_eagle(head, tmp_path)
     keys = set(load_file(tmp_path / "model.safetensors"))
-    if method == "eagle":
+    if name in ("eagle", "eagle_fr"):
         assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
                 "layers.0.post_attention_layernorm.weight"} <= keys
         assert "layers.0.input_layernorm.weight" not in keys  # EAGLE-1 skips it
+        raw = json.loads((tmp_path / "config.json").read_text())
+        if name == "eagle_fr":
+            assert "d2t" in keys and raw["draft_vocab_size"] == len(FR_IDS)
+        else:
+            assert "d2t" not in keys and "draft_vocab_size" not in raw
     else:
         assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "norm.weight",
                 "lm_head.weight", "d2t"} <= keys
         assert load_file(tmp_path / "model.safetensors")["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
     loaded = load_eagle(tmp_path, target.config, fuse_layers=head.config.fuse_layers or None)
-    assert loaded.config == head.config
+    assert loaded.config == head.config and loaded.config.version == HEADS[METHOD[name]]["version"]
+    if head.draft_to_target is not None:
+        np.testing.assert_array_equal(loaded.draft_to_target[...], head.draft_to_target[...])
     for a, b in zip(jax.tree.leaves(head), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -153,3 +258,22 @@ def test_an_eagle3_head_for_method_eagle_is_refused():
     target, _ = target_and_drafts()
     with pytest.raises(ValueError, match=r"method 'eagle' needs an EAGLE-1 head, got EAGLE-3"):
         generate(target, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="eagle"), drafter=head_for("eagle3"))
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([3, 1, 2], r"ids\[1\] = 1 follows ids\[0\] = 3: allowed only sorted ids without repeats"),
+    ([1, 2, 2], r"ids\[2\] = 2 follows ids\[1\] = 2: allowed only sorted ids without repeats"),
+    ([0, 5, 128], r"ids\[2\] = 128 is outside the target vocabulary: allowed ids in 0..127"),
+    ([-1, 5], r"ids\[0\] = -1 is outside the target vocabulary: allowed ids in 0..127"),
+    ([[1, 2]], r"ids of shape \(1, 2\) and dtype int64: allowed a non-empty 1-D array of integer token ids"),
+    ([0.0, 1.0], r"ids of shape \(2,\) and dtype float64: allowed a non-empty 1-D array of integer token ids"),
+    ([], r"ids of shape \(0,\) .* allowed a non-empty 1-D array"),
+])
+def test_with_draft_vocabulary_refuses_bad_ids(ids, message):
+    with pytest.raises(ValueError, match=r"with_draft_vocabulary: " + message):
+        with_draft_vocabulary(head_for("eagle"), ids)
+
+
+def test_with_draft_vocabulary_refuses_an_eagle3_head():
+    with pytest.raises(ValueError, match=r"got an EAGLE-3 head, .* allowed only EAGLE-1 heads"):
+        with_draft_vocabulary(head_for("eagle3"), FR_IDS)

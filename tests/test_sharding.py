@@ -18,7 +18,7 @@ from specjax import sharding
 from specjax.config import (DataConfig, MeshConfig, ModelConfig, OptimizerConfig, SamplingConfig, SpecConfig,
                             TrainConfig)
 from specjax.decoding import decode_loop, generate, pad_request, speculative_loop
-from specjax.models.eagle import EagleConfig, init_eagle, split_head
+from specjax.models.eagle import EagleConfig, init_eagle, split_head, with_draft_vocabulary
 from specjax.models.medusa import MedusaConfig, init_medusa
 from specjax.models.transformer import init_model, split_layers
 from specjax.proposers import build_proposer
@@ -36,8 +36,10 @@ GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
 def models():
     target = init_model(TARGET, seed=0)
     head_layer = dataclasses.replace(TARGET, num_layers=1)
-    return {"target": target, "draft_model": init_model(DRAFT, seed=1),
-            "eagle": init_eagle(EagleConfig(layer=head_layer, version=1), seed=2),
+    eagle = init_eagle(EagleConfig(layer=head_layer, version=1), seed=2)
+    return {"target": target, "draft_model": init_model(DRAFT, seed=1), "eagle": eagle,
+            # FR-Spec: the EAGLE-1 head drafting over 96 of the 256 ids (its restricted LM head is split too).
+            "eagle_fr": with_draft_vocabulary(eagle, np.arange(0, 192, 2)),
             "eagle3": init_eagle(EagleConfig(layer=head_layer, version=3, fuse_layers=(0, 1, 1)), seed=3),
             "medusa": init_medusa(MedusaConfig(num_heads=4, hidden_size=64, vocab_size=256), target, seed=4),
             "ngram": None}
@@ -150,14 +152,19 @@ def test_speculative_tokens_match_one_device_for_every_verifier(models, prompts,
     assert got.metrics.summary() == want.metrics.summary()
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "ngram"])
+@pytest.mark.parametrize("method", ["eagle", "eagle_fr", "eagle3", "medusa", "ngram"])
 def test_every_drafter_matches_one_device(models, prompts, method):
-    spec = SpecConfig(method=method, num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    spec = SpecConfig(method="eagle" if method == "eagle_fr" else method, num_speculative_tokens=3,
+                      prompt_lookup_min=1, prompt_lookup_max=3)
     kwargs = dict(max_new_tokens=12, spec=spec, drafter=models[method])
     want = generate(models["target"], prompts, **kwargs)
     got = generate(models["target"], prompts, **kwargs, mesh=sharding.make_mesh(2, 4))
     assert got.sequences() == want.sequences()
     assert got.metrics.summary() == want.metrics.summary()
+    if method == "eagle_fr":  # the restricted LM head, [D, 96], is split over its vocabulary like the target's
+        proposer = build_proposer(spec, GREEDY, 64, models[method])
+        bound = sharding.shard(proposer.bind(models[method], models["target"]), sharding.make_mesh(2, 4))
+        assert bound.draft_lm_head.sharding.spec == PartitionSpec(None, sharding.MODEL)
 
 
 @pytest.mark.parametrize("mesh_shape, fsdp", [((8, 1), False), ((2, 4), False), ((8, 1), True), ((2, 4), True)])

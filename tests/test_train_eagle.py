@@ -1,6 +1,7 @@
 """Training EAGLE heads on a tiny trained target: the loss falls, the saved head loads and drafts
-losslessly (greedy output equal to autoregressive), it accepts more than an untrained head, and a
-finished run called again resumes at its last step."""
+losslessly (greedy output equal to autoregressive), it accepts more than an untrained head, a reduced
+draft vocabulary is the most frequent training ids (EAGLE-3, and EAGLE-1 under FR-Spec, trained as
+without one), and a finished run called again resumes at its last step."""
 
 import json
 import subprocess
@@ -14,7 +15,7 @@ from specjax.config import HeadTrainConfig, SpecConfig, TrainConfig, load_yaml
 from specjax.decoding import generate
 from specjax.models import hf
 from specjax.models.eagle import load_eagle
-from specjax.training.eagle import build_head, closing_eval, train_eagle
+from specjax.training.eagle import EAGLE_KINDS, build_head, closing_eval, train_eagle
 from specjax.training.evaluation import held_out_prompts
 from specjax.training.lm import train_lm
 from specjax.training.loop import Checkpoints, read_metrics
@@ -25,7 +26,8 @@ EAGLE_CONFIG = REPO / "configs/train/tiny_eagle.yaml"
 # tiny_lm's 40 steps leave a target whose greedy output is one repeated token (any head drafts it
 # perfectly); 800 steps of batch 8 (about 10 s) give one with varied output.
 TARGET_OVERRIDES = ["optimizer.total_steps=800", "data.batch_size=8", "checkpoint_every=800", "log_every=100"]
-EAGLE3_OVERRIDES = ["kind=eagle3", "fuse_layers=[0,1,2]", "draft_vocab_size=200", "unroll_steps=2"]
+REDUCED_VOCAB_OVERRIDES = {"eagle1": ["draft_vocab_size=200"],
+                           "eagle3": ["kind=eagle3", "fuse_layers=[0,1,2]", "draft_vocab_size=200", "unroll_steps=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -87,23 +89,28 @@ def test_eagle1_trains_loads_drafts_and_beats_an_untrained_head(target_dir, eagl
     assert trained > untrained
 
 
-def test_eagle3_with_a_reduced_draft_vocabulary_trains_and_drafts(target_dir, tmp_path):
-    summary = train_eagle(eagle_config(target_dir, tmp_path, *EAGLE3_OVERRIDES))
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_a_head_with_a_reduced_draft_vocabulary_trains_and_drafts(kind, target_dir, tmp_path, request):
+    version, method = EAGLE_KINDS[kind]
+    fuse_layers = (0, 1, 2) if version == 3 else ()
+    summary = train_eagle(eagle_config(target_dir, tmp_path, *REDUCED_VOCAB_OVERRIDES[kind]))
     loss = losses(tmp_path)
     assert np.mean(loss[-10:]) < np.mean(loss[:10])
-    assert summary["draft_vocab_size"] == 200 and summary["fuse_layers"] == [0, 1, 2]
+    if kind == "eagle1":  # FR-Spec: trained exactly as the same run without a draft vocabulary
+        np.testing.assert_allclose(loss, losses(request.getfixturevalue("eagle1_run")), rtol=1e-5)
+    assert summary["draft_vocab_size"] == 200 and summary["fuse_layers"] == list(fuse_layers)
 
     target = hf.load(target_dir)
-    head = load_eagle(tmp_path / "head", target.config, fuse_layers=(0, 1, 2))
-    assert head.config.version == 3 and head.config.draft_vocab == 200
+    head = load_eagle(tmp_path / "head", target.config, fuse_layers=fuse_layers or None)
+    assert head.config.version == version and head.config.draft_vocab == 200
     # The draft vocabulary is the 200 most frequent training ids, sorted.
     train_tokens = np.asarray(np.memmap(tmp_path / "tokens_train.bin", np.uint32, "r"))
     ids = np.asarray(head.draft_to_target[...])
     assert np.all(np.diff(ids) > 0)
     counts = np.bincount(train_tokens, minlength=target.config.vocab_size)
     assert counts[ids].min() >= np.delete(counts, ids).max()
-    check_drafts_losslessly(target, head, "eagle3", tmp_path)
-    print(f"EAGLE-3 mean acceptance length: {summary['mean_acceptance_length']:.3f}")
+    check_drafts_losslessly(target, head, method, tmp_path)
+    print(f"{kind} (draft vocabulary 200) mean acceptance length: {summary['mean_acceptance_length']:.3f}")
     assert json.loads((tmp_path / "head/eval.json").read_text()) == summary
 
 

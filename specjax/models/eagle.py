@@ -4,6 +4,11 @@ EAGLE-1: the input of position j is fc([embed(x_{j+1}), f_j]) (2H -> H, with bia
 target's final-norm feature at j and x_{j+1} the token after it (the token stream runs one step ahead
 of the features); one Llama decoder layer, whose attention reads that input directly (its first
 input norm is skipped), predicts f_{j+1}; the target's own LM head turns it into draft logits.
+With a draft vocabulary (FR-Spec, Zhao et al. 2025: the most frequent target ids), only those rows of
+the target's unembedding are used (`restricted_lm_head`, gathered once per generate call by the
+proposer), so a draft step reads a fraction of the LM-head bytes; the head's weights are the same and
+the target still verifies over its whole vocabulary (`with_draft_vocabulary` applies it to a trained
+head).
 
 EAGLE-3: the feature is fused from the hidden states entering three target layers (default 2, L//2,
 L-3) through fc (3H -> H, no bias); the layer's attention reads [norm(embed), norm(feature)] (2H) and
@@ -13,7 +18,8 @@ first feed the layer's own output back as the feature.
 
 Both keep their own one-layer KV cache. Loading reads the public checkpoint layouts (safetensors):
 EAGLE-1 `fc.*`, `layers.0.*`; EAGLE-3 `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
-`d2t` (target id = draft id + d2t[draft id]).
+`d2t` (target id = draft id + d2t[draft id]). An EAGLE-1 head with a draft vocabulary also writes
+`draft_vocab_size` (config.json) and `d2t`, an extension of the public EAGLE-1 layout.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ from specjax.models.transformer import (DecoderLayers, DecodingLayer, Hidden, _p
 @dataclasses.dataclass(frozen=True)
 class EagleConfig:
     """layer: the decoder layer's shape (num_layers 1; hidden_size and vocab_size are the target's).
-    version: 1 or 3. fuse_layers (EAGLE-3): target layers whose inputs are fused. draft_vocab_size
-    (EAGLE-3): size of the head's own vocabulary, the target's when None."""
+    version: 1 or 3. fuse_layers (EAGLE-3): target layers whose inputs are fused. draft_vocab_size:
+    how many target ids drafts are drawn from (the head's `draft_to_target`), the target's whole
+    vocabulary when None; for EAGLE-3 the size of its own LM head, for EAGLE-1 the rows of the
+    target's unembedding it drafts with (FR-Spec)."""
 
     layer: ModelConfig
     version: int = 1
@@ -53,9 +61,12 @@ class EagleConfig:
             raise ConfigError(f"EagleConfig.layer.num_layers = {self.layer.num_layers} is invalid: allowed 1")
         if self.version == 3 and len(self.fuse_layers) != 3:
             raise ConfigError(f"EagleConfig.fuse_layers = {self.fuse_layers!r} is invalid: EAGLE-3 fuses 3 layers")
-        if self.version == 1 and (self.fuse_layers or self.draft_vocab_size):
-            raise ConfigError("EagleConfig: fuse_layers and draft_vocab_size are EAGLE-3 settings: allowed only "
-                              "with version 3")
+        if self.version == 1 and self.fuse_layers:
+            raise ConfigError(f"EagleConfig.fuse_layers = {self.fuse_layers!r} is invalid with version 1: fuse_layers "
+                              "is an EAGLE-3 setting, allowed only with version 3")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.layer.vocab_size:
+            raise ConfigError(f"EagleConfig.draft_vocab_size = {self.draft_vocab_size!r} is invalid: allowed None or "
+                              f"an integer in 1..{self.layer.vocab_size} (the target's vocab_size)")
 
     @property
     def draft_vocab(self) -> int:
@@ -78,7 +89,10 @@ class EagleHead(nnx.Module):
             self.fc, self.fc_bias = _param(rngs, (2 * D, D), c), _param(rngs, (D,), c, "zeros")
             self.layer = DecoderLayers(c, rngs=rngs)
             self.layer.attn_norm = None  # EAGLE-1's layer reads the fc output without a norm
-            self.embed_norm = self.final_norm = self.lm_head = self.draft_to_target = None
+            self.embed_norm = self.final_norm = self.lm_head = None
+            # FR-Spec: the target ids drafted from; its logits come from those rows of the target's unembedding.
+            self.draft_to_target = None if config.draft_vocab_size is None else \
+                nnx.Variable(jnp.arange(config.draft_vocab, dtype=jnp.int32))
         else:
             self.fc, self.fc_bias = _param(rngs, (3 * D, D), c), None
             self.layer = DecoderLayers(c, rngs=rngs, attn_input_size=2 * D)
@@ -121,15 +135,34 @@ class EagleHead(nnx.Module):
         return KVCache.create(self.config.layer, batch_size, max_length, dtype,
                               per_layer=isinstance(self.layer, DecodingLayer))
 
-    def logits(self, features: Float[Array, "... D"], target_lm_head) -> Float[Array, "... V"]:
+    def restricted_lm_head(self, embed: Float[Array, "V D"],
+                           lm_head: Float[Array, "D V"] | None) -> Float[Array, "D Vd"] | None:
+        """EAGLE-1 with a draft vocabulary: the target's unembedding (lm_head, or the tied embedding when
+        lm_head is None) restricted to draft_to_target, as [D, V_draft]; None for every other head.
+        Drafting gathers it once per generate call (EagleProposer.bind), not in every draft step."""
+        if self.config.version != 1 or self.draft_to_target is None:
+            return None
+        ids = self.draft_to_target[...]
+        return embed[ids].T if lm_head is None else lm_head[:, ids]
+
+    def logits(self, features: Float[Array, "... D"], target_lm_head,
+               draft_lm_head: Float[Array, "D Vd"] | None = None) -> Float[Array, "... V"]:
         """Float32 logits over the target's vocabulary. target_lm_head(features) -> logits is the
-        target's unembedding (EAGLE-1); EAGLE-3 uses its own head and maps draft ids to target ids,
-        leaving every other target id at -inf."""
-        if self.config.version == 1:
-            return target_lm_head(features)
+        target's unembedding, which an EAGLE-1 head without a draft vocabulary uses. With a draft
+        vocabulary the logits of the draft ids come from a [D, V_draft] head, EAGLE-3's own (after its
+        final norm) or, for EAGLE-1, draft_lm_head (restricted_lm_head of the target), and land at
+        their target ids (draft_to_target); every other target id is -inf."""
         c = self.config.layer
-        normed = normalize(features.astype(c.jnp_dtype), self.final_norm[...], None, c)
-        draft = einsum_f32("...d,dv->...v", normed, self.lm_head[...].astype(c.jnp_dtype))
+        if self.draft_to_target is None:
+            return target_lm_head(features)
+        if self.config.version == 1:
+            if draft_lm_head is None:
+                raise ValueError("an EAGLE-1 head with a draft vocabulary needs draft_lm_head: the target's "
+                                 "unembedding restricted to it (EagleHead.restricted_lm_head)")
+            x, weight = features.astype(c.jnp_dtype), draft_lm_head
+        else:
+            x, weight = normalize(features.astype(c.jnp_dtype), self.final_norm[...], None, c), self.lm_head[...]
+        draft = einsum_f32("...d,dv->...v", x, weight.astype(c.jnp_dtype))
         full = jnp.full((*draft.shape[:-1], c.vocab_size), -jnp.inf, jnp.float32)
         return full.at[..., self.draft_to_target[...]].set(draft)
 
@@ -147,6 +180,36 @@ def split_head(head: EagleHead, model_shards: int = 1) -> EagleHead:
     split = jax.tree.map(lambda w: w, head)  # a new module over the same arrays
     split.layer = DecodingLayer(head.layer, 0, head.config.layer, model_shards)
     return split
+
+
+def with_draft_vocabulary(head: EagleHead, ids) -> EagleHead:
+    """FR-Spec (Zhao et al. 2025) for a trained EAGLE-1 head: a new head over the same weights that drafts
+    only the target ids `ids` (1-D, sorted, unique; e.g. the most frequent ids of a corpus,
+    specjax.training.eagle.draft_vocabulary). Training-free and lossless: the target verifies over its
+    whole vocabulary. The head given is unchanged; a head with a draft vocabulary gets the new one."""
+    if head.config.version != 1:
+        raise ValueError(f"with_draft_vocabulary: got an EAGLE-{head.config.version} head, whose own LM head is "
+                         "trained over its draft vocabulary: allowed only EAGLE-1 heads")
+    ids = np.asarray(ids)
+    vocab = head.config.layer.vocab_size
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"with_draft_vocabulary: ids of shape {ids.shape} and dtype {ids.dtype}: allowed a "
+                         "non-empty 1-D array of integer token ids")
+    outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if outside.size:
+        i = int(outside[0])
+        raise ValueError(f"with_draft_vocabulary: ids[{i}] = {ids[i]} is outside the target vocabulary: allowed "
+                         f"ids in 0..{vocab - 1}")
+    unordered = np.flatnonzero(np.diff(ids) <= 0)
+    if unordered.size:
+        i = int(unordered[0])
+        raise ValueError(f"with_draft_vocabulary: ids[{i + 1}] = {ids[i + 1]} follows ids[{i}] = {ids[i]}: allowed "
+                         "only sorted ids without repeats (strictly increasing)")
+    reduced = jax.tree.map(lambda w: w, head)  # a new module over the same arrays
+    reduced.config = dataclasses.replace(head.config, draft_vocab_size=len(ids))
+    # nnx.data: an EAGLE-1 head without a draft vocabulary holds None there, a static attribute
+    reduced.draft_to_target = nnx.data(nnx.Variable(jnp.asarray(ids, jnp.int32)))
+    return reduced
 
 
 # ------------------------------------------------------------------------------ public checkpoints
@@ -186,7 +249,8 @@ def _rules(config: EagleConfig) -> list[hf.Rule]:
 def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int | None = None,
                fuse_layers: tuple[int, ...] | None = None) -> EagleHead:
     """Loads an EAGLE-1 or EAGLE-3 checkpoint folder (config.json + model.safetensors) in the public
-    layout. version defaults to 3 when the config names a draft vocabulary or the weights a midlayer."""
+    layout. version defaults to what the weights say: 3 with `midlayer.*`, 1 with `layers.0.*`. Either
+    version reads a draft vocabulary (config.json `draft_vocab_size`, tensor `d2t`)."""
     folder = Path(folder)
     config_path = folder / hf.CONFIG_FILE
     if not config_path.exists():
@@ -194,20 +258,22 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
     raw = json.loads(config_path.read_text())
     reader = hf._TensorReader(folder)
     if version is None:
-        version = 3 if ("draft_vocab_size" in raw or "fc.weight" in reader.keys()
-                        and "midlayer.self_attn.q_proj.weight" in reader.keys()) else 1
+        version = _checkpoint_version(reader.keys(), folder)
     layer_raw = {**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
                  "vocab_size": target_config.vocab_size}
     layer = dataclasses.replace(hf.config_from_hf(layer_raw, config_path), param_dtype=target_config.param_dtype,
                                 dtype=target_config.dtype)
-    draft_vocab = raw.get("draft_vocab_size") if version == 3 else None
+    draft_vocab = raw.get("draft_vocab_size")
     if version == 3 and fuse_layers is None:
         fuse_layers = default_fuse_layers(target_config.num_layers)
     config = EagleConfig(layer=layer, version=version, fuse_layers=tuple(fuse_layers or ()),
                          draft_vocab_size=draft_vocab if draft_vocab != target_config.vocab_size else None)
     head = nnx.eval_shape(lambda: init_eagle(config))
-    if version == 3:  # target id = draft id + d2t[draft id]; no d2t means the draft vocabulary is the target's
+    if head.draft_to_target is not None:  # target id = draft id + d2t[draft id]; no d2t: the first ids
         offsets = np.asarray(reader.get("d2t")) if "d2t" in reader.keys() else np.zeros(config.draft_vocab, np.int64)
+        if offsets.shape != (config.draft_vocab,):
+            raise hf.CheckpointError(f"{folder}: 'd2t' has shape {offsets.shape}; expected ({config.draft_vocab},), "
+                                     "one offset per draft id (config.json draft_vocab_size)")
         head.draft_to_target.set_value(jnp.asarray(np.arange(config.draft_vocab) + offsets, jnp.int32))
     used = hf.fill_from_rules(head, _rules(config), reader, folder, 1, f"EAGLE-{version}")
     # EAGLE checkpoints may carry a copy of the target's embedding; the head uses the target's own.
@@ -224,10 +290,19 @@ def save_eagle(head: EagleHead, folder: str | Path) -> None:
     config = head.config
     raw = hf.config_to_hf(config.layer)
     raw["num_hidden_layers"] = 1
-    if config.version == 3:
-        raw["draft_vocab_size"] = config.draft_vocab
     extra = {}
-    if config.version == 3:
+    if head.draft_to_target is not None:  # EAGLE-3, and EAGLE-1 with a draft vocabulary
+        raw["draft_vocab_size"] = config.draft_vocab
         ids = np.asarray(head.draft_to_target[...])
         extra["d2t"] = jnp.asarray(ids - np.arange(len(ids)), jnp.int32)
     hf.write_from_rules(head, _rules(config), folder, raw, extra)
+
+
+def _checkpoint_version(keys, folder: Path) -> int:
+    """The EAGLE version the weights are laid out for: 3 with `midlayer.*`, 1 with `layers.0.*`."""
+    if any(key.startswith("midlayer.") for key in keys):
+        return 3
+    if any(key.startswith("layers.0.") for key in keys):
+        return 1
+    raise hf.CheckpointError(f"{folder}: neither EAGLE-3 weights (midlayer.*) nor EAGLE-1 weights (layers.0.*) "
+                             "found: pass version= to load_eagle")

@@ -1,5 +1,9 @@
 """EAGLE-1 and EAGLE-3 drafting (`method` "eagle" and "eagle3") with the head's own KV cache.
 
+A head with a draft vocabulary (EAGLE-3's own LM head, or an EAGLE-1 head under FR-Spec) drafts only
+ids of it: the draft logits are -inf at every other target id, so greedy drafts and sampled drafts
+(and their probabilities) stay inside it; verification is over the target's whole vocabulary.
+
 The head consumes pairs (f_j, x_{j+1}): the target's feature at position j and the token after it.
 Pairs whose feature came from the target are committed to the head's cache; pairs built from the
 head's own predicted features (while drafting) sit after them and are dropped at the next step by
@@ -25,14 +29,18 @@ from specjax.proposers.base import Context, ProposerSettings, TargetOutput, regi
 from specjax.proposers.draft_model import draw_draft_tokens
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("head", "embed", "lm_head"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("head", "embed", "lm_head", "draft_lm_head"),
+                   meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class EagleParams:
-    """The head with the target's embedding and LM head (None when tied), which it shares."""
+    """The head with the target's embedding and LM head (None when tied), which it shares, and, for an
+    EAGLE-1 head with a draft vocabulary, the target's unembedding restricted to it (gathered once here,
+    not in every draft step; None otherwise)."""
 
     head: EagleHead
     embed: Float[Array, "V D"]
     lm_head: Float[Array, "D V"] | None
+    draft_lm_head: Float[Array, "D Vd"] | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -78,12 +86,13 @@ class EagleProposer:
                              f"0..{target_config.num_layers}")
 
     def bind(self, head: EagleHead, target: Transformer) -> EagleParams:
-        return EagleParams(head=head, embed=target.embed[...],
-                           lm_head=None if target.lm_head is None else target.lm_head[...])
+        embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
+        return EagleParams(head=head, embed=embed, lm_head=lm_head,
+                           draft_lm_head=head.restricted_lm_head(embed, lm_head))
 
     def _logits(self, params: EagleParams, features):
         target_head = lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)  # noqa: E731
-        return params.head.logits(features, target_head)
+        return params.head.logits(features, target_head, params.draft_lm_head)
 
     def init(self, params: EagleParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> EagleState:

@@ -4,8 +4,8 @@ Data: the corpus is tokenized with the target's tokenizer (DataConfig.tokenizer 
 batch `step` is the window x_0 .. x_T (T = data.seq_len) of `batch_at`, a pure function of
 (seed, step), so a killed run resumes exactly. The target runs once per batch, without a cache, over
 the whole window (T + 1 tokens) under stop_gradient; its hidden states are the head's inputs and its
-distributions the labels. Only the head's nnx.Param are trained (EAGLE-3's `draft_to_target` is an
-nnx.Variable and stays fixed).
+distributions the labels. Only the head's nnx.Param are trained (`draft_to_target` is an nnx.Variable
+and stays fixed).
 
 The head runs its own forward over the T pairs (f_j, x_{j+1}), j = 0 .. T-1, at positions 0 .. T-1,
 through a fresh (empty) KV cache of T slots, i.e. causally over the window, exactly as drafting
@@ -41,9 +41,11 @@ no feature loss. The simplification against real drafting: at step i every earli
 window also carries a step-i (self-predicted) feature, where drafting would have target features in
 the cache for all but the last i pairs.
 
-Draft vocabulary (EAGLE-3 with draft_vocab_size < the target's vocabulary): the draft_vocab_size most
-frequent target ids in the training tokens (ties to the lower id), sorted ascending, as
-head.draft_to_target.
+Draft vocabulary (draft_vocab_size < the target's vocabulary): the draft_vocab_size most frequent
+target ids in the training tokens (ties to the lower id), sorted ascending, as head.draft_to_target.
+EAGLE-3 trains its own LM head over it; EAGLE-1 (FR-Spec, Zhao et al. 2025) is trained exactly as
+without one, over the target's full LM head, and only drafts from those ids
+(specjax.models.eagle.with_draft_vocabulary applies one to an already trained head).
 
 Writes under output_dir: tokenizer/ and token files (data), checkpoints/, metrics.jsonl, and head/ (the
 public EAGLE layout that load_eagle reads) with eval.json: the greedy mean acceptance length of the
@@ -93,10 +95,8 @@ def build_head(config: HeadTrainConfig, target_config, train_tokens: np.ndarray)
     if version == 3:
         fuse_layers = tuple(config.fuse_layers) if config.fuse_layers is not None \
             else default_fuse_layers(target_config.num_layers)
-        if config.draft_vocab_size is not None and config.draft_vocab_size < target_config.vocab_size:
-            draft_vocab = config.draft_vocab_size
-    elif config.fuse_layers is not None or config.draft_vocab_size is not None:
-        raise ValueError("fuse_layers and draft_vocab_size are EAGLE-3 settings: allowed only with kind 'eagle3'")
+    if config.draft_vocab_size is not None and config.draft_vocab_size < target_config.vocab_size:
+        draft_vocab = config.draft_vocab_size
     head = init_eagle(EagleConfig(layer=layer, version=version, fuse_layers=fuse_layers,
                                   draft_vocab_size=draft_vocab), seed=config.seed)
     if draft_vocab is not None:
