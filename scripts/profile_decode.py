@@ -16,13 +16,17 @@ in the same run:
   matrix-vector products alone cost, and whether slicing stacked weights costs extra;
 - matmuls_fused: the same with q, k, v in one [D, (H + 2K) E] weight and gate, up in one [D, 2F]
   (four products a layer instead of seven);
+- model_xla: model with XLA's attention instead of the Pallas decode-attention kernel;
 - attention: only the attention over the cache (all layers); attention_verify over K + 1 = 6 new
-  positions; *_cudnn the same through jax.nn.dot_product_attention(implementation="cudnn");
+  positions; *_cudnn the same through jax.nn.dot_product_attention(implementation="cudnn"), *_kernel
+  through the Pallas kernel (*_N_splits: with the cache's blocks over N programs a KV head;
+  *_block_N: N slots a step of a program's loop);
 - gemv DxF / gemv FxD^T: one activation-times-weight product for each weight shape of the layer, with
   the weight stored [in, out] (as specjax stores it) or [out, in] (contraction over its minor axis),
   against the copy bandwidth.
 --loop also times a step of the real decode loop (bench_decode's way: a long run minus a one-token run),
-the figure the variants above approximate; under different XLA_FLAGS it compares compiler options.
+with the attention kernel and without, the figure the variants above approximate; under different
+XLA_FLAGS it compares compiler options.
 --trace STEPS profiles STEPS tokens of the real decode loop (jax.profiler) and tabulates the GPU
 kernels by total time: which kernels the step spends its time in, and how much is gaps between them.
 --dump-hlo writes the optimised HLO of every program (XLA's own dump) for reading off the device.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -44,6 +49,7 @@ import jax.numpy as jnp
 from specjax import benchmarking
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import attention, decoder_layer, normalize, unembed
+from specjax.pallas_kernels.decode_attention import decode_attention
 
 from bench_decode import SHAPES, on_device, weight_bytes  # noqa: E402  (scripts/ is on the path when run)
 
@@ -162,6 +168,9 @@ def main():
         out = [impl(q, cache.k[i], cache.v[i], slots, config) for i in range(L)]
         return sum(o.astype(jnp.float32).sum() for o in out)
 
+    def kernel_attention(q, k, v, query_slots, config, **options):
+        return decode_attention(q, k, v, query_slots, sliding_window=config.sliding_window, **options)
+
     def gemv(x, w, transposed):
         return jnp.einsum("bd,fd->bf" if transposed else "bd,df->bf", x, w)
 
@@ -181,9 +190,13 @@ def main():
 
     split_model = split_layers(model)  # the decoding layout, built once (every copy here is a full 8B model)
     split_cache = split_model.create_cache(B, args.cache).with_lengths(cache.lengths)  # one array per layer
+    xla_model = jax.tree.map(lambda w: w, split_model)  # the same arrays
+    for layer in xla_model.layers:
+        layer.attention_kernel = False
     # name: (function, arguments, how many leading arguments are weights (loop-invariant), bytes to read)
     variants = {
         "model": (model_step, (split_model, split_cache), 1, weights + kv_read),
+        "model_xla": (model_step, (xla_model, split_cache), 1, weights + kv_read),
         "model_stacked": (model_step, (model, cache), 1, weights + kv_read),
         "unrolled": (unrolled, (model, cache), 1, weights + kv_read),
         "unrolled_split": (lambda model, layers, cache: unrolled(model, cache, layers), (model, per_layer, cache), 2,
@@ -195,6 +208,13 @@ def main():
         "attention_cudnn": (lambda c: attention_layers(c, 1, cudnn_attention), (cache,), 0, kv_read),
         "attention_verify": (lambda c: attention_layers(c, 6), (cache,), 0, kv_read),
         "attention_verify_cudnn": (lambda c: attention_layers(c, 6, cudnn_attention), (cache,), 0, kv_read),
+        "attention_kernel": (lambda c: attention_layers(c, 1, kernel_attention), (cache,), 0, kv_read),
+        "attention_verify_kernel": (lambda c: attention_layers(c, 6, kernel_attention), (cache,), 0, kv_read),
+        **{f"attention{'_verify' if n > 1 else ''}_kernel_{label}": (
+            lambda c, n=n, options=options: attention_layers(
+                c, n, functools.partial(kernel_attention, **options)), (cache,), 0, kv_read)
+           for n in (1, 6) for label, options in (("2_splits", {"num_splits": 2}), ("8_splits", {"num_splits": 8}),
+                                                  ("block_128", {"block": 128}), ("block_256", {"block": 256}))},
         **gemvs,
     }
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weights / 1e9:.2f} GB, KV {kv_read / 1e6:.1f} MB; "
@@ -212,11 +232,13 @@ def main():
         floor = floor_bytes / bandwidth
         rows.append({"variant": name, "ms": seconds * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds})
         print(f"{name:40s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
-    if args.loop:
-        seconds = decode_loop_step(split_model, B)
+    for name, loop_model in (("decode_loop", split_model), ("decode_loop_xla", xla_model)):
+        if not args.loop:
+            break
+        seconds = decode_loop_step(loop_model, B)
         floor = (weights + kv_read) / bandwidth
-        rows.append({"variant": "decode_loop", "ms": seconds * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds})
-        print(f"{'decode_loop':40s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
+        rows.append({"variant": name, "ms": seconds * 1e3, "floor_ms": floor * 1e3, "fraction_of_floor": floor / seconds})
+        print(f"{name:40s} {seconds * 1e3:8.3f} ms   floor {floor * 1e3:7.3f} ms   {floor / seconds:5.1%}", flush=True)
     notes = kernel_table(split_model, split_cache, args.trace) if args.trace else ""
     meta = {**benchmarking.environment(), "shape": args.shape, "batch": B, "context": args.context,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),

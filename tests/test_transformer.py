@@ -73,14 +73,16 @@ def test_bfloat16_compute_stays_close_to_float32():
     assert np.abs(np.asarray(bf16) - np.asarray(f32)).max() < 0.15 * np.abs(np.asarray(f32)).max()
 
 
-@pytest.mark.parametrize("model_shards", [1, 2])
+@pytest.mark.parametrize("model_shards, attention_kernel", [(1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2", "qwen2"])
-def test_the_decoding_layout_is_the_same_model(name, model_shards):
-    """split_layers (per-layer arrays, fused q/k/v and gate/up, shard-major for model_shards) computes
+def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_kernel):
+    """split_layers (per-layer arrays, fused q/k/v and gate/up, shard-major for model_shards; cached
+    steps attending through the Pallas decode-attention kernel, interpreted here, or XLA) computes
     what the stacked model computes: a full forward with hidden layers, then cached decode steps."""
     stacked = hf.load(fixture_dir(name))
-    split = split_layers(stacked, model_shards)
+    split = split_layers(stacked, model_shards, attention_kernel)
     assert isinstance(split.layers[0], DecodingLayer) and len(split.layers) == stacked.config.num_layers
+    assert split.layers[0].attention_kernel == attention_kernel
     assert split_layers(split) is split
     c = stacked.config
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, c.vocab_size, (2, 9)))

@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 
 from specjax.config import ModelConfig
 from specjax.models.kv_cache import KVCache
+from specjax.pallas_kernels import decode_attention
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("final", "layers"), meta_fields=())
@@ -189,6 +190,12 @@ def _mlp(x: Float[Array, "B T D"], layer: DecoderLayers | DecodingLayer, config:
     return _project(act, layer.w_down, layer.b_down, "btf,fd->btd", dtype, row_parallel=True)
 
 
+def _on_one_device() -> bool:
+    """No mesh of several devices is set (GSPMD cannot split a Pallas kernel's call)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
 def query_slots_for(batch: int, num_new: int, cache: KVCache | None) -> Int[Array, "B T"]:
     """Cache slots of T new tokens: after each row's fill level, or 0..T-1 with no cache."""
     offsets = jnp.zeros(batch, jnp.int32) if cache is None else cache.lengths
@@ -221,7 +228,11 @@ def decoder_layer(x: Float[Array, "B T D"], layer: DecoderLayers | DecodingLayer
     if cache is not None:
         cache = cache.write(index, k, v)
         k, v = (kv.astype(dtype) for kv in cache.layer(index))
-    attn = attention(q, k, v, query_slots, c)
+    if (cache is not None and getattr(layer, "attention_kernel", False)
+            and decode_attention.fits(q.shape[1], c.num_query_groups) and _on_one_device()):
+        attn = decode_attention.decode_attention(q, k, v, query_slots, sliding_window=c.sliding_window)
+    else:
+        attn = attention(q, k, v, query_slots, c)
     x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
     h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
     return x + _mlp(h, layer, c), cache
@@ -324,12 +335,20 @@ class DecodingLayer(nnx.Module):
     The fused weights are shard-major for `model_shards` devices on the model axis: wqkv is
     [D, M, H/M + 2 K/M, E] and w_gate_up [D, M, 2, F/M], so that splitting their M axis (specjax.sharding)
     gives each device its own heads and MLP columns, as the separate weights' rules do. model_shards
-    must divide the query heads, KV heads and MLP width, else the layout is made for one device."""
+    must divide the query heads, KV heads and MLP width, else the layout is made for one device.
 
-    def __init__(self, layers: DecoderLayers, index: int, config: ModelConfig, model_shards: int = 1):
+    attention_kernel: decode steps and verification blocks attend through the Pallas kernel
+    pallas_kernels.decode_attention, which reads only the filled cache, instead of XLA's six kernels
+    over all of it. By default on GPUs for a layout made for one device; on a mesh of several devices
+    the attention stays in XLA (GSPMD cannot split a kernel's call)."""
+
+    def __init__(self, layers: DecoderLayers, index: int, config: ModelConfig, model_shards: int = 1,
+                 attention_kernel: bool | None = None):
         c = config
         divides = all(n % model_shards == 0 for n in (c.num_heads, c.num_kv_heads, c.intermediate_size))
         M = model_shards if divides else 1
+        self.attention_kernel = (jax.default_backend() == "gpu" and M == 1) if attention_kernel is None \
+            else attention_kernel
         take = lambda w: None if w is None else w[...][index]  # noqa: E731
         # attn_norm is None in EAGLE-1's head layer.
         self.attn_norm, self.attn_norm_bias = _optional(take(layers.attn_norm)), _optional(take(layers.attn_norm_bias))
@@ -362,16 +381,17 @@ def _optional(value) -> nnx.Param | None:
     return None if value is None else nnx.Param(value)
 
 
-def split_layers(model: Transformer, model_shards: int = 1) -> Transformer:
+def split_layers(model: Transformer, model_shards: int = 1, attention_kernel: bool | None = None) -> Transformer:
     """The same model in the decoding layout: one DecodingLayer per layer, run as a Python loop (see
     the module docstring and DecodingLayer). model_shards: the size of the mesh's model axis it will
-    be split over (specjax.sharding). The weights are new buffers (keep the stacked model only if it is
-    needed again); a model already split is returned as is."""
+    be split over (specjax.sharding); attention_kernel: see DecodingLayer. The weights are new buffers
+    (keep the stacked model only if it is needed again); a model already split is returned as is."""
     if not isinstance(model.layers, DecoderLayers):
         return model
     c = model.config
     split = jax.tree.map(lambda w: w, model)  # a new module over the same arrays
-    split.layers = nnx.List([DecodingLayer(model.layers, i, c, model_shards) for i in range(c.num_layers)])
+    split.layers = nnx.List([DecodingLayer(model.layers, i, c, model_shards, attention_kernel)
+                             for i in range(c.num_layers)])
     return split
 
 

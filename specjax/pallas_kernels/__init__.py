@@ -1,1 +1,2 @@
-"""Pallas kernels. Each has its jnp twin in specjax/verify as the reference it must reproduce."""
+"""Pallas kernels, each checked against the jnp code it replaces: block_verify against
+specjax.verify.block, decode_attention against models.transformer.attention."""

@@ -1,0 +1,167 @@
+"""Attention of a few new queries against a KV cache, reading only its filled part (Pallas).
+
+A decode step (T = 1) or a verification block (T = K + 1) attends to every cache slot up to its own.
+XLA runs that as six kernels a layer (the scores product, the mask, two softmax reductions, a convert,
+the values product) over all S_max slots; here it is one kernel over the filled slots (and a small
+combine when the slots are split; scripts/profile_decode.py times both, variants attention*).
+
+Flash-decoding: the grid is (row b, KV head, slot split j). A program takes the G query heads of its
+KV head for all T new tokens as one [T * G, E] block of rows (padded to the 16 rows a tensor-core
+product needs) and walks its split's blocks of cache slots with an online softmax. With one split
+it writes the normalised output; with several, each writes its partial output, running max and
+running sum, and a combine weighs the splits by exp(max - overall max). Splits buy parallelism at
+the cost of that second pass: the default takes enough of them for TARGET_PROGRAMS programs and
+for no program to walk more than MAX_BLOCKS blocks (measured in the 8B-shaped decode loop, prompt
+128, on two H200s alike to 1%: at batch 1 a step takes 4.41 ms with 8 splits, 4.52 with one and
+4.52 with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with XLA's). Split boundaries are fixed by the shapes alone
+(never by the fill level), so a row's result does not depend on how many tokens attend with it:
+T = 1 and T = K + 1 sum the same blocks in the same order.
+
+Lowered through Pallas' Triton backend, which JAX keeps on a best-effort basis (Mosaic GPU is its
+recommended GPU backend, but needs a warpgroup-level rewrite for products this small); off the GPU
+the kernel runs in Pallas' interpret mode, which is what the CPU tests check against
+transformer.attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+BLOCK_SLOTS = 64  # cache slots per step of a program's loop
+MIN_ROWS = 16  # rows of a tensor-core product
+MAX_ROWS = 64  # T * G above this (a prefill) is left to XLA: its rows would not fit in registers
+TARGET_PROGRAMS = 128  # about one per multiprocessor of an H100 / H200 (132)
+MAX_BLOCKS = 8  # blocks one program walks at most
+NUM_WARPS = 4
+_MASKED = -1e30  # finite, so that exp(_MASKED - _MASKED) of a fully masked split is no NaN
+
+
+def fits(num_new: int, num_query_groups: int) -> bool:
+    """Whether T new tokens with G query heads per KV head fit the kernel's row block."""
+    return num_new * num_query_groups <= MAX_ROWS
+
+
+def _kernel(q_ref, slots_ref, k_ref, v_ref, out_ref, *split_refs, block: int, blocks_per_split: int,
+            num_slots: int, sliding_window: int | None, scale: float):
+    """One (row, KV head, split) program: online softmax over the split's visible cache blocks.
+    split_refs: the running max and sum refs when there are several splits (out_ref is then partial)."""
+    q = q_ref[...]  # [M, E]
+    slots = slots_ref[...]  # [M]; padding rows hold -1 and see nothing
+    first = pl.program_id(2) * blocks_per_split
+    # Blocks past the last query slot hold no visible key: the loop stops at the filled part.
+    stop = jnp.minimum(first + blocks_per_split, jnp.max(slots) // block + 1)
+    start = first
+    if sliding_window is not None:
+        lowest = jnp.min(jnp.where(slots >= 0, slots, num_slots))
+        start = jnp.maximum(first, jnp.maximum(lowest - sliding_window + 1, 0) // block)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    contract_last = (((1,), (1,)), ((), ()))
+
+    def step(index, carry):
+        out, running_max, running_sum = carry
+        nominal = index * block
+        # The last block is moved back to end at the last slot rather than read past it; the slots
+        # it shares with the block before are masked, having been counted there.
+        offset = jnp.minimum(nominal, num_slots - block)
+        k = k_ref[pl.ds(offset, block), :]
+        v = v_ref[pl.ds(offset, block), :]
+        scores = jax.lax.dot_general(q, k, contract_last, precision=precision,
+                                     preferred_element_type=jnp.float32) * scale  # [M, block]
+        keys = offset + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        visible = (keys >= nominal) & (keys <= slots[:, None])
+        if sliding_window is not None:
+            visible &= keys > slots[:, None] - sliding_window
+        scores = jnp.where(visible, scores, _MASKED)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
+        probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
+        correction = jnp.exp(running_max - new_max)
+        out = correction[:, None] * out + jax.lax.dot_general(
+            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+            preferred_element_type=jnp.float32)
+        return out, new_max, correction * running_sum + jnp.sum(probs, axis=1)
+
+    rows, head_dim = q.shape
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    out, running_max, running_sum = jax.lax.fori_loop(start, stop, step, init)
+    if split_refs:
+        out_ref[...] = out
+        split_refs[0][...] = running_max
+        split_refs[1][...] = running_sum
+    else:  # padding rows saw nothing: 0 / 1
+        out_ref[...] = (out / jnp.where(running_sum > 0, running_sum, 1.0)[:, None]).astype(out_ref.dtype)
+
+
+def decode_attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[Array, "B S K E"],
+                     query_slots: Int[Array, "B T"], *, sliding_window: int | None = None,
+                     num_splits: int | None = None, block: int = BLOCK_SLOTS,
+                     interpret: bool | None = None) -> Float[Array, "B T H E"]:
+    """transformer.attention for T * G <= MAX_ROWS new queries (the cache already holds their keys):
+    query at slot t sees slots <= t (and > t - sliding_window). num_splits: slot splits per (row, KV
+    head); by default enough for TARGET_PROGRAMS programs and at most MAX_BLOCKS blocks a program."""
+    batch, num_new, num_heads, head_dim = q.shape
+    num_slots, num_kv = k.shape[1], k.shape[2]
+    groups = num_heads // num_kv
+    rows = num_new * groups
+    if not fits(num_new, groups):
+        raise ValueError(f"decode_attention takes T * G <= {MAX_ROWS} query rows per KV head, got T = {num_new}, "
+                         f"G = {groups}: use transformer.attention")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    block = min(block, 1 << (num_slots.bit_length() - 1))  # a power of two <= S
+    num_blocks = pl.cdiv(num_slots, block)
+    if num_splits is None:
+        num_splits = max(pl.cdiv(TARGET_PROGRAMS, batch * num_kv), pl.cdiv(num_blocks, MAX_BLOCKS))
+    blocks_per_split = pl.cdiv(num_blocks, max(1, min(num_splits, num_blocks)))
+    num_splits = pl.cdiv(num_blocks, blocks_per_split)
+    padded = max(MIN_ROWS, pl.next_power_of_2(rows))
+
+    # Row t * G + g of KV head h is query head h * G + g of token t.
+    q_rows = q.reshape(batch, num_new, num_kv, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = jnp.pad(q_rows.reshape(batch, num_kv, rows, head_dim), ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    row_slots = jnp.pad(jnp.repeat(query_slots.astype(jnp.int32), groups, axis=1), ((0, 0), (0, padded - rows)),
+                        constant_values=-1)
+
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+    kernel = functools.partial(_kernel, block=block, blocks_per_split=blocks_per_split, num_slots=num_slots,
+                               sliding_window=sliding_window, scale=1.0 / math.sqrt(head_dim))
+    row_block = pl.BlockSpec((None, None, None, padded), lambda b, h, j: (b, h, j, 0))
+    out_block = pl.BlockSpec((None, None, None, padded, head_dim), lambda b, h, j: (b, h, j, 0, 0))
+    partial_shape = (batch, num_kv, num_splits, padded)
+    split = num_splits > 1
+    results = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, padded, head_dim), lambda b, h, j: (b, h, 0, 0)),
+            pl.BlockSpec((None, padded), lambda b, h, j: (b, 0)),
+            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h, j: (b, 0, h, 0)),
+            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h, j: (b, 0, h, 0)),
+        ],
+        out_specs=[out_block, row_block, row_block] if split else [out_block],
+        out_shape=[jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32 if split else q.dtype),
+                   *[jax.ShapeDtypeStruct(partial_shape, jnp.float32)] * (2 if split else 0)],
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="decode_attention",
+    )(q_rows, row_slots, k, v)
+    if split:  # combine the splits: each weighs exp(its max - the overall max)
+        out, split_max, split_sum = results
+        weights = jnp.exp(split_max - split_max.max(axis=2, keepdims=True))  # [B, K, J, M]
+        total = jnp.sum(weights * split_sum, axis=2)  # [B, K, M]
+        out = jnp.sum(weights[..., None] * out, axis=2)  # [B, K, M, E]; a reduction, not a product
+        out = out / jnp.where(total > 0, total, 1.0)[..., None]  # padding rows: 0 / 1
+    else:
+        out = results[0][:, :, 0]
+    out = out[:, :, :rows].reshape(batch, num_kv, num_new, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    return out.reshape(batch, num_new, num_heads, head_dim).astype(q.dtype)
