@@ -10,12 +10,13 @@ KV head for all T new tokens as one [T * G, E] block of rows (padded to the 16 r
 product needs) and walks its split's blocks of cache slots with an online softmax. With one split
 it writes the normalised output; with several, each writes its partial output, running max and
 running sum, and a combine weighs the splits by exp(max - overall max). Splits buy parallelism at
-the cost of that second pass: the default takes enough of them for TARGET_PROGRAMS programs and
-for no program to walk more than MAX_BLOCKS blocks (measured in the 8B-shaped decode loop, prompt
-128, on two H200s alike to 1%: at batch 1 a step takes 4.41 ms with 8 splits, 4.52 with one and
-4.52 with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with XLA's). Split boundaries are fixed by the shapes alone
-(never by the fill level), so a row's result does not depend on how many tokens attend with it:
-T = 1 and T = K + 1 sum the same blocks in the same order.
+the cost of that second pass: the default takes enough of them for TARGET_PROGRAMS programs and for
+no program to walk more than MAX_BLOCKS blocks (measured in the 8B-shaped decode loop, prompt 128,
+on two H200s alike to 1%: at batch 1 a step takes 4.41 ms with 8 splits, 4.52 with one and 4.52
+with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with XLA's;
+benchmarks/results/profile/decode_loop_ab.md). Split boundaries are fixed by the shapes alone (never
+by the fill level), so a row's result does not depend on how many tokens attend with it: T = 1 and
+T = K + 1 sum the same blocks in the same order.
 
 Lowered through Pallas' Triton backend, which JAX keeps on a best-effort basis (Mosaic GPU is its
 recommended GPU backend, but needs a warpgroup-level rewrite for products this small); off the GPU
