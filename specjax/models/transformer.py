@@ -227,12 +227,14 @@ def decoder_layer(x: Float[Array, "B T D"], layer: DecoderLayers | DecodingLayer
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     if cache is not None:
         cache = cache.write(index, k, v)
-        k, v = (kv.astype(dtype) for kv in cache.layer(index))
-    if (cache is not None and getattr(layer, "attention_kernel", False)
+        k, v = cache.layer(index)
+    # A cache in another dtype (kv_cache_dtype) stays with XLA, which fuses its conversion into the
+    # attention; the kernel would read a converted copy of the whole cache.
+    if (cache is not None and getattr(layer, "attention_kernel", False) and k.dtype == q.dtype
             and decode_attention.fits(q.shape[1], c.num_query_groups) and _on_one_device()):
         attn = decode_attention.decode_attention(q, k, v, query_slots, sliding_window=c.sliding_window)
     else:
-        attn = attention(q, k, v, query_slots, c)
+        attn = attention(q, k.astype(dtype), v.astype(dtype), query_slots, c)
     x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
     h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
     return x + _mlp(h, layer, c), cache
@@ -340,7 +342,8 @@ class DecodingLayer(nnx.Module):
     attention_kernel: decode steps and verification blocks attend through the Pallas kernel
     pallas_kernels.decode_attention, which reads only the filled cache, instead of XLA's six kernels
     over all of it. By default on GPUs for a layout made for one device; on a mesh of several devices
-    the attention stays in XLA (GSPMD cannot split a kernel's call)."""
+    (GSPMD cannot split a kernel's call) and with a cache of another dtype than the model's, the
+    attention stays in XLA."""
 
     def __init__(self, layers: DecoderLayers, index: int, config: ModelConfig, model_shards: int = 1,
                  attention_kernel: bool | None = None):
