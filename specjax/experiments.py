@@ -52,6 +52,14 @@ class RunConfig:
     dtype: str | None = "float32"
     # Devices (specjax.sharding): None runs on one device; e.g. {data: 1, model: 2} splits the models.
     mesh: MeshConfig | None = None
+    # FR-Spec for an EAGLE-1 drafter (spec.method 'eagle'): it drafts only the draft_vocab_size ids most
+    # frequent in the training split of `corpus` (its first FREQUENCY_TOKENS tokens); None: every id.
+    draft_vocab_size: int | None = None
+
+    def __post_init__(self):
+        if self.draft_vocab_size is not None and (self.spec.method != "eagle" or self.draft_vocab_size < 1):
+            raise ConfigError(f"RunConfig.draft_vocab_size = {self.draft_vocab_size!r} is invalid with spec.method "
+                              f"{self.spec.method!r}: allowed null, or a positive integer with method 'eagle'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +127,24 @@ def load_models(target: str, method: str | None = None, drafter: str | None = No
     return model, tokenizer, load_drafter(method, drafter, model, dtype, model_shards)
 
 
+FREQUENCY_TOKENS = 2_000_000  # enough to rank the ids of a code corpus (FR-Spec counts over a corpus sample too)
+
+
+def frequent_ids(corpus: DataConfig, tokenizer, vocab_size: int, count: int) -> np.ndarray:
+    """The `count` ids most frequent in the first FREQUENCY_TOKENS tokens of the corpus' training split."""
+    from specjax.data.corpus import read_texts
+    from specjax.data.dataset import split_files
+    from specjax.training.eagle import draft_vocabulary
+
+    _, train, _ = split_files(corpus)
+    ids: list[int] = []
+    for text in read_texts(train):
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) >= FREQUENCY_TOKENS:
+            break
+    return draft_vocabulary(np.asarray(ids[:FREQUENCY_TOKENS]), vocab_size, min(count, vocab_size))
+
+
 def load_prompts(config: RunConfig, tokenizer) -> list[list[int]]:
     if config.prompts_file:
         texts = json.loads(Path(config.prompts_file).read_text())
@@ -180,7 +206,13 @@ class Runner:
         drafter_key = (config.spec.method, drafter_folder(config), config.dtype, model_shards)
         if drafter_key not in self._models:
             self._models[drafter_key] = load_drafter(*drafter_key[:2], target, config.dtype, model_shards)
-        result, spec_seconds = self._timed(precision, **common, spec=config.spec, drafter=self._models[drafter_key])
+        drafter = self._models[drafter_key]
+        if config.draft_vocab_size is not None:
+            from specjax.models.eagle import with_draft_vocabulary
+
+            drafter = with_draft_vocabulary(drafter, frequent_ids(config.corpus, tokenizer, target.config.vocab_size,
+                                                                  config.draft_vocab_size))
+        result, spec_seconds = self._timed(precision, **common, spec=config.spec, drafter=drafter)
         summary = result.metrics.summary()
         greedy = config.sampling.is_greedy
         return {
@@ -204,7 +236,14 @@ def point_fields(config: RunConfig) -> dict:
     """What names a run in tables and plots."""
     return {"method": config.spec.method, "K": config.spec.num_speculative_tokens,
             "rejection_sample_method": config.spec.rejection_sample_method,
-            "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature}
+            "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature,
+            "draft_vocab_size": config.draft_vocab_size}
+
+
+def drafter_name(row: dict) -> str:
+    """The method, with its draft vocabulary's size when one is set (FR-Spec)."""
+    size = row.get("draft_vocab_size")
+    return row["method"] if size is None else f"{row['method']} ({size} ids)"
 
 
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")
@@ -221,7 +260,7 @@ def markdown(rows: list[dict]) -> str:
     for row in (row for row in rows if "skipped" not in row):
         cells = []
         for key, _ in TABLE:
-            value = row.get(key)
+            value = drafter_name(row) if key == "method" else row.get(key)
             if key == "greedy_identical_rows" and value is not None:
                 value = f"{value}/{row['prompts']}"
             cells.append(f"{value:.3g}" if isinstance(value, float) else ("" if value is None else str(value)))
@@ -316,12 +355,12 @@ def plot(rows: list[dict], out: Path) -> None:
 
     rows = [row for row in rows if "skipped" not in row]
     temperatures = sorted({row["temperature"] for row in rows})
-    methods = sorted({row["method"] for row in rows})
+    methods = sorted({drafter_name(row) for row in rows})
     colors = {method: plt.get_cmap("tab10")(i) for i, method in enumerate(methods)}
     styles = {"standard": "-", "block": "--", "greedy": "-", "synthetic": ":"}
     series: dict[tuple, list[dict]] = {}
     for row in rows:
-        series.setdefault((row["temperature"], row["method"], row["rejection_sample_method"]), []).append(row)
+        series.setdefault((row["temperature"], drafter_name(row), row["rejection_sample_method"]), []).append(row)
 
     def figure(ylabel: str, name: str, draw) -> None:
         fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures), 4.2), squeeze=False,

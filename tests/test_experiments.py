@@ -1,6 +1,7 @@
 """Experiments: `specjax run` and `specjax sweep` end to end on tiny models, a killed sweep resumed to
 the uninterrupted results, and config errors that name the key, the file and what is allowed."""
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -15,6 +16,8 @@ from conftest import write_tiny_checkpoint
 from specjax import cli
 from specjax.config import ConfigError
 from specjax.experiments import TIMING_FIELDS, load_run, load_sweep
+from specjax.models import hf
+from specjax.models.eagle import EagleConfig, init_eagle, save_eagle
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["def add(", "for item in", "total +=", "def sub(a, b):", "return a"]
@@ -44,6 +47,20 @@ def test_run_prints_the_table_and_greedy_matches(models, tmp_path, capsys):
     prompts = len(json.loads((models / "prompts.json").read_text()))
     assert "| draft_model | 3 | standard | 0 | greedy |" in out and f"| {prompts}/{prompts} |" in out
     assert "per-position acceptance:" in out
+
+
+def test_a_run_with_a_draft_vocabulary_stays_lossless(models, tmp_path, capsys):
+    """FR-Spec from a config: the EAGLE-1 head drafts over the corpus' 40 most frequent ids, and greedy
+    output is still the target's own."""
+    target = hf.load(models / "target")
+    save_eagle(init_eagle(EagleConfig(layer=dataclasses.replace(target.config, num_layers=1)), seed=0),
+               tmp_path / "eagle")
+    config = run_config(models, tmp_path / "run.yaml", drafter=str(tmp_path / "eagle"), draft_vocab_size=40,
+                        spec={"method": "eagle", "num_speculative_tokens": 3}, corpus={"max_files": 40, "held_out_fraction": 0.5})
+    assert cli.main(["run", str(config)]) == 0
+    prompts = len(PROMPTS)
+    assert "| eagle (40 ids) | 3 | standard | 0 | greedy |" in (out := capsys.readouterr().out)
+    assert f"| {prompts}/{prompts} |" in out
 
 
 def sweep_config(models, path, output_dir):
@@ -94,6 +111,8 @@ def test_a_killed_sweep_reruns_only_the_missing_points(models, tmp_path):
     (dict(spec={"method": "lookahead"}), r"run.yaml: SpecConfig.method = 'lookahead' is invalid: allowed one of "
                                          r"\['draft_model', 'eagle', 'eagle3', 'medusa', 'ngram'\]"),
     (dict(spec={"num_speculative_tokens": 0}), r"run.yaml: SpecConfig.num_speculative_tokens = 0 is invalid"),
+    (dict(draft_vocab_size=100), r"run.yaml: RunConfig.draft_vocab_size = 100 is invalid with spec.method "
+                                 r"'draft_model': allowed null, or a positive integer with method 'eagle'"),
 ])
 def test_bad_run_configs_name_the_key_file_and_allowed_values(models, tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message):
