@@ -130,11 +130,10 @@ def load_models(target: str, method: str | None = None, drafter: str | None = No
 FREQUENCY_TOKENS = 2_000_000  # enough to rank the ids of a code corpus (FR-Spec counts over a corpus sample too)
 
 
-def frequent_ids(corpus: DataConfig, tokenizer, vocab_size: int, count: int) -> np.ndarray:
-    """The `count` ids most frequent in the first FREQUENCY_TOKENS tokens of the corpus' training split."""
+def training_sample(corpus: DataConfig, tokenizer) -> np.ndarray:
+    """The first FREQUENCY_TOKENS tokens of the corpus' training split, whose counts rank FR-Spec's ids."""
     from specjax.data.corpus import read_texts
     from specjax.data.dataset import split_files
-    from specjax.training.eagle import draft_vocabulary
 
     _, train, _ = split_files(corpus)
     ids: list[int] = []
@@ -142,7 +141,7 @@ def frequent_ids(corpus: DataConfig, tokenizer, vocab_size: int, count: int) -> 
         ids.extend(tokenizer.encode(text, add_special_tokens=False))
         if len(ids) >= FREQUENCY_TOKENS:
             break
-    return draft_vocabulary(np.asarray(ids[:FREQUENCY_TOKENS]), vocab_size, min(count, vocab_size))
+    return np.asarray(ids[:FREQUENCY_TOKENS])
 
 
 def load_prompts(config: RunConfig, tokenizer) -> list[list[int]]:
@@ -172,6 +171,7 @@ class Runner:
     def __init__(self):
         self._models: dict = {}
         self._baselines: dict = {}
+        self._samples: dict = {}  # (target, corpus) -> training_sample, tokenized once for every draft_vocab_size
 
     def _target(self, folder: str, dtype: str | None, model_shards: int):
         if (folder, dtype, model_shards) not in self._models:
@@ -209,9 +209,14 @@ class Runner:
         drafter = self._models[drafter_key]
         if config.draft_vocab_size is not None:
             from specjax.models.eagle import with_draft_vocabulary
+            from specjax.training.eagle import draft_vocabulary
 
-            drafter = with_draft_vocabulary(drafter, frequent_ids(config.corpus, tokenizer, target.config.vocab_size,
-                                                                  config.draft_vocab_size))
+            sample_key = (config.target, config.corpus)
+            if sample_key not in self._samples:
+                self._samples[sample_key] = training_sample(config.corpus, tokenizer)
+            vocab = target.config.vocab_size
+            drafter = with_draft_vocabulary(drafter, draft_vocabulary(self._samples[sample_key], vocab,
+                                                                      min(config.draft_vocab_size, vocab)))
         result, spec_seconds = self._timed(precision, **common, spec=config.spec, drafter=drafter)
         summary = result.metrics.summary()
         greedy = config.sampling.is_greedy
