@@ -19,8 +19,8 @@ in the same run:
 - model_xla: model with XLA's attention instead of the Pallas decode-attention kernel;
 - attention: only the attention over the cache (all layers); attention_verify over K + 1 = 6 new
   positions; *_cudnn the same through jax.nn.dot_product_attention(implementation="cudnn"), *_kernel
-  through the Pallas kernel (*_N_splits: with the cache's blocks over N programs a KV head;
-  *_block_N: N slots a step of a program's loop);
+  through the Pallas kernel, with the cache writes it makes (XLA's variants make none; *_N_splits:
+  with the cache's blocks over N programs a KV head; *_block_N: N slots a step of a program's loop);
 - gemv DxF / gemv FxD^T: one activation-times-weight product for each weight shape of the layer, with
   the weight stored [in, out] (as specjax stores it) or [out, in] (contraction over its minor axis),
   against the copy bandwidth.
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import glob
 import os
 import re
@@ -168,8 +167,18 @@ def main():
         out = [impl(q, cache.k[i], cache.v[i], slots, config) for i in range(L)]
         return sum(o.astype(jnp.float32).sum() for o in out)
 
-    def kernel_attention(q, k, v, query_slots, config, **options):
-        return decode_attention(q, k, v, query_slots, sliding_window=config.sliding_window, **options)
+    def kernel_layers(cache, num_new=1, **options):
+        """The Pallas kernel in every layer, cache writes included (the cache is carried, as in decoding)."""
+        q = jnp.ones((B, num_new, config.num_heads, config.head_dim), dtype)
+        new = jnp.ones((B, num_new, config.num_kv_heads, config.head_dim), dtype)
+        slots = cache.lengths[:, None] + jnp.arange(num_new)[None, :]
+        out = []
+        for i in range(L):
+            o, k, v = decode_attention(q, new, new, *cache.layer(i), slots, sliding_window=config.sliding_window,
+                                       **options)
+            cache = cache.with_layer(i, k, v)
+            out.append(o)
+        return sum(o.astype(jnp.float32).sum() for o in out), (cache,)
 
     def gemv(x, w, transposed):
         return jnp.einsum("bd,fd->bf" if transposed else "bd,df->bf", x, w)
@@ -208,11 +217,10 @@ def main():
         "attention_cudnn": (lambda c: attention_layers(c, 1, cudnn_attention), (cache,), 0, kv_read),
         "attention_verify": (lambda c: attention_layers(c, 6), (cache,), 0, kv_read),
         "attention_verify_cudnn": (lambda c: attention_layers(c, 6, cudnn_attention), (cache,), 0, kv_read),
-        "attention_kernel": (lambda c: attention_layers(c, 1, kernel_attention), (cache,), 0, kv_read),
-        "attention_verify_kernel": (lambda c: attention_layers(c, 6, kernel_attention), (cache,), 0, kv_read),
+        "attention_kernel": (kernel_layers, (split_cache,), 0, kv_read),
+        "attention_verify_kernel": (lambda c: kernel_layers(c, 6), (split_cache,), 0, kv_read),
         **{f"attention{'_verify' if n > 1 else ''}_kernel_{label}": (
-            lambda c, n=n, options=options: attention_layers(
-                c, n, functools.partial(kernel_attention, **options)), (cache,), 0, kv_read)
+            lambda c, n=n, options=options: kernel_layers(c, n, **options), (split_cache,), 0, kv_read)
            for n in (1, 6) for label, options in (("2_splits", {"num_splits": 2}), ("8_splits", {"num_splits": 8}),
                                                   ("block_128", {"block": 128}), ("block_256", {"block": 256}))},
         **gemvs,
@@ -225,7 +233,7 @@ def main():
             continue
         try:
             seconds = benchmarking.time_in_loop(fn, *fn_args, invariant=invariant, iterations=10,
-                                                carry=name.startswith(("model", "unrolled")))["median_s"]
+                                                carry=name.startswith(("model", "unrolled")) or "_kernel" in name)["median_s"]
         except Exception as error:  # e.g. cuDNN refusing a shape: say so and go on
             print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
             continue

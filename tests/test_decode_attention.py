@@ -1,5 +1,10 @@
-"""The Pallas decode-attention kernel (interpreted on the CPU) against transformer.attention."""
+"""The Pallas decode-attention kernel (interpreted on the CPU) against KVCache.write then
+transformer.attention."""
 
+import functools
+import types
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,11 +15,13 @@ from specjax.pallas_kernels.decode_attention import decode_attention
 
 
 def _inputs(seed, batch, num_new, num_heads, num_kv, head_dim, num_slots, dtype=jnp.float32):
+    """Queries, new keys and values, and caches of random (stale) entries."""
     rng = np.random.default_rng(seed)
-    q, k, v = (jnp.asarray(rng.normal(size=shape) * scale, dtype) for shape, scale in (
-        ((batch, num_new, num_heads, head_dim), 1.0), ((batch, num_slots, num_kv, head_dim), 2.0),
+    q, k_new, v_new, k_cache, v_cache = (jnp.asarray(rng.normal(size=shape) * scale, dtype) for shape, scale in (
+        ((batch, num_new, num_heads, head_dim), 1.0), ((batch, num_new, num_kv, head_dim), 2.0),
+        ((batch, num_new, num_kv, head_dim), 1.0), ((batch, num_slots, num_kv, head_dim), 2.0),
         ((batch, num_slots, num_kv, head_dim), 1.0)))
-    return q, k, v, rng
+    return q, k_new, v_new, k_cache, v_cache, rng
 
 
 def _config(num_heads, num_kv, head_dim, sliding_window=None):
@@ -22,45 +29,81 @@ def _config(num_heads, num_kv, head_dim, sliding_window=None):
                        num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=8, sliding_window=sliding_window)
 
 
+def _reference(q, k_new, v_new, k_cache, v_cache, slots, config):
+    rows = jnp.arange(q.shape[0])[:, None]
+    k_cache, v_cache = k_cache.at[rows, slots].set(k_new), v_cache.at[rows, slots].set(v_new)
+    return attention(q, k_cache, v_cache, slots, config), k_cache, v_cache
+
+
 @pytest.mark.parametrize("batch, num_new, num_heads, num_kv, num_slots, sliding_window, num_splits, block", [
     (1, 1, 8, 2, 100, None, None, 64),  # a decode step; the last block moved back to end at slot 99
     (2, 6, 8, 2, 100, None, 3, 64),  # a verification block over three splits
     (3, 3, 4, 4, 37, None, None, 16),  # no grouping, many short blocks
     (2, 6, 8, 2, 200, 20, None, 64),  # sliding window: blocks below it skipped
+    (2, 6, 4, 2, 128, None, 1, 16),  # one split: the normalised output written by the kernel
 ])
-def test_the_kernel_computes_attention(batch, num_new, num_heads, num_kv, num_slots, sliding_window, num_splits,
-                                       block):
-    q, k, v, rng = _inputs(num_slots, batch, num_new, num_heads, num_kv, 16, num_slots)
+def test_the_kernel_writes_the_cache_and_computes_attention(batch, num_new, num_heads, num_kv, num_slots,
+                                                            sliding_window, num_splits, block):
+    q, k_new, v_new, k_cache, v_cache, rng = _inputs(num_slots, batch, num_new, num_heads, num_kv, 16, num_slots)
     lengths = rng.integers(0, num_slots - num_new + 1, batch)
     lengths[0] = num_slots - num_new  # a full row next to ragged ones
+    if batch > 1:
+        lengths[1] = block - num_new // 2  # new tokens across a block boundary
     slots = jnp.asarray(lengths[:, None] + np.arange(num_new)[None], jnp.int32)
-    want = attention(q, k, v, slots, _config(num_heads, num_kv, 16, sliding_window))
-    got = decode_attention(q, k, v, slots, sliding_window=sliding_window, num_splits=num_splits, block=block)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=0)
+    want = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(num_heads, num_kv, 16, sliding_window))
+    got = decode_attention(q, k_new, v_new, k_cache, v_cache, slots, sliding_window=sliding_window,
+                           num_splits=num_splits, block=block)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=0)
+    for got_cache, want_cache in zip(got[1:], want[1:]):  # every other slot kept
+        np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
 
 
 def test_a_rows_result_does_not_depend_on_the_tokens_beside_it():
-    """The last token of a verification block gets bit for bit what a decode step at its slot gets:
-    split boundaries come from the shapes, not from the fill level."""
-    q, k, v, _ = _inputs(0, 2, 6, 8, 2, 16, 300)
+    """The last token of a verification block gets bit for bit what a decode step at its slot gets
+    once the block's other tokens are in the cache: split boundaries come from the shapes, not from
+    the fill level, and a new token's key and value are the ones the cache holds."""
+    q, k_new, v_new, k_cache, v_cache, _ = _inputs(0, 2, 6, 8, 2, 16, 300)
     slots = jnp.asarray([[100 + t for t in range(6)], [250 + t for t in range(6)]], jnp.int32)
-    block = decode_attention(q, k, v, slots)
-    step = decode_attention(q[:, -1:], k, v, slots[:, -1:])
+    block, k_written, v_written = decode_attention(q, k_new, v_new, k_cache, v_cache, slots)
+    step, *_ = decode_attention(q[:, -1:], k_new[:, -1:], v_new[:, -1:], k_written, v_written, slots[:, -1:])
     np.testing.assert_array_equal(np.asarray(step[:, 0]), np.asarray(block[:, -1]))
 
 
 def test_bfloat16_inputs_match_the_reference_to_rounding():
-    q, k, v, _ = _inputs(1, 2, 1, 8, 2, 64, 128, jnp.bfloat16)
+    q, k_new, v_new, k_cache, v_cache, _ = _inputs(1, 2, 1, 8, 2, 64, 128, jnp.bfloat16)
     slots = jnp.asarray([[5], [127]], jnp.int32)
-    want = attention(q, k, v, slots, _config(8, 2, 64)).astype(jnp.float32)
-    got = decode_attention(q, k, v, slots)
+    want, want_k, want_v = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(8, 2, 64))
+    got, got_k, got_v = decode_attention(q, k_new, v_new, k_cache, v_cache, slots)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2, rtol=0)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
 
 
-def test_too_many_query_rows_are_refused():
-    q, k, v, _ = _inputs(2, 1, 32, 8, 2, 16, 64)
+def test_bad_inputs_are_refused():
+    q, k_new, v_new, k_cache, v_cache, _ = _inputs(2, 1, 32, 8, 2, 16, 64)
     with pytest.raises(ValueError, match=r"T \* G <= 64 .* T = 32, G = 4"):
-        decode_attention(q, k, v, jnp.zeros((1, 32), jnp.int32))
+        decode_attention(q, k_new, v_new, k_cache, v_cache, jnp.zeros((1, 32), jnp.int32))
+    q, k_new, v_new, k_cache, v_cache, _ = _inputs(2, 1, 1, 8, 2, 16, 64)
+    with pytest.raises(ValueError, match=r"caches in the queries' dtype float32, got k_cache bfloat16"):
+        decode_attention(q, k_new, v_new, k_cache.astype(jnp.bfloat16), v_cache, jnp.zeros((1, 1), jnp.int32))
 
 
+@pytest.mark.parametrize("num_new, num_splits", [(1, None), (6, None), (6, 1)])
+def test_the_kernel_lowers_through_triton_for_cuda(monkeypatch, num_new, num_splits):
+    """Interpret mode runs any primitive; the GPU's Triton lowering does not (e.g. no `slice`). Lowering
+    for CUDA needs no GPU once the lowering is told which one (an H100's compute capability)."""
+    from jax import export
+    from jax._src.pallas.triton import pallas_call_registration
+
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+    batch, heads, kv, head_dim, slots = 2, 32, 8, 128, 512
+    shapes = [(batch, num_new, heads, head_dim), (batch, num_new, kv, head_dim), (batch, num_new, kv, head_dim),
+              (batch, slots, kv, head_dim), (batch, slots, kv, head_dim)]
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+    kernel = jax.jit(functools.partial(decode_attention, interpret=False, num_splits=num_splits))
+    exported = export.export(kernel, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        *args, jax.ShapeDtypeStruct((batch, num_new), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()

@@ -65,6 +65,13 @@ class KVCache:
         """The same cache with new fill levels: this is how tokens are committed and rolled back."""
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
 
+    def with_layer(self, layer: int | Int[Array, ""], k: LayerKV, v: LayerKV) -> KVCache:
+        """The same cache with one layer's keys and values replaced (a per-layer cache takes a Python int)."""
+        if isinstance(self.k, tuple):
+            return dataclasses.replace(self, k=self.k[:layer] + (k,) + self.k[layer + 1:],
+                                       v=self.v[:layer] + (v,) + self.v[layer + 1:])
+        return dataclasses.replace(self, k=self.k.at[layer].set(k), v=self.v.at[layer].set(v))
+
     def write(self, layer: int | Int[Array, ""], k_new: Float[Array, "B T Hkv D"],
               v_new: Float[Array, "B T Hkv D"]) -> KVCache:
         """Writes T new entries of one layer at each row's own offset `lengths[b]`.

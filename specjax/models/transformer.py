@@ -226,15 +226,17 @@ def decoder_layer(x: Float[Array, "B T D"], layer: DecoderLayers | DecodingLayer
     if c.position == "rope":
         inv_freq = rope_inverse_frequencies(c)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    if cache is not None:
-        cache = cache.write(index, k, v)
-        k, v = cache.layer(index)
     # A cache in another dtype (kv_cache_dtype) stays with XLA, which fuses its conversion into the
     # attention; the kernel would read a converted copy of the whole cache.
-    if (cache is not None and getattr(layer, "attention_kernel", False) and k.dtype == q.dtype
+    if (cache is not None and getattr(layer, "attention_kernel", False) and cache.dtype == q.dtype
             and decode_attention.fits(q.shape[1], c.num_query_groups) and _on_one_device()):
-        attn = decode_attention.decode_attention(q, k, v, query_slots, sliding_window=c.sliding_window)
+        attn, k_layer, v_layer = decode_attention.decode_attention(
+            q, k, v, *cache.layer(index), query_slots, sliding_window=c.sliding_window)
+        cache = cache.with_layer(index, k_layer, v_layer)
     else:
+        if cache is not None:
+            cache = cache.write(index, k, v)
+            k, v = cache.layer(index)
         attn = attention(q, k.astype(dtype), v.astype(dtype), query_slots, c)
     x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
     h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
@@ -340,11 +342,11 @@ class DecodingLayer(nnx.Module):
     gives each device its own heads and MLP columns, as the separate weights' rules do. model_shards
     must divide the query heads, KV heads and MLP width, else the layout is made for one device.
 
-    attention_kernel: decode steps and verification blocks attend through the Pallas kernel
-    pallas_kernels.decode_attention, which reads only the filled cache, instead of XLA's six kernels
-    over all of it. By default on GPUs for a layout made for one device; on a mesh of several devices
-    (GSPMD cannot split a kernel's call) and with a cache of another dtype than the model's, the
-    attention stays in XLA."""
+    attention_kernel: decode steps and verification blocks write the cache and attend through the
+    Pallas kernel pallas_kernels.decode_attention, which reads only the filled cache, instead of XLA's
+    cache writes and six kernels over all of it. By default on GPUs for a layout made for one
+    device; on a mesh of several devices (GSPMD cannot split a kernel's call) and with a cache of
+    another dtype than the model's, the attention stays in XLA."""
 
     def __init__(self, layers: DecoderLayers, index: int, config: ModelConfig, model_shards: int = 1,
                  attention_kernel: bool | None = None):

@@ -1,9 +1,15 @@
-"""Attention of a few new queries against a KV cache, reading only its filled part (Pallas).
+"""A few new tokens' cache write and attention against the KV cache, reading only its filled part (Pallas).
 
-A decode step (T = 1) or a verification block (T = K + 1) attends to every cache slot up to its own.
-XLA runs that as six kernels a layer (the scores product, the mask, two softmax reductions, a convert,
-the values product) over all S_max slots; here it is one kernel over the filled slots (and a small
-combine when the slots are split; scripts/profile_decode.py times both, variants attention*).
+A decode step (T = 1) or a verification block (T = K + 1) writes its keys and values to the cache and
+attends to every cache slot up to its own. XLA runs that as two cache writes (with a bounds check
+each) and six attention kernels a layer (the scores product, the mask, two softmax reductions, a
+convert, the values product) over all S_max slots; here it is one kernel over the filled slots (and a
+small combine when the slots are split; scripts/profile_decode.py times both, variants attention*).
+The new keys and values enter as inputs: a program merges the ones falling in its blocks into what it
+reads from the cache and writes them there, so no program needs another's writes. Writing the cache
+here rather than in XLA (its scatter, bounds check and the queries' padding were four kernels a layer)
+took the 8B-shaped decode step from 4.42 to 4.37 ms at batch 1 and from 4.57 to 4.49 at batch 16
+(benchmarks/results/profile/decode_loop_ab_cache_write.md).
 
 Flash-decoding: the grid is (row b, KV head, slot split j). A program takes the G query heads of its
 KV head for all T new tokens as one [T * G, E] block of rows (padded to the 16 rows a tensor-core
@@ -16,12 +22,12 @@ on two H200s alike to 1%: at batch 1 a step takes 4.41 ms with 8 splits, 4.52 wi
 with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with XLA's;
 benchmarks/results/profile/decode_loop_ab.md). Split boundaries are fixed by the shapes alone (never
 by the fill level), so a row's result does not depend on how many tokens attend with it: T = 1 and
-T = K + 1 sum the same blocks in the same order.
+T = K + 1 sum the same blocks in the same order (the split figures above predate the cache write).
 
-Lowered through Pallas' Triton backend, which JAX keeps on a best-effort basis (Mosaic GPU is its
-recommended GPU backend, but needs a warpgroup-level rewrite for products this small); off the GPU
-the kernel runs in Pallas' interpret mode, which is what the CPU tests check against
-transformer.attention.
+Lowered through Pallas' Triton backend, which JAX 0.12 deprecates (Mosaic GPU is its recommended GPU
+backend, but needs a warpgroup-level rewrite for products this small); off the GPU the kernel runs
+in Pallas' interpret mode, which is what the CPU tests check against KVCache.write and
+transformer.attention, and they lower it for CUDA to catch what Triton cannot lower.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas.triton import store as _store  # a masked store (interpret mode runs it too)
 from jaxtyping import Array, Float, Int
 
 BLOCK_SLOTS = 64  # cache slots per step of a program's loop
@@ -48,21 +55,27 @@ def fits(num_new: int, num_query_groups: int) -> bool:
     return num_new * num_query_groups <= MAX_ROWS
 
 
-def _kernel(q_ref, slots_ref, k_ref, v_ref, out_ref, *split_refs, block: int, blocks_per_split: int,
-            num_slots: int, sliding_window: int | None, scale: float):
-    """One (row, KV head, split) program: online softmax over the split's visible cache blocks.
-    split_refs: the running max and sum refs when there are several splits (out_ref is then partial)."""
+def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest, block: int,
+            blocks_per_split: int, num_slots: int, num_new: int, sliding_window: int | None, scale: float):
+    """One (row, KV head, split) program: online softmax over the split's visible cache blocks, with
+    the new tokens' keys and values taken from new_k_ref / new_v_ref and written to the cache.
+    rest: the running max and sum refs when there are several splits (out_ref is then partial), then
+    the cache outputs (the caches' own buffers)."""
+    *split_refs, k_out_ref, v_out_ref = rest
     q = q_ref[...]  # [M, E]
+    new_k, new_v = new_k_ref[...], new_v_ref[...]  # [M, E]: row t is new token t, rows >= T zero
     slots = slots_ref[...]  # [M]; padding rows hold -1 and see nothing
+    first_new = jnp.min(jnp.where(slots >= 0, slots, num_slots))  # the row's fill level: its lowest slot
     first = pl.program_id(2) * blocks_per_split
     # Blocks past the last query slot hold no visible key: the loop stops at the filled part.
     stop = jnp.minimum(first + blocks_per_split, jnp.max(slots) // block + 1)
     start = first
     if sliding_window is not None:
-        lowest = jnp.min(jnp.where(slots >= 0, slots, num_slots))
-        start = jnp.maximum(first, jnp.maximum(lowest - sliding_window + 1, 0) // block)
+        start = jnp.maximum(first, jnp.maximum(first_new - sliding_window + 1, 0) // block)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     contract_last = (((1,), (1,)), ((), ()))
+    contract_rows = (((1,), (0,)), ((), ()))
+    rows, head_dim = q.shape
 
     def step(index, carry):
         out, running_max, running_sum = carry
@@ -70,8 +83,30 @@ def _kernel(q_ref, slots_ref, k_ref, v_ref, out_ref, *split_refs, block: int, bl
         # The last block is moved back to end at the last slot rather than read past it; the slots
         # it shares with the block before are masked, having been counted there.
         offset = jnp.minimum(nominal, num_slots - block)
-        k = k_ref[pl.ds(offset, block), :]
-        v = v_ref[pl.ds(offset, block), :]
+        k, v = k_ref[pl.ds(offset, block), :], v_ref[pl.ds(offset, block), :]
+
+        def merge_new(k, v):
+            """The new tokens' slots hold stale entries until written: their keys and values come from
+            the inputs, picked by a one-hot product (exact: one nonzero term per sum), and are written
+            there. They equal what the cache will hold bit for bit, so a slot's result is the same
+            whether its token is new in this call or was written by an earlier one."""
+            slot_column = offset + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+            token = slot_column - first_new  # [block, 1]
+            is_new = (token >= 0) & (token < num_new) & (slot_column >= nominal)
+            pick = (token == jax.lax.broadcasted_iota(jnp.int32, (1, rows), 1)).astype(q.dtype)  # [block, M]
+
+            def merge(cached, new, out_ref):
+                picked = jax.lax.dot_general(pick, new, contract_rows, precision=precision,
+                                             preferred_element_type=jnp.float32).astype(cached.dtype)
+                merged = jnp.where(is_new, picked, cached)
+                _store(out_ref.at[pl.ds(offset, block), :], merged, mask=jnp.broadcast_to(is_new, merged.shape))
+                return merged
+
+            return merge(k, new_k, k_out_ref), merge(v, new_v, v_out_ref)
+
+        # Only the block or two at the end of the filled part hold new slots.
+        holds_new = (offset + block > first_new) & (offset < first_new + num_new)
+        k, v = jax.lax.cond(holds_new, merge_new, lambda k, v: (k, v), k, v)
         scores = jax.lax.dot_general(q, k, contract_last, precision=precision,
                                      preferred_element_type=jnp.float32) * scale  # [M, block]
         keys = offset + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
@@ -83,11 +118,9 @@ def _kernel(q_ref, slots_ref, k_ref, v_ref, out_ref, *split_refs, block: int, bl
         probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
         correction = jnp.exp(running_max - new_max)
         out = correction[:, None] * out + jax.lax.dot_general(
-            probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-            preferred_element_type=jnp.float32)
+            probs.astype(v.dtype), v, contract_rows, precision=precision, preferred_element_type=jnp.float32)
         return out, new_max, correction * running_sum + jnp.sum(probs, axis=1)
 
-    rows, head_dim = q.shape
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     out, running_max, running_sum = jax.lax.fori_loop(start, stop, step, init)
@@ -99,20 +132,29 @@ def _kernel(q_ref, slots_ref, k_ref, v_ref, out_ref, *split_refs, block: int, bl
         out_ref[...] = (out / jnp.where(running_sum > 0, running_sum, 1.0)[:, None]).astype(out_ref.dtype)
 
 
-def decode_attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[Array, "B S K E"],
+def decode_attention(q: Float[Array, "B T H E"], k_new: Float[Array, "B T K E"], v_new: Float[Array, "B T K E"],
+                     k_cache: Float[Array, "B S K E"], v_cache: Float[Array, "B S K E"],
                      query_slots: Int[Array, "B T"], *, sliding_window: int | None = None,
-                     num_splits: int | None = None, block: int = BLOCK_SLOTS,
-                     interpret: bool | None = None) -> Float[Array, "B T H E"]:
-    """transformer.attention for T * G <= MAX_ROWS new queries (the cache already holds their keys):
-    query at slot t sees slots <= t (and > t - sliding_window). num_splits: slot splits per (row, KV
-    head); by default enough for TARGET_PROGRAMS programs and at most MAX_BLOCKS blocks a program."""
+                     num_splits: int | None = None, block: int = BLOCK_SLOTS, interpret: bool | None = None,
+                     ) -> tuple[Float[Array, "B T H E"], Float[Array, "B S K E"], Float[Array, "B S K E"]]:
+    """KVCache.write then transformer.attention, for T * G <= MAX_ROWS new tokens, in one kernel.
+
+    query_slots: the new tokens' slots, consecutive from each row's fill level (query_slots_for).
+    Returns the attention output (the query at slot t sees slots <= t, and > t - sliding_window) and
+    the caches with the new keys and values written at query_slots; the caches' buffers are updated in
+    place where XLA can (they are donated, or dead after the call), else copied first. num_splits: slot
+    splits per (row, KV head); by default enough for TARGET_PROGRAMS programs and at most MAX_BLOCKS
+    blocks a program."""
     batch, num_new, num_heads, head_dim = q.shape
-    num_slots, num_kv = k.shape[1], k.shape[2]
+    num_slots, num_kv = k_cache.shape[1], k_cache.shape[2]
     groups = num_heads // num_kv
     rows = num_new * groups
     if not fits(num_new, groups):
         raise ValueError(f"decode_attention takes T * G <= {MAX_ROWS} query rows per KV head, got T = {num_new}, "
                          f"G = {groups}: use transformer.attention")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"decode_attention needs the caches in the queries' dtype {q.dtype}, got k_cache "
+                         f"{k_cache.dtype} and v_cache {v_cache.dtype}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     block = min(block, 1 << (num_slots.bit_length() - 1))  # a power of two <= S
@@ -123,9 +165,15 @@ def decode_attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: 
     num_splits = pl.cdiv(num_blocks, blocks_per_split)
     padded = max(MIN_ROWS, pl.next_power_of_2(rows))
 
-    # Row t * G + g of KV head h is query head h * G + g of token t.
-    q_rows = q.reshape(batch, num_new, num_kv, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    q_rows = jnp.pad(q_rows.reshape(batch, num_kv, rows, head_dim), ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+    # One array of row blocks [3, B, K, M, E] (one XLA fusion with the projections' epilogue): for KV
+    # head h, [0] has query head h * G + g of token t at row t * G + g; [1] and [2] its new keys and
+    # values, token t at row t.
+    def to_rows(x, heads):
+        x = x.reshape(batch, num_new, num_kv, heads, head_dim).transpose(0, 2, 1, 3, 4)
+        x = x.reshape(batch, num_kv, num_new * heads, head_dim).astype(q.dtype)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, padded - num_new * heads), (0, 0)))
+
+    stacked = jnp.stack([to_rows(q, groups), to_rows(k_new, 1), to_rows(v_new, 1)])
     row_slots = jnp.pad(jnp.repeat(query_slots.astype(jnp.int32), groups, axis=1), ((0, 0), (0, padded - rows)),
                         constant_values=-1)
 
@@ -135,27 +183,33 @@ def decode_attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: 
 
         compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
     kernel = functools.partial(_kernel, block=block, blocks_per_split=blocks_per_split, num_slots=num_slots,
-                               sliding_window=sliding_window, scale=1.0 / math.sqrt(head_dim))
+                               num_new=num_new, sliding_window=sliding_window, scale=1.0 / math.sqrt(head_dim))
     row_block = pl.BlockSpec((None, None, None, padded), lambda b, h, j: (b, h, j, 0))
     out_block = pl.BlockSpec((None, None, None, padded, head_dim), lambda b, h, j: (b, h, j, 0, 0))
+    cache_block = pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h, j: (b, 0, h, 0))
     partial_shape = (batch, num_kv, num_splits, padded)
     split = num_splits > 1
-    results = pl.pallas_call(
+    out_specs = [out_block, row_block, row_block] if split else [out_block]
+    out_shape = [jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32 if split else q.dtype),
+                 *[jax.ShapeDtypeStruct(partial_shape, jnp.float32)] * (2 if split else 0)]
+    *results, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(batch, num_kv, num_splits),
         in_specs=[
-            pl.BlockSpec((None, None, padded, head_dim), lambda b, h, j: (b, h, 0, 0)),
+            *[pl.BlockSpec((None, None, None, padded, head_dim), lambda b, h, j, i=i: (i, b, h, 0, 0))
+              for i in range(3)],
             pl.BlockSpec((None, padded), lambda b, h, j: (b, 0)),
-            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h, j: (b, 0, h, 0)),
-            pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h, j: (b, 0, h, 0)),
+            cache_block,
+            cache_block,
         ],
-        out_specs=[out_block, row_block, row_block] if split else [out_block],
-        out_shape=[jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32 if split else q.dtype),
-                   *[jax.ShapeDtypeStruct(partial_shape, jnp.float32)] * (2 if split else 0)],
+        out_specs=[*out_specs, cache_block, cache_block],
+        out_shape=[*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={4: len(out_shape), 5: len(out_shape) + 1},
         interpret=interpret,
         compiler_params=compiler_params,
         name="decode_attention",
-    )(q_rows, row_slots, k, v)
+    )(stacked, stacked, stacked, row_slots, k_cache, v_cache)
     if split:  # combine the splits: each weighs exp(its max - the overall max)
         out, split_max, split_sum = results
         weights = jnp.exp(split_max - split_max.max(axis=2, keepdims=True))  # [B, K, J, M]
@@ -165,4 +219,4 @@ def decode_attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: 
     else:
         out = results[0][:, :, 0]
     out = out[:, :, :rows].reshape(batch, num_kv, num_new, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    return out.reshape(batch, num_new, num_heads, head_dim).astype(q.dtype)
+    return out.reshape(batch, num_new, num_heads, head_dim).astype(q.dtype), k_cache, v_cache
