@@ -9,10 +9,11 @@ Decoding wants another layout: on the GPU, XLA copies each layer's slice of a st
 buffer of its own before the matrix product reads it (measured at Llama-3.1-8B shapes, batch 1: 164
 copies a step, 54% of the step's time; `scripts/profile_decode.py`), so a memory-bound decode step
 would read every weight three times. `split_layers(model)` gives the same model in the decoding layout
-(`DecodingLayer`: per-layer arrays, q/k/v and gate/up fused, decode steps attending through the
-Pallas kernel `pallas_kernels.decode_attention` on a GPU), run as a Python loop over layers:
-`experiments.load_models` and `specjax generate` decode with it on GPUs (`decoding_layout`), the GPU
-benchmarks always; training, checkpoints and converters keep the stacked layout.
+(`DecodingLayer`: per-layer arrays, q/k/v and gate/up fused, decode steps writing the cache and
+attending through the Pallas kernel `pallas_kernels.decode_attention` on a GPU), run as a Python loop
+over layers: `experiments.load_models` and `specjax generate` decode with it on GPUs
+(`decoding_layout`), the GPU benchmarks always; training, checkpoints and converters keep the stacked
+layout.
 
 Dimension names in shapes and einsum strings: B batch, T new tokens, S cache slots, D hidden size,
 H query heads, K key/value heads, G query heads per KV head (H = K * G), E head dim, F MLP width,
