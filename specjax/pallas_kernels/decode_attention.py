@@ -7,8 +7,10 @@ convert, the values product) over all S_max slots; here it is one kernel over th
 small combine when the slots are split; scripts/profile_decode.py times both, variants attention*).
 The new keys and values enter as inputs: a program merges the ones falling in its blocks into what it
 reads from the cache and writes them there, so no program needs another's writes. Writing the cache
-here rather than in XLA (its scatter, bounds check and the queries' padding were four kernels a layer)
-took the 8B-shaped decode step from 4.42 to 4.37 ms at batch 1 and from 4.57 to 4.49 at batch 16
+here rather than in XLA (its two writes, their bounds check and the queries' padding were five kernels
+a layer, now one that lays q, k and v out for this one) took the 8B-shaped decode step from 4.42 to
+4.37 ms at batch 1 and from 4.57 to 4.49 at batch 16, but from 5.58 to 5.69 at batch 64, where the
+new keys and values padded to the queries' 16 rows cost more bytes than the kernels saved
 (benchmarks/results/profile/decode_loop_ab_cache_write.md).
 
 Flash-decoding: the grid is (row b, KV head, slot split j). A program takes the G query heads of its
