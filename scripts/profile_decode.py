@@ -232,8 +232,9 @@ def main():
         if not re.search(args.only, name):
             continue
         try:
+            carries_cache = name.startswith(("model", "unrolled")) or "_kernel" in name
             seconds = benchmarking.time_in_loop(fn, *fn_args, invariant=invariant, iterations=10,
-                                                carry=name.startswith(("model", "unrolled")) or "_kernel" in name)["median_s"]
+                                                carry=carries_cache)["median_s"]
         except Exception as error:  # e.g. cuDNN refusing a shape: say so and go on
             print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
             continue
