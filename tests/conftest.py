@@ -77,3 +77,24 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0):
     hf.save(init_model(config, seed=seed), folder, extra_config={"eos_token_id": tokenizer.eos_token_id})
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+@pytest.fixture
+def lower_for_cuda(monkeypatch):
+    """lower_for_cuda(fn, *abstract_args): the StableHLO text of fn lowered for CUDA, Pallas kernels
+    through Triton. Interpret mode runs any primitive; Triton does not (e.g. no `slice`), and lowering
+    needs no GPU once it is told which one: an H100's compute capability (a private JAX hook)."""
+    import types
+
+    from jax import export
+    from jax._src.pallas.triton import pallas_call_registration
+
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+
+    def lower(fn, *abstract_args) -> str:
+        exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*abstract_args)
+        return exported.mlir_module()
+
+    return lower

@@ -2,7 +2,6 @@
 transformer.attention."""
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -90,20 +89,11 @@ def test_bad_inputs_are_refused():
 
 
 @pytest.mark.parametrize("num_new, num_splits", [(1, None), (6, None), (6, 1)])
-def test_the_kernel_lowers_through_triton_for_cuda(monkeypatch, num_new, num_splits):
-    """Interpret mode runs any primitive; the GPU's Triton lowering does not (e.g. no `slice`). Lowering
-    for CUDA needs no GPU once the lowering is told which one (an H100's compute capability)."""
-    from jax import export
-    from jax._src.pallas.triton import pallas_call_registration
-
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda: types.SimpleNamespace(compute_capability=90))
+def test_the_kernel_lowers_through_triton_for_cuda(lower_for_cuda, num_new, num_splits):
     batch, heads, kv, head_dim, slots = 2, 32, 8, 128, 512
     shapes = [(batch, num_new, heads, head_dim), (batch, num_new, kv, head_dim), (batch, num_new, kv, head_dim),
               (batch, slots, kv, head_dim), (batch, slots, kv, head_dim)]
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
-    kernel = jax.jit(functools.partial(decode_attention, interpret=False, num_splits=num_splits))
-    exported = export.export(kernel, platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        *args, jax.ShapeDtypeStruct((batch, num_new), jnp.int32))
-    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    kernel = functools.partial(decode_attention, interpret=False, num_splits=num_splits)
+    module = lower_for_cuda(kernel, *args, jax.ShapeDtypeStruct((batch, num_new), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in module

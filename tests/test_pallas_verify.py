@@ -49,3 +49,16 @@ def test_one_hot_drafts_use_the_reference_path():
     got = block_verify.verify_with_draws(target, tokens, None, draws, tile=TILE, interpret=True)
     want = block.verify_with_draws(target, tokens, None, draws)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_the_sweep_lowers_through_triton_for_cuda(lower_for_cuda):
+    """The lowering the GPU runs (GPU_LOWERING), at the shapes bench_verify measured."""
+    from jax.experimental.pallas import triton as pltriton
+
+    assert block_verify.GPU_LOWERING == "triton"
+    batch, num_draft, vocab = 4, 5, 128256
+    sweep = functools.partial(block_verify.sweep, rows_per_block=1, interpret=False,
+                              compiler_params=pltriton.CompilerParams(num_warps=block_verify.TRITON_NUM_WARPS))
+    args = [jax.ShapeDtypeStruct(shape, np.float32) for shape in
+            ((batch, num_draft + 1, vocab), (batch, num_draft, vocab), (batch, vocab), (batch, num_draft + 1))]
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(sweep, *args)
