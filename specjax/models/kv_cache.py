@@ -84,9 +84,8 @@ class KVCache:
         rows = jnp.arange(batch)[:, None]
         slots = self.lengths[:, None] + jnp.arange(num_new)[None, :]  # [B, T]
         if isinstance(self.k, tuple):
-            def put(arrays, new):
-                return arrays[:layer] + (arrays[layer].at[rows, slots].set(new.astype(self.dtype)),) + arrays[layer + 1:]
-        else:
-            def put(array, new):
-                return array.at[layer, rows, slots].set(new.astype(self.dtype))
-        return dataclasses.replace(self, k=put(self.k, k_new), v=put(self.v, v_new))
+            k, v = self.layer(layer)
+            return self.with_layer(layer, k.at[rows, slots].set(k_new.astype(self.dtype)),
+                                   v.at[rows, slots].set(v_new.astype(self.dtype)))
+        return dataclasses.replace(self, k=self.k.at[layer, rows, slots].set(k_new.astype(self.dtype)),
+                                   v=self.v.at[layer, rows, slots].set(v_new.astype(self.dtype)))
