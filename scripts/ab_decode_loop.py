@@ -9,7 +9,8 @@ revision exported as above: on the device machine there is no git, so export bef
 (tree, XLA_FLAGS) configuration runs in a fresh process, so the model is built, compiled and
 autotuned afresh, as a user's run would be. It times `profile_decode.decode_loop_step` (a 256-token
 greedy run minus a one-token run, bench_decode's way) at each batch, then the first batch again to
-show drift, against the floor (weights + KV bytes over the copy bandwidth that process measured).
+show drift, against the floor (weights + KV bytes over the highest copy bandwidth that process measured,
+before the first batch and after each; the lowest is reported beside it).
 The configurations run in the order given, or reversed with --reverse: on two GPUs, run once per
 GPU (CUDA_VISIBLE_DEVICES) in opposite orders, so that drift and GPU differences show. Compare the
 step times: the copy bandwidth varies by a few percent from process to process, and "of floor" with it.
@@ -36,13 +37,16 @@ from specjax.models.transformer import init_model, split_layers
 shape, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
 config, _ = SHAPES[shape]
 model = split_layers(on_device(lambda: init_model(config, seed=0)))
-bandwidth = benchmarking.copy_bandwidth()
-for position, batch in enumerate(batches + batches[:1]):
-    step = decode_loop_step(model, batch)
+bandwidths, steps = [benchmarking.copy_bandwidth()], []
+for batch in batches + batches[:1]:
+    steps.append(decode_loop_step(model, batch))
+    bandwidths.append(benchmarking.copy_bandwidth())
+bandwidth = max(bandwidths)
+for position, (batch, step) in enumerate(zip(batches + batches[:1], steps)):
     floor = (weight_bytes(model, config, batch) + kv_bytes(config, batch, 256)) / bandwidth
     print("AB_ROW " + json.dumps({"B": batch, "repeat": position >= len(batches), "step_ms": step * 1e3,
-                                  "floor_ms": floor * 1e3, "of_floor": floor / step,
-                                  "copy_TBps": bandwidth / 1e12}), flush=True)
+                                  "floor_ms": floor * 1e3, "of_floor": floor / step, "copy_TBps": bandwidth / 1e12,
+                                  "copy_min_TBps": min(bandwidths) / 1e12}), flush=True)
 """
 
 
@@ -86,7 +90,8 @@ def main():
     meta = {**benchmarking.environment(), "shape": args.shape, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             "prompt": 128, "new_tokens": 256, "cache": 512}
     columns = [("order", "order"), ("tree", "tree"), ("xla_flags", "XLA_FLAGS"), ("B", "B"), ("repeat", "repeat"),
-               ("step_ms", "step ms"), ("floor_ms", "floor ms"), ("of_floor", "of floor"), ("copy_TBps", "copy TB/s")]
+               ("step_ms", "step ms"), ("floor_ms", "floor ms"), ("of_floor", "of floor"), ("copy_TBps", "copy TB/s"),
+               ("copy_min_TBps", "lowest copy TB/s")]
     paths = benchmarking.write_results(args.name, rows, columns, meta, args.out_dir,
                                        notes="Written by scripts/ab_decode_loop.py; see its docstring for the method.")
     print("wrote", *paths)

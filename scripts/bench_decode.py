@@ -15,7 +15,9 @@ it reports:
 - autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
   remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
   the untied embedding table, of which only B rows are read, plus each row's valid KV entries at the
-  mean context length) over the copy bandwidth measured in the same run;
+  mean context length) over the copy bandwidth measured in the same run: the highest of its
+  measurements before the first case and after each (they differ by up to a few percent within a
+  run, and by up to 8% between processes on the same GPU; the highest gives the lowest floor);
 - speculative tokens/s with synthetic acceptance at set mean lengths tau (K drafts), beside the
   analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component times measured in the
   same run (T_verify: one target forward over K + 1 positions; T_draft: one drafter step), and the
@@ -245,8 +247,8 @@ def main():
     methods = args.methods.split(",") if args.methods else []
     num_draft, new_tokens = args.num_speculative_tokens, args.new_tokens
 
-    bandwidth = benchmarking.copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    bandwidths = [benchmarking.copy_bandwidth()]
+    print(f"copy bandwidth {bandwidths[0] / 1e12:.2f} TB/s")
     target_config, draft_config = (dataclasses.replace(c, param_dtype=args.dtype, dtype=args.dtype)
                                    for c in SHAPES[args.shape])
     if args.dtype == "float32":
@@ -295,7 +297,7 @@ def main():
         columns += [("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token"),
                     ("logit_gap_at_difference", "logit gap there")]
     meta = {**benchmarking.environment(), "shape": args.shape, "dtype": args.dtype,
-            "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "target": dataclasses.asdict(target_config),
+            "target": dataclasses.asdict(target_config),
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}
     rows = []
     with jax.set_mesh(mesh):
@@ -325,8 +327,8 @@ def main():
             # Per GPU: each reads its 1 / parallel of the weights and of the KV heads.
             floor_bytes = (weight_bytes(target, target_config, batch)
                            + kv_bytes(target_config, batch, context)) / parallel
-            row.update(ar_step_ms=step * 1e3, ar_tok_s=batch / step, floor_tok_s=batch * bandwidth / floor_bytes,
-                       ar_fraction_of_floor=floor_bytes / bandwidth / step, prefill_ms=t_prefill * 1e3)
+            row.update(ar_step_ms=step * 1e3, ar_tok_s=batch / step, floor_bytes=floor_bytes,
+                       prefill_ms=t_prefill * 1e3)
             row.update(component_times(target, drafters, batch, int(context), num_draft, cache_size))
             for method in methods:
                 t_draft = row[f"t_draft_{method}_s"]
@@ -345,12 +347,21 @@ def main():
                     row[f"{method}_tau{tau}_bound_tok_s"] = bound_tok_s
                     row[f"{method}_tau{tau}_of_bound"] = spec_tok_s / bound_tok_s
                     row[f"{method}_tau{tau}_speedup"] = spec_tok_s / row["ar_tok_s"]
+            rows.append(row)
+            bandwidths.append(benchmarking.copy_bandwidth())
+            bandwidth = max(bandwidths)  # every row's floor against the highest so far
+            meta.update(copy_bandwidth_TBps=round(bandwidth / 1e12, 3),
+                        copy_bandwidth_samples_TBps=[round(b / 1e12, 3) for b in bandwidths])
+            for done in rows:
+                done.update(floor_tok_s=done["B"] * bandwidth / done["floor_bytes"],
+                            ar_fraction_of_floor=done["floor_bytes"] / bandwidth / (done["ar_step_ms"] / 1e3))
             print({k: (f"{v * 1e3:.3f} ms" if k.startswith("t_") else round(v, 3) if isinstance(v, float) else v)
                    for k, v in row.items()}, flush=True)
-            rows.append(row)
             # After every case: a run cut short keeps what it measured.
             paths = benchmarking.write_results(args.name, rows, columns, meta, args.out_dir,
-                                               notes=crossover_notes(rows, methods, taus, prompt_lens))
+                                               notes=f"Copy bandwidth measured {len(bandwidths)} times in this run: "
+                                               f"{min(bandwidths) / 1e12:.3f} to {bandwidth / 1e12:.3f} TB/s; the floor "
+                                               "uses the highest.\n\n" + crossover_notes(rows, methods, taus, prompt_lens))
 
     print("wrote", *paths)
 

@@ -11,6 +11,9 @@ import jax  # noqa: E402
 
 # Eight host devices, for the meshes of tests/test_sharding.py; everything else runs on device 0.
 jax.config.update("jax_num_cpu_devices", 8)
+# Float32 products in float32 where the suite is run on a GPU too (JAX_PLATFORMS=cuda), whose default
+# is TF32 (the CPU's is float32 already): the float32 tolerances assume it.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -23,8 +23,12 @@ no program to walk more than MAX_BLOCKS blocks (measured in the 8B-shaped decode
 on two H200s alike to 1%: at batch 1 a step takes 4.41 ms with 8 splits, 4.52 with one and 4.52
 with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with XLA's;
 benchmarks/results/profile/decode_loop_ab.md). Split boundaries are fixed by the shapes alone (never
-by the fill level), so a row's result does not depend on how many tokens attend with it: T = 1 and
-T = K + 1 sum the same blocks in the same order (the split figures above predate the cache write).
+by the fill level), so T = 1 and T = K + 1 sum the same blocks in the same order (the split figures
+above predate the cache write). That makes a row's result independent of how many tokens attend with
+it in interpret mode (tested), but not compiled on a GPU: there the products of the 16-row block of
+a decode step and the 32-row block of a verification block (K = 5, G = 4) round differently (seen on
+an H200 in float32, 2026-11-30; unmeasured in bfloat16), as XLA's weight products of 1 and K + 1 rows
+already do. Greedy speculative decoding then equals greedy autoregressive decoding up to near-ties.
 
 Lowered through Pallas' Triton backend, which JAX 0.12 deprecates (Mosaic GPU is its recommended GPU
 backend, but needs a warpgroup-level rewrite for products this small); off the GPU the kernel runs
@@ -90,8 +94,8 @@ def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest
         def merge_new(k, v):
             """The new tokens' slots hold stale entries until written: their keys and values come from
             the inputs, picked by a one-hot product (exact: one nonzero term per sum), and are written
-            there. They equal what the cache will hold bit for bit, so a slot's result is the same
-            whether its token is new in this call or was written by an earlier one."""
+            there. They equal what the cache will hold bit for bit, so the attention reads the same
+            keys and values whether a token is new in this call or was written by an earlier one."""
             slot_column = offset + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
             token = slot_column - first_new  # [block, 1]
             is_new = (token >= 0) & (token < num_new) & (slot_column >= nominal)
