@@ -61,7 +61,7 @@ def test_a_rows_result_does_not_depend_on_the_tokens_beside_it():
     """The last token of a verification block gets bit for bit what a decode step at its slot gets
     once the block's other tokens are in the cache: split boundaries come from the shapes, not from
     the fill level, and a new token's key and value are the ones the cache holds. In interpret mode:
-    compiled on a GPU, products of differently padded row blocks round differently (module docstring)."""
+    compiled on a GPU, the differently shaped row blocks round differently (module docstring)."""
     q, k_new, v_new, k_cache, v_cache, _ = _inputs(0, 2, 6, 8, 2, 16, 300)
     slots = jnp.asarray([[100 + t for t in range(6)], [250 + t for t in range(6)]], jnp.int32)
     block, k_written, v_written = decode_attention(q, k_new, v_new, k_cache, v_cache, slots, interpret=True)

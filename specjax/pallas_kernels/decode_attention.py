@@ -25,10 +25,11 @@ with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with X
 benchmarks/results/profile/decode_loop_ab.md). Split boundaries are fixed by the shapes alone (never
 by the fill level), so T = 1 and T = K + 1 sum the same blocks in the same order (the split figures
 above predate the cache write). That makes a row's result independent of how many tokens attend with
-it in interpret mode (tested), but not compiled on a GPU: there the products of the 16-row block of
-a decode step and the 32-row block of a verification block (K = 5, G = 4) round differently (seen on
-an H200 in float32, 2026-11-30; unmeasured in bfloat16), as XLA's weight products of 1 and K + 1 rows
-already do. Greedy speculative decoding then equals greedy autoregressive decoding up to near-ties.
+it in interpret mode (tested), but not compiled on a GPU: there a decode step's 16-row block and a
+verification block's 32 rows (K = 5, G = 4) are products, and combines, compiled for different shapes,
+and the results differ in the last bits (seen on an H200 in float32, 2026-11-30; unmeasured in
+bfloat16), as XLA's weight products of 1 and K + 1 rows already do. Greedy speculative decoding then
+equals greedy autoregressive decoding up to near-ties.
 
 Lowered through Pallas' Triton backend, which JAX 0.12 deprecates (Mosaic GPU is its recommended GPU
 backend, but needs a warpgroup-level rewrite for products this small); off the GPU the kernel runs
