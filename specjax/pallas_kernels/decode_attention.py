@@ -11,7 +11,8 @@ here rather than in XLA (its two writes, their bounds check and the queries' pad
 a layer, now one that lays q, k and v out for this one) took the 8B-shaped decode step from 4.42 to
 4.37 ms at batch 1 and from 4.57 to 4.49 at batch 16, but from 5.58 to 5.69 at batch 64, where the
 new keys and values padded to the queries' 16 rows cost more bytes than the kernels saved
-(benchmarks/results/profile/decode_loop_ab_cache_write.md).
+(benchmarks/results/profile/decode_loop_ab_cache_write.md). Carrying them at T rows instead, merged by
+T selects, was slower still at every batch (+9% at batch 64; decode_loop_ab_kv_rows.md).
 
 Flash-decoding: the grid is (row b, KV head, slot split j). A program takes the G query heads of its
 KV head for all T new tokens as one [T * G, E] block of rows (padded to the 16 rows a tensor-core
