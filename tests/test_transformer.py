@@ -106,11 +106,14 @@ def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_ker
     np.testing.assert_array_equal(caches[1].lengths, caches[0].lengths)
 
 
-def test_the_decoding_layout_is_taken_on_gpus_only(monkeypatch):
+@pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
+def test_the_decoding_layout_is_taken_on_gpus_only(monkeypatch, backend):
     model = hf.load(fixture_dir("llama_gqa"))
-    assert decoding_layout(model) is model  # this backend: the stacked model as is
-    monkeypatch.setattr("jax.default_backend", lambda: "gpu")
-    assert isinstance(decoding_layout(model, 2).layers[0], DecodingLayer)
+    monkeypatch.setattr("jax.default_backend", lambda: backend)
+    if backend == "gpu":
+        assert isinstance(decoding_layout(model, 2).layers[0], DecodingLayer)
+    else:  # the stacked model as is
+        assert decoding_layout(model) is model
 
 
 def test_a_model_in_the_decoding_layout_is_not_saved(tmp_path):

@@ -25,12 +25,14 @@ on two H200s alike to 1%: at batch 1 a step takes 4.41 ms with 8 splits, 4.52 wi
 with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with XLA's;
 benchmarks/results/profile/decode_loop_ab.md). Split boundaries are fixed by the shapes alone (never
 by the fill level), so T = 1 and T = K + 1 sum the same blocks in the same order (the split figures
-above predate the cache write). That makes a row's result independent of how many tokens attend with
-it in interpret mode (tested), but not compiled on a GPU: there a decode step's 16-row block and a
-verification block's 32 rows (K = 5, G = 4) are products, and combines, compiled for different shapes,
-and the results differ in the last bits (seen on an H200 in float32, 2026-11-30; unmeasured in
-bfloat16), as XLA's weight products of 1 and K + 1 rows already do. Greedy speculative decoding then
-equals greedy autoregressive decoding up to near-ties.
+above predate the cache write). A row's result then agrees to rounding however many tokens attend with
+it (tested), but not always bit for bit: a decode step's 16-row block and a verification block's 32
+rows (K = 5, G = 4) are products, and combines, of different shapes, which may round differently. At
+the 8B shape in float32 they differed by one ulp in 4 of 4 cases compiled on an H200 and in 1 of 4
+interpreted on the CPU; in bfloat16 the outputs were identical in all 8
+(scripts/decode_attention_rounding.py, benchmarks/results/decode_attention_rounding_*.md). XLA's weight
+products of 1 and K + 1 rows differ in the same way, so greedy speculative decoding equals greedy
+autoregressive decoding up to near-ties.
 
 Lowered through Pallas' Triton backend, which JAX 0.12 deprecates (Mosaic GPU is its recommended GPU
 backend, but needs a warpgroup-level rewrite for products this small); off the GPU the kernel runs
