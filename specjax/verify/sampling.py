@@ -31,6 +31,11 @@ def processed_logits(logits: Float[Array, "... V"], sampling: SamplingConfig) ->
     if sampling.top_p < 1.0:
         probs = jax.nn.softmax(logits, axis=-1)
         sorted_probs = -jnp.sort(-probs, axis=-1)
+        # Kept apart from what follows: inside the speculative loop on the H200 (jax 0.11.2), XLA fused
+        # the sorted values into kernels that computed wrong kept sets (whole rows of NaN probabilities)
+        # once the batch passed about 20k rows of [B, 3, 8]; a standalone jit of the same code was right.
+        # scripts/top_p_fusion_check.py measures it (benchmarks/results/top_p_fusion_check_gpu.md).
+        probs, sorted_probs = jax.lax.optimization_barrier((probs, sorted_probs))
         mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
         num_kept = jnp.sum(mass_before < sampling.top_p, axis=-1, keepdims=True)
         smallest_kept = jnp.take_along_axis(sorted_probs, num_kept - 1, axis=-1)
