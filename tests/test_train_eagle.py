@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -96,8 +97,13 @@ def test_a_head_with_a_reduced_draft_vocabulary_trains_and_drafts(kind, target_d
     summary = train_eagle(eagle_config(target_dir, tmp_path, *REDUCED_VOCAB_OVERRIDES[kind]))
     loss = losses(tmp_path)
     assert np.mean(loss[-10:]) < np.mean(loss[:10])
-    if kind == "eagle1":  # FR-Spec: trained exactly as the same run without a draft vocabulary
-        np.testing.assert_allclose(loss, losses(request.getfixturevalue("eagle1_run")), rtol=1e-5)
+    if kind == "eagle1":  # FR-Spec: trained as the same run without a draft vocabulary
+        reference = losses(request.getfixturevalue("eagle1_run"))
+        np.testing.assert_allclose(loss[0], reference[0], rtol=1e-6)
+        # Then the same up to rounding: none on the CPU; on a GPU the head's extra draft_to_target makes
+        # another program, whose products round otherwise (on the H200 1e-6 at the second step, growing
+        # to 2e-4 over the 60).
+        np.testing.assert_allclose(loss, reference, rtol=1e-5 if jax.default_backend() == "cpu" else 1e-3)
     assert summary["draft_vocab_size"] == 200 and summary["fuse_layers"] == list(fuse_layers)
 
     target = hf.load(target_dir)
