@@ -14,6 +14,8 @@ link.
 - pallas_copy: a Pallas (Triton) kernel with decode_attention's grid and blocks that copies the
   queries' rows (what any Pallas call on that grid costs before it does work);
 - pallas_copy_one_program: the same copy in one program;
+- mosaic_copy, mosaic_copy_one_program: the same copy over 8 programs or one as a Mosaic GPU kernel,
+  the backend JAX recommends now that it deprecates the Triton lowering (GPUs only);
 - attention: pallas_kernels.decode_attention as the model calls it (the layout fusion, the kernel with
   its cache write, the combine of the splits), with `context` filled slots of a 512-slot cache;
 - attention_splits_N: the same with N slot splits (1: no combine).
@@ -50,7 +52,8 @@ def chain(link):
 
 
 def pallas_copy(q, num_programs: int, interpret: bool):
-    """q [B, 1, H, E] -> the same, through a Pallas kernel over `num_programs` programs of rows."""
+    """q [B, 1, H, E] -> the same, through a Pallas kernel (Triton, as specjax's kernels are) over
+    `num_programs` programs of rows."""
     rows = q.reshape(num_programs, -1)  # a row a program
 
     def kernel(in_ref, out_ref):
@@ -59,6 +62,22 @@ def pallas_copy(q, num_programs: int, interpret: bool):
     spec = pl.BlockSpec((1, rows.shape[1]), lambda i: (i, 0))
     out = pl.pallas_call(kernel, grid=(num_programs,), in_specs=[spec], out_specs=spec,
                          out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype), interpret=interpret)(rows)
+    return out.reshape(q.shape)
+
+
+def mosaic_copy(q, num_programs: int):
+    """The same copy as a Mosaic GPU kernel (plgpu.kernel: the body sees whole arrays in GPU memory, each
+    program moves its row through registers). GPUs only."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows = q.reshape(num_programs, -1)
+
+    def body(in_ref, out_ref):
+        program = jax.lax.axis_index("program")
+        out_ref[program] = in_ref[program]
+
+    out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(rows.shape, rows.dtype), grid=(num_programs,),
+                       grid_names=("program",))(rows)
     return out.reshape(q.shape)
 
 
@@ -98,6 +117,9 @@ def main():
         "xla_rms_norm": (lambda x, i: (normalize(x, scale, None, config),), hidden),
         "pallas_copy": (lambda x, i: (pallas_copy(x, B * K * 8, interpret),), q),
         "pallas_copy_one_program": (lambda x, i: (pallas_copy(x, 1, interpret),), q),
+        **({} if interpret else {  # Mosaic GPU has no interpret mode here
+            "mosaic_copy": (lambda x, i: (mosaic_copy(x, 8),), q),
+            "mosaic_copy_one_program": (lambda x, i: (mosaic_copy(x, 1),), q)}),
         "attention": (attention(), q, *caches),
         **{f"attention_splits_{n}": (attention(n), q, *caches) for n in (1, 2, 4, 8)},
     }
