@@ -32,11 +32,11 @@ import numpy as np
 from bench_decode import SHAPES, kv_bytes, on_device, weight_bytes
 from profile_decode import decode_loop_step
 from specjax import benchmarking
-from specjax.models.transformer import init_model, split_layers
+from specjax.models.transformer import init_model, to_decoding_layout
 
 shape, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
 config, _ = SHAPES[shape]
-model = split_layers(on_device(lambda: init_model(config, seed=0)))
+model = to_decoding_layout(on_device(lambda: init_model(config, seed=0)))
 bandwidths, steps = [benchmarking.copy_bandwidth()], []
 for batch in batches + batches[:1]:
     steps.append(decode_loop_step(model, batch))

@@ -43,8 +43,8 @@ from flax import nnx
 from specjax import benchmarking, sharding
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, pad_request, speculative_loop
-from specjax.models.eagle import EagleConfig, default_fuse_layers, init_eagle, split_head
-from specjax.models.transformer import init_model, split_layers
+from specjax.models.eagle import EagleConfig, default_fuse_layers, init_eagle, head_to_decoding_layout
+from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers.base import build_proposer
 
 BF16 = dict(param_dtype="bfloat16", dtype="bfloat16")
@@ -137,7 +137,7 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
 
         def eagle_step(params, cache, tokens, features, proposer=proposer):
             out, written = params.head(tokens, features, jnp.full((batch, 1), context, jnp.int32), cache, params.embed)
-            return proposer._logits(params, out[:, 0]), (written.with_lengths(cache.lengths), tokens, features)
+            return proposer.logits(params, out[:, 0]), (written.with_lengths(cache.lengths), tokens, features)
 
         times[f"t_draft_{method}_s"] = measure(eagle_step, proposer.bind(drafter, target), draft_cache,
                                                jnp.zeros((batch, 1), jnp.int32),
@@ -254,8 +254,8 @@ def main():
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "float32")
     parallel = args.model_parallel
-    # In the decoding layout (split_layers), as experiments.load_models gives it.
-    target = split_layers(on_device(lambda: init_model(target_config, seed=0)), parallel)
+    # In the decoding layout (to_decoding_layout), as experiments.load_models gives it.
+    target = to_decoding_layout(on_device(lambda: init_model(target_config, seed=0)), parallel)
     head_layer = dataclasses.replace(target_config, num_layers=1)
     draft_vocab = min(32000, target_config.vocab_size)
     head_configs = {"eagle": EagleConfig(layer=head_layer, version=1),
@@ -269,9 +269,9 @@ def main():
     if unknown:
         raise SystemExit(f"--methods {args.methods!r}: {sorted(unknown)} unknown; allowed draft_model, eagle, "
                          "eagle_fr, eagle3")
-    drafters = {method: split_layers(on_device(lambda: init_model(draft_config, seed=1)), parallel)
+    drafters = {method: to_decoding_layout(on_device(lambda: init_model(draft_config, seed=1)), parallel)
                 if method == "draft_model" else
-                split_head(on_device(lambda m=method: init_eagle(head_configs[m], seed=2)), parallel)
+                head_to_decoding_layout(on_device(lambda m=method: init_eagle(head_configs[m], seed=2)), parallel)
                 for method in methods}
     greedy = SamplingConfig()
     mesh = sharding.make_mesh(1, parallel)

@@ -76,9 +76,9 @@ def specjax_side(target_dir: Path, draft_dir: Path, prompts: list[list[int]], ne
     from specjax.config import SpecConfig
     from specjax.decoding import generate
     from specjax.models import hf
-    from specjax.models.transformer import split_layers
+    from specjax.models.transformer import to_decoding_layout
 
-    target, draft = (split_layers(hf.load(folder, dtype=dtype, param_dtype=dtype)) for folder in (target_dir, draft_dir))
+    target, draft = (to_decoding_layout(hf.load(folder, dtype=dtype, param_dtype=dtype)) for folder in (target_dir, draft_dir))
     modes = {"specjax_ar": {}, "specjax_speculative": dict(spec=SpecConfig(method="draft_model",
                                                                            num_speculative_tokens=k), drafter=draft)}
     results = {}
@@ -109,7 +109,7 @@ def shapes_8b(new_tokens: int, k: int, prompt_len: int = 128) -> dict:
     from specjax.config import SamplingConfig
     from specjax.decoding import decode_loop
     from specjax.models.hf import config_to_hf
-    from specjax.models.transformer import init_model, split_layers
+    from specjax.models.transformer import init_model, to_decoding_layout
 
     target_config, draft_config = SHAPES["8b"]
     models = []
@@ -123,7 +123,7 @@ def shapes_8b(new_tokens: int, k: int, prompt_len: int = 128) -> dict:
     del models
     torch.cuda.empty_cache()
 
-    target = split_layers(on_device(lambda: init_model(target_config, seed=0)))
+    target = to_decoding_layout(on_device(lambda: init_model(target_config, seed=0)))
     cache_size = -(-(prompt_len + new_tokens + k + 1) // 128) * 128
     args = generation_args(target, 1, prompt_len, new_tokens, k + 1, cache_size)
     run = lambda: decode_loop(target, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=cache_size)  # noqa: E731

@@ -6,7 +6,7 @@
 Each variant is one bfloat16 forward of one token per row at `context` cached tokens, timed inside a
 jitted loop (benchmarking.time_in_loop) against the bytes it must read over the copy bandwidth measured
 in the same run:
-- model: the model call as the decode loop makes it (transformer.split_layers: a Python loop over
+- model: the model call as the decode loop makes it (transformer.to_decoding_layout: a Python loop over
   per-layer weights);
 - model_stacked: the model call with stacked weights (layers in one lax.scan);
 - unrolled: the same layers (transformer.decoder_layer) in a Python loop with static layer indices;
@@ -73,7 +73,7 @@ def main():
     if args.trace and jax.default_backend() != "gpu":
         parser.error(f"--trace {args.trace}: it reads GPU kernels from the profile, and the backend here is "
                      f"{jax.default_backend()!r}: allowed on a GPU only")
-    from specjax.models.transformer import init_model, split_layers
+    from specjax.models.transformer import init_model, to_decoding_layout
 
     bandwidth = benchmarking.copy_bandwidth()
     config, _ = SHAPES[args.shape]
@@ -197,7 +197,7 @@ def main():
             label = f"gemv {name} {'[out,in]' if transposed else '[in,out]'} {d_in}x{d_out}"
             gemvs[label] = (lambda w, x, t=transposed: gemv(x, w, t), (w, x), 1, w.size * w.dtype.itemsize)
 
-    split_model = split_layers(model)  # the decoding layout, built once (every copy here is a full 8B model)
+    split_model = to_decoding_layout(model)  # the decoding layout, built once (every copy here is a full 8B model)
     split_cache = split_model.create_cache(B, args.cache).with_lengths(cache.lengths)  # one array per layer
     xla_model = jax.tree.map(lambda w: w, split_model)  # the same arrays
     for layer in xla_model.layers:

@@ -19,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specjax import default_models
     from specjax.decoding import generate
     from specjax.models import hf
-    from specjax.models.transformer import decoding_layout
+    from specjax.models.transformer import for_decoding
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     mesh, model_shards = None, 1
@@ -30,7 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
         mesh = sharding.make_mesh(data, model_shards)
 
     def load(folder):
-        return decoding_layout(hf.load(folder, param_dtype=args.param_dtype, dtype=args.dtype), model_shards)
+        return for_decoding(hf.load(folder, param_dtype=args.param_dtype, dtype=args.dtype), model_shards)
 
     spec = drafter = None
     if args.draft is not None:

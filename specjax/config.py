@@ -17,7 +17,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, the value and what is allowed."""
 
 
-def _require(ok: bool, owner: str, field: str, value, allowed: str) -> None:
+def require(ok: bool, owner: str, field: str, value, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{owner}.{field} = {value!r} is invalid: allowed {allowed}")
 
@@ -48,11 +48,11 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
-        _require(self.rope_type in ("llama3", "linear"), "RopeScaling", "rope_type", self.rope_type,
+        require(self.rope_type in ("llama3", "linear"), "RopeScaling", "rope_type", self.rope_type,
                  "'llama3' or 'linear'")
-        _require(self.factor >= 1.0, "RopeScaling", "factor", self.factor, "a float >= 1")
+        require(self.factor >= 1.0, "RopeScaling", "factor", self.factor, "a float >= 1")
         if self.rope_type == "llama3":
-            _require(self.high_freq_factor > self.low_freq_factor, "RopeScaling", "high_freq_factor",
+            require(self.high_freq_factor > self.low_freq_factor, "RopeScaling", "high_freq_factor",
                      self.high_freq_factor, f"a value > low_freq_factor ({self.low_freq_factor})")
 
 
@@ -96,18 +96,18 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, "ModelConfig", name, value, "an integer >= 1")
-        _require(self.num_heads % self.num_kv_heads == 0, "ModelConfig", "num_kv_heads", self.num_kv_heads,
+            require(isinstance(value, int) and value >= 1, "ModelConfig", name, value, "an integer >= 1")
+        require(self.num_heads % self.num_kv_heads == 0, "ModelConfig", "num_kv_heads", self.num_kv_heads,
                  f"a divisor of num_heads ({self.num_heads})")
-        _require(self.norm in ("rms", "layer"), "ModelConfig", "norm", self.norm, "'rms' or 'layer'")
-        _require(self.position in ("rope", "learned"), "ModelConfig", "position", self.position,
+        require(self.norm in ("rms", "layer"), "ModelConfig", "norm", self.norm, "'rms' or 'layer'")
+        require(self.position in ("rope", "learned"), "ModelConfig", "position", self.position,
                  "'rope' or 'learned'")
-        _require(self.mlp in ("gated_silu", "gelu_tanh"), "ModelConfig", "mlp", self.mlp,
+        require(self.mlp in ("gated_silu", "gelu_tanh"), "ModelConfig", "mlp", self.mlp,
                  "'gated_silu' or 'gelu_tanh'")
-        _require(self.norm_eps > 0, "ModelConfig", "norm_eps", self.norm_eps, "a float > 0")
-        _require(self.sliding_window is None or self.sliding_window >= 1, "ModelConfig", "sliding_window",
+        require(self.norm_eps > 0, "ModelConfig", "norm_eps", self.norm_eps, "a float > 0")
+        require(self.sliding_window is None or self.sliding_window >= 1, "ModelConfig", "sliding_window",
                  self.sliding_window, "None or an integer >= 1")
-        _require(self.rope_scaling is None or self.position == "rope", "ModelConfig", "rope_scaling",
+        require(self.rope_scaling is None or self.position == "rope", "ModelConfig", "rope_scaling",
                  self.rope_scaling, "None when position is 'learned'")
         dtype_from_name(self.param_dtype, "ModelConfig.param_dtype")
         dtype_from_name(self.dtype, "ModelConfig.dtype")
@@ -139,11 +139,11 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        _require(self.temperature >= 0.0, "SamplingConfig", "temperature", self.temperature,
+        require(self.temperature >= 0.0, "SamplingConfig", "temperature", self.temperature,
                  "a float >= 0 (0 means greedy)")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0, "SamplingConfig", "top_k", self.top_k,
+        require(isinstance(self.top_k, int) and self.top_k >= 0, "SamplingConfig", "top_k", self.top_k,
                  "an integer >= 0 (0 disables top-k)")
-        _require(0.0 < self.top_p <= 1.0, "SamplingConfig", "top_p", self.top_p,
+        require(0.0 < self.top_p <= 1.0, "SamplingConfig", "top_p", self.top_p,
                  "a float in (0, 1] (1 disables top-p)")
 
     @property
@@ -197,17 +197,17 @@ class SpecConfig:
         from specjax.verify import REJECTION_SAMPLE_METHODS
 
         k = self.num_speculative_tokens
-        _require(self.method in PROPOSERS, "SpecConfig", "method", self.method, f"one of {sorted(PROPOSERS)}")
-        _require(isinstance(k, int) and k >= 1, "SpecConfig", "num_speculative_tokens", k, "an integer >= 1")
-        _require(self.rejection_sample_method in REJECTION_SAMPLE_METHODS, "SpecConfig",
+        require(self.method in PROPOSERS, "SpecConfig", "method", self.method, f"one of {sorted(PROPOSERS)}")
+        require(isinstance(k, int) and k >= 1, "SpecConfig", "num_speculative_tokens", k, "an integer >= 1")
+        require(self.rejection_sample_method in REJECTION_SAMPLE_METHODS, "SpecConfig",
                  "rejection_sample_method", self.rejection_sample_method, f"one of {REJECTION_SAMPLE_METHODS}")
-        _require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
+        require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
                  self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
-        _require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,
+        require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,
                  f"one of {VERIFY_IMPLS}")
-        _require(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1, "SpecConfig",
+        require(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1, "SpecConfig",
                  "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
-        _require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
+        require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
                  "SpecConfig", "prompt_lookup_max", self.prompt_lookup_max,
                  f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
         if self.kv_cache_dtype is not None:
@@ -232,14 +232,14 @@ class SpecConfig:
         if rates is not None:
             object.__setattr__(self, "synthetic_acceptance_rates", tuple(float(r) for r in rates))
             rates = self.synthetic_acceptance_rates
-            _require(len(rates) == k, "SpecConfig", "synthetic_acceptance_rates", rates,
+            require(len(rates) == k, "SpecConfig", "synthetic_acceptance_rates", rates,
                      f"{k} values (one per draft position, num_speculative_tokens = {k})")
-            _require(all(0.0 <= r <= 1.0 for r in rates), "SpecConfig", "synthetic_acceptance_rates", rates,
+            require(all(0.0 <= r <= 1.0 for r in rates), "SpecConfig", "synthetic_acceptance_rates", rates,
                      "values in [0, 1]")
-            _require(all(a >= b for a, b in zip(rates, rates[1:])), "SpecConfig", "synthetic_acceptance_rates",
+            require(all(a >= b for a, b in zip(rates, rates[1:])), "SpecConfig", "synthetic_acceptance_rates",
                      rates, "non-increasing values (position i cannot be accepted more often than i - 1)")
         else:
-            _require(1.0 <= length <= k + 1, "SpecConfig", "synthetic_acceptance_length", length,
+            require(1.0 <= length <= k + 1, "SpecConfig", "synthetic_acceptance_length", length,
                      f"a mean acceptance length in [1, num_speculative_tokens + 1 = {k + 1}]")
 
     @property
@@ -370,10 +370,10 @@ class DataConfig:
     cache_dir: str | None = None
 
     def __post_init__(self):
-        _require(0.0 < self.held_out_fraction < 1.0, "DataConfig", "held_out_fraction", self.held_out_fraction,
+        require(0.0 < self.held_out_fraction < 1.0, "DataConfig", "held_out_fraction", self.held_out_fraction,
                  "a float in (0, 1)")
         for name in ("seq_len", "batch_size", "vocab_size"):
-            _require(getattr(self, name) >= 1, "DataConfig", name, getattr(self, name), "an integer >= 1")
+            require(getattr(self, name) >= 1, "DataConfig", name, getattr(self, name), "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,10 +390,10 @@ class OptimizerConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        _require(self.total_steps >= 1, "OptimizerConfig", "total_steps", self.total_steps, "an integer >= 1")
-        _require(0 <= self.warmup_steps <= self.total_steps, "OptimizerConfig", "warmup_steps", self.warmup_steps,
+        require(self.total_steps >= 1, "OptimizerConfig", "total_steps", self.total_steps, "an integer >= 1")
+        require(0 <= self.warmup_steps <= self.total_steps, "OptimizerConfig", "warmup_steps", self.warmup_steps,
                  f"an integer in [0, total_steps = {self.total_steps}]")
-        _require(self.lr > 0, "OptimizerConfig", "lr", self.lr, "a float > 0")
+        require(self.lr > 0, "OptimizerConfig", "lr", self.lr, "a float > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,8 +404,8 @@ class MeshConfig:
     model: int = 1
 
     def __post_init__(self):
-        _require(self.data == -1 or self.data >= 1, "MeshConfig", "data", self.data, "-1 or an integer >= 1")
-        _require(self.model >= 1, "MeshConfig", "model", self.model, "an integer >= 1")
+        require(self.data == -1 or self.data >= 1, "MeshConfig", "data", self.data, "-1 or an integer >= 1")
+        require(self.model >= 1, "MeshConfig", "model", self.model, "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -425,8 +425,8 @@ class TrainingRun:
 
     def __post_init__(self):
         owner = type(self).__name__
-        _require(self.checkpoint_every >= 1, owner, "checkpoint_every", self.checkpoint_every, "an integer >= 1")
-        _require(self.log_every >= 1, owner, "log_every", self.log_every, "an integer >= 1")
+        require(self.checkpoint_every >= 1, owner, "checkpoint_every", self.checkpoint_every, "an integer >= 1")
+        require(self.log_every >= 1, owner, "log_every", self.log_every, "an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -470,14 +470,14 @@ class HeadTrainConfig(TrainingRun):
 
     def __post_init__(self):
         super().__post_init__()
-        _require(self.kind in ("eagle1", "eagle3", "medusa"), "HeadTrainConfig", "kind", self.kind,
+        require(self.kind in ("eagle1", "eagle3", "medusa"), "HeadTrainConfig", "kind", self.kind,
                  "'eagle1', 'eagle3' or 'medusa'")
-        _require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")
-        _require(self.fuse_layers is None or self.kind == "eagle3", "HeadTrainConfig", "fuse_layers",
+        require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")
+        require(self.fuse_layers is None or self.kind == "eagle3", "HeadTrainConfig", "fuse_layers",
                  self.fuse_layers, f"only with kind 'eagle3' (kind is {self.kind!r}), else None")
-        _require(self.draft_vocab_size is None or self.kind in ("eagle1", "eagle3"), "HeadTrainConfig",
+        require(self.draft_vocab_size is None or self.kind in ("eagle1", "eagle3"), "HeadTrainConfig",
                  "draft_vocab_size", self.draft_vocab_size,
                  f"only with kind 'eagle1' or 'eagle3' (kind is {self.kind!r}), else None")
-        _require(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
+        require(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
                                                    and self.draft_vocab_size >= 1),
                  "HeadTrainConfig", "draft_vocab_size", self.draft_vocab_size, "None or an integer >= 1")

@@ -305,7 +305,7 @@ def generate(
     specjax.sharding's rules (placed once: pass models already `sharding.shard`ed to skip the check),
     rows over the data axis. The verifier then works on vocabulary-split logits, or, with
     gather_logits, on logits gathered once per step.
-    Models in the stacked layout run correctly but, on GPUs, slower: pass `transformer.split_layers`
+    Models in the stacked layout run correctly but, on GPUs, slower: pass `transformer.to_decoding_layout`
     of them (`experiments.load_models` does) to decode at speed.
     """
     if cache_dtype is not None:

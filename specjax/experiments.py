@@ -76,7 +76,7 @@ class SweepConfig:
 def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1):
     """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one);
     dtype is the compute dtype (None: the checkpoint's; EAGLE heads compute in the target's); draft
-    LMs and EAGLE heads come in transformer.decoding_layout for model_shards."""
+    LMs and EAGLE heads come in transformer.for_decoding for model_shards."""
     if method == "ngram":
         return None
     if folder is None:
@@ -84,15 +84,15 @@ def load_drafter(method: str, folder: str | None, target, dtype: str | None = No
     folder = default_models.resolve(folder)
     if method == "draft_model":
         from specjax.models import hf
-        from specjax.models.transformer import decoding_layout
+        from specjax.models.transformer import for_decoding
 
-        return decoding_layout(hf.load(folder, dtype=dtype), model_shards)
+        return for_decoding(hf.load(folder, dtype=dtype), model_shards)
     if method in ("eagle", "eagle3"):
-        from specjax.models.eagle import load_eagle, split_head
-        from specjax.models.transformer import decoding_layout
+        from specjax.models.eagle import load_eagle, head_to_decoding_layout
+        from specjax.models.transformer import for_decoding
 
         head = load_eagle(folder, target.config, version=1 if method == "eagle" else 3)
-        return decoding_layout(head, model_shards, split=split_head)
+        return for_decoding(head, model_shards, convert=head_to_decoding_layout)
     if method == "medusa":
         from specjax.models.medusa import load_medusa
 
@@ -112,13 +112,13 @@ def load_models(target: str, method: str | None = None, drafter: str | None = No
     """(target model, its tokenizer, drafter) from folders, for research scripts; `default:NAME` names a
     bundled model, and with the bundled target the drafter defaults to the bundled one of the method.
     dtype: the compute dtype of both (None: the checkpoints'). Models come in the layout that decodes
-    fastest on the backend (transformer.decoding_layout), for a mesh of model_shards on its model axis."""
+    fastest on the backend (transformer.for_decoding), for a mesh of model_shards on its model axis."""
     from transformers import AutoTokenizer
 
     from specjax.models import hf
-    from specjax.models.transformer import decoding_layout
+    from specjax.models.transformer import for_decoding
 
-    model = decoding_layout(hf.load(default_models.resolve(target), dtype=dtype), model_shards)
+    model = for_decoding(hf.load(default_models.resolve(target), dtype=dtype), model_shards)
     tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(target))
     if method is None:
         return model, tokenizer, None

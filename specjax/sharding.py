@@ -28,7 +28,7 @@ CACHE = PartitionSpec(None, DATA, None, MODEL, None)  # KVCache.k / .v: [L, B, S
 LAYER_CACHE = PartitionSpec(*CACHE[1:])  # one layer's of a per-layer cache: [B, S, H_kv, D]
 
 # Parameter name -> the mesh axis of each dimension of one layer's weight; names not listed are
-# replicated. Stacked decoder weights (specjax.models.transformer.DecoderLayers) carry a leading layer
+# replicated. Stacked decoder weights (specjax.models.transformer.StackedLayers) carry a leading layer
 # axis in front, which stays whole.
 PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
     "wq": (None, MODEL, None),  # [D, H, E]: column parallel over heads
@@ -53,7 +53,7 @@ PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
 }
 
 
-STACKED = ("layers", "layer")  # modules whose weights may carry a leading layer axis (DecoderLayers)
+STACKED = ("layers", "layer")  # modules whose weights may carry a leading layer axis (StackedLayers)
 
 
 def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
@@ -81,7 +81,7 @@ def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool =
     the first whole dimension the data axis divides (after the layer axis of stacked weights)."""
     name = str(path[-1]) if path else ""
     rule = PARAMETER_RULES.get(name, ())
-    # Stacked layers carry the layer axis; split_layers' have a layer index in their path instead.
+    # Stacked layers carry the layer axis; to_decoding_layout' have a layer index in their path instead.
     stacked = any(n in STACKED for n in path) and not any(n.isdigit() for n in path)
     rule = (None, *rule) if stacked and len(shape) == len(rule) + 1 else rule
     rule = rule if len(rule) == len(shape) else ()  # e.g. Medusa's per-head LM heads: another layout

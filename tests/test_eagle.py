@@ -19,7 +19,7 @@ from test_speculative import (TINY, exact_joint, ragged_requests, speculative_jo
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.eagle import EagleConfig, init_eagle, load_eagle, save_eagle, split_head, with_draft_vocabulary
+from specjax.models.eagle import EagleConfig, init_eagle, load_eagle, save_eagle, head_to_decoding_layout, with_draft_vocabulary
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import init_model
 from specjax.proposers import build_proposer
@@ -66,12 +66,12 @@ def test_greedy_output_is_identical_to_autoregressive(name, num_draft):
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
 def test_the_heads_decoding_layout_drafts_the_same(name, tmp_path):
-    """split_head (fused q/k/v and gate/up): the same greedy tokens and acceptance counts as the
+    """head_to_decoding_layout (fused q/k/v and gate/up): the same greedy tokens and acceptance counts as the
     stacked head, and it is not saved as a checkpoint."""
     target, _ = target_and_drafts()
     head = head_for(name)
-    split = split_head(head)
-    assert split_head(split) is split and split.layer.wqkv is not None
+    split = head_to_decoding_layout(head)
+    assert head_to_decoding_layout(split) is split and split.layer.wqkv is not None
     prompts, budgets = ragged_requests()
     spec = SpecConfig(method=METHOD[name], num_speculative_tokens=3)
     want, got = (generate(target, prompts, max_new_tokens=budgets, drafter=h, spec=spec) for h in (head, split))
@@ -102,7 +102,7 @@ def test_first_draft_is_the_heads_output_on_every_committed_pair(method):
 
     features = head.fuse(hidden)
     out, _ = head(sequence[:, 1:], features, positions, KVCache.create(head.config.layer, 1, 16), params.embed)
-    logits = proposer._logits(params, out[:, -1])
+    logits = proposer.logits(params, out[:, -1])
     assert int(drafts[0, 0]) == int(jnp.argmax(logits[0]))
 
 
@@ -164,10 +164,10 @@ def test_draft_vocabulary_logits_are_the_targets_at_its_ids(tied):
     reduced = with_draft_vocabulary(full, ids)
     proposer = build_proposer(SpecConfig(method="eagle"), SamplingConfig(), cache_size=16, drafter=full)
     features = jax.random.normal(jax.random.key(0), (5, TINY.hidden_size))
-    want = np.asarray(proposer._logits(proposer.bind(full, target), features))
+    want = np.asarray(proposer.logits(proposer.bind(full, target), features))
     params = proposer.bind(reduced, target)
     assert params.draft_lm_head.shape == (TINY.hidden_size, len(ids))
-    got = np.asarray(proposer._logits(params, features))
+    got = np.asarray(proposer.logits(params, features))
     np.testing.assert_allclose(got[:, ids], want[:, ids], rtol=1e-6, atol=1e-6)
     assert np.isneginf(np.delete(got, ids, axis=1)).all()
 
@@ -200,7 +200,7 @@ def test_an_eagle1_head_with_a_draft_vocabulary_drafts_only_from_it(sampling):
         return
     out, _ = full(sequence[:, 1:], full.fuse(hidden), positions, KVCache.create(full.config.layer, batch, 16),
                   params.embed)
-    full_logits = np.asarray(proposer._logits(proposer.bind(full, target), out[:, -1]))
+    full_logits = np.asarray(proposer.logits(proposer.bind(full, target), out[:, -1]))
     assert not np.isin(full_logits.argmax(-1), FR_IDS).all()  # the restriction changes some first drafts
     np.testing.assert_array_equal(np.asarray(drafts[:, 0]), FR_IDS[full_logits[:, FR_IDS].argmax(-1)])
 

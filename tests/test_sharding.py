@@ -18,9 +18,9 @@ from specjax import sharding
 from specjax.config import (DataConfig, MeshConfig, ModelConfig, OptimizerConfig, SamplingConfig, SpecConfig,
                             TrainConfig)
 from specjax.decoding import decode_loop, generate, pad_request, speculative_loop
-from specjax.models.eagle import EagleConfig, init_eagle, split_head, with_draft_vocabulary
+from specjax.models.eagle import EagleConfig, init_eagle, head_to_decoding_layout, with_draft_vocabulary
 from specjax.models.medusa import MedusaConfig, init_medusa
-from specjax.models.transformer import init_model, split_layers
+from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers import build_proposer
 from specjax.training.lm import fit, next_token_loss
 
@@ -103,13 +103,13 @@ def test_autoregressive_tokens_match_one_device(models, prompts, mesh_shape):
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
 def test_the_decoding_layout_matches_one_device(models, prompts, mesh_shape):
-    """split_layers and split_head made for the mesh's model axis: the same greedy and sampled tokens as
+    """to_decoding_layout and head_to_decoding_layout made for the mesh's model axis: the same greedy and sampled tokens as
     the stacked models on one device, autoregressive and speculative (draft model, EAGLE-1), and their
     fused weights split by heads."""
     mesh = sharding.make_mesh(*mesh_shape)
-    target = split_layers(models["target"], model_shards=mesh_shape[1])
-    drafters = {"draft_model": split_layers(models["draft_model"], model_shards=mesh_shape[1]),
-                "eagle": split_head(models["eagle"], model_shards=mesh_shape[1])}
+    target = to_decoding_layout(models["target"], model_shards=mesh_shape[1])
+    drafters = {"draft_model": to_decoding_layout(models["draft_model"], model_shards=mesh_shape[1]),
+                "eagle": head_to_decoding_layout(models["eagle"], model_shards=mesh_shape[1])}
     placed = sharding.shard(target, mesh)
     model_axis = sharding.MODEL if TARGET.num_kv_heads % mesh_shape[1] == 0 else None  # else one-device layout
     assert placed.layers[0].wqkv[...].sharding.spec == PartitionSpec(None, model_axis, None, None)
@@ -209,10 +209,10 @@ def parameter_shapes(module) -> set[tuple[int, ...]]:
 
 @pytest.mark.parametrize("layout", ["stacked", "decoding"])
 def test_the_compiled_loops_all_reduce_activations_and_never_gather_weights(models, prompts, layout):
-    """Also for the decoding layout (split_layers for 4 model shards): its fused q/k/v and gate/up
+    """Also for the decoding layout (to_decoding_layout for 4 model shards): its fused q/k/v and gate/up
     weights are shard-major, so splitting them needs no collective either."""
     mesh = sharding.make_mesh(2, 4)
-    split = (lambda m: split_layers(m, model_shards=4)) if layout == "decoding" else (lambda m: m)  # noqa: E731
+    split = (lambda m: to_decoding_layout(m, model_shards=4)) if layout == "decoding" else (lambda m: m)  # noqa: E731
     target, draft_model = split(models["target"]), split(models["draft_model"])
     request = pad_request(target, prompts, 12, 0, None, 4, batch_multiple=2)
     args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),

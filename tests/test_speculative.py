@@ -15,7 +15,7 @@ from specjax import verify as verify_registry
 from specjax.config import ConfigError, ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import generate, pad_request, speculative_loop
 from specjax.models import hf
-from specjax.models.transformer import init_model, split_layers
+from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers import build_proposer
 from specjax.verify import standard
 from specjax.verify.sampling import processed_probs
@@ -72,7 +72,7 @@ def test_greedy_output_is_identical_with_the_attention_kernel():
     """Target and draft in the decoding layout attending through the Pallas kernel (interpreted here):
     the verification block (T = K + 1) and the decode step (T = 1) attend alike, so greedy speculative
     output is the kernel's greedy autoregressive output."""
-    target, drafts = (split_layers(m, attention_kernel=True) for m in (target_and_drafts()[0],
+    target, drafts = (to_decoding_layout(m, attention_kernel=True) for m in (target_and_drafts()[0],
                                                                      target_and_drafts()[1]["perturbed"]))
     prompts, budgets = (x[:16] for x in ragged_requests())
     expected = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS])

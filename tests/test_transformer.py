@@ -8,7 +8,7 @@ from conftest import fixture_dir, positions_like
 
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import DecodingLayer, decoding_layout, split_layers
+from specjax.models.transformer import DecodingLayer, for_decoding, to_decoding_layout
 
 PROMPT_LENGTHS = (5, 9, 2)
 DECODE_STEPS = 7
@@ -76,14 +76,14 @@ def test_bfloat16_compute_stays_close_to_float32():
 @pytest.mark.parametrize("model_shards, attention_kernel", [(1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2", "qwen2"])
 def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_kernel):
-    """split_layers (per-layer arrays, fused q/k/v and gate/up, shard-major for model_shards; cached
+    """to_decoding_layout (per-layer arrays, fused q/k/v and gate/up, shard-major for model_shards; cached
     steps attending through the Pallas decode-attention kernel, interpreted here, or XLA) computes
     what the stacked model computes: a full forward with hidden layers, then cached decode steps."""
     stacked = hf.load(fixture_dir(name))
-    split = split_layers(stacked, model_shards, attention_kernel)
+    split = to_decoding_layout(stacked, model_shards, attention_kernel)
     assert isinstance(split.layers[0], DecodingLayer) and len(split.layers) == stacked.config.num_layers
     assert split.layers[0].attention_kernel == attention_kernel
-    assert split_layers(split) is split
+    assert to_decoding_layout(split) is split
     c = stacked.config
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, c.vocab_size, (2, 9)))
     hidden_layers = (0, c.num_layers - 1, c.num_layers)
@@ -111,11 +111,11 @@ def test_the_decoding_layout_is_taken_on_gpus_only(monkeypatch, backend):
     model = hf.load(fixture_dir("llama_gqa"))
     monkeypatch.setattr("jax.default_backend", lambda: backend)
     if backend == "gpu":
-        assert isinstance(decoding_layout(model, 2).layers[0], DecodingLayer)
+        assert isinstance(for_decoding(model, 2).layers[0], DecodingLayer)
     else:  # the stacked model as is
-        assert decoding_layout(model) is model
+        assert for_decoding(model) is model
 
 
 def test_a_model_in_the_decoding_layout_is_not_saved(tmp_path):
     with pytest.raises(ValueError, match=r"decoding layout .* save the stacked model"):
-        hf.save(split_layers(hf.load(fixture_dir("llama_gqa"))), tmp_path / "out")
+        hf.save(to_decoding_layout(hf.load(fixture_dir("llama_gqa"))), tmp_path / "out")

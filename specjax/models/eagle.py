@@ -37,7 +37,7 @@ from jaxtyping import Array, Float, Int
 from specjax.config import ConfigError, ModelConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import (DecoderLayers, DecodingLayer, Hidden, _param, decoder_layer, einsum_f32,
+from specjax.models.transformer import (StackedLayers, DecodingLayer, Hidden, init_param, decoder_layer, einsum_f32,
                                         normalize, query_slots_for)
 
 
@@ -86,19 +86,19 @@ class EagleHead(nnx.Module):
         self.config = config
         c, D = config.layer, config.layer.hidden_size
         if config.version == 1:
-            self.fc, self.fc_bias = _param(rngs, (2 * D, D), c), _param(rngs, (D,), c, "zeros")
-            self.layer = DecoderLayers(c, rngs=rngs)
+            self.fc, self.fc_bias = init_param(rngs, (2 * D, D), c), init_param(rngs, (D,), c, "zeros")
+            self.layer = StackedLayers(c, rngs=rngs)
             self.layer.attn_norm = None  # EAGLE-1's layer reads the fc output without a norm
             self.embed_norm = self.final_norm = self.lm_head = None
             # FR-Spec: the target ids drafted from; its logits come from those rows of the target's unembedding.
             self.draft_to_target = None if config.draft_vocab_size is None else \
                 nnx.Variable(jnp.arange(config.draft_vocab, dtype=jnp.int32))
         else:
-            self.fc, self.fc_bias = _param(rngs, (3 * D, D), c), None
-            self.layer = DecoderLayers(c, rngs=rngs, attn_input_size=2 * D)
-            self.embed_norm = _param(rngs, (D,), c, "ones")  # the layer's attn_norm normalises the feature
-            self.final_norm = _param(rngs, (D,), c, "ones")
-            self.lm_head = _param(rngs, (D, config.draft_vocab), c)
+            self.fc, self.fc_bias = init_param(rngs, (3 * D, D), c), None
+            self.layer = StackedLayers(c, rngs=rngs, attn_input_size=2 * D)
+            self.embed_norm = init_param(rngs, (D,), c, "ones")  # the layer's attn_norm normalises the feature
+            self.final_norm = init_param(rngs, (D,), c, "ones")
+            self.lm_head = init_param(rngs, (D, config.draft_vocab), c)
             self.draft_to_target = nnx.Variable(jnp.arange(config.draft_vocab, dtype=jnp.int32))
 
     def fuse(self, target_hidden: Hidden) -> Float[Array, "B T D"]:
@@ -171,7 +171,7 @@ def init_eagle(config: EagleConfig, seed: int = 0) -> EagleHead:
     return EagleHead(config, rngs=nnx.Rngs(params=seed))
 
 
-def split_head(head: EagleHead, model_shards: int = 1) -> EagleHead:
+def head_to_decoding_layout(head: EagleHead, model_shards: int = 1) -> EagleHead:
     """The head with its layer in the decoding layout (transformer.DecodingLayer: q/k/v and gate/up
     fused, shard-major for model_shards): a draft step reads the layer's weights in four products
     instead of seven. Training and checkpoints keep the stacked layer; a split head is returned as is."""
@@ -219,30 +219,30 @@ def _layer_rules(config: EagleConfig, prefix: str) -> list[hf.Rule]:
     D, H, K, E, F = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     d_in = D if config.version == 1 else 2 * D
     per_layer = [
-        hf._in_proj("layer.wq", prefix + "self_attn.q_proj.weight", d_in, H, E),
-        hf._in_proj("layer.wk", prefix + "self_attn.k_proj.weight", d_in, K, E),
-        hf._in_proj("layer.wv", prefix + "self_attn.v_proj.weight", d_in, K, E),
-        hf._out_proj("layer.wo", prefix + "self_attn.o_proj.weight", D, H, E),
-        hf._in_proj("layer.w_gate", prefix + "mlp.gate_proj.weight", D, F),
-        hf._in_proj("layer.w_up", prefix + "mlp.up_proj.weight", D, F),
-        hf._out_proj("layer.w_down", prefix + "mlp.down_proj.weight", D, F),
-        hf._same("layer.mlp_norm", prefix + "post_attention_layernorm.weight"),
+        hf.in_proj("layer.wq", prefix + "self_attn.q_proj.weight", d_in, H, E),
+        hf.in_proj("layer.wk", prefix + "self_attn.k_proj.weight", d_in, K, E),
+        hf.in_proj("layer.wv", prefix + "self_attn.v_proj.weight", d_in, K, E),
+        hf.out_proj("layer.wo", prefix + "self_attn.o_proj.weight", D, H, E),
+        hf.in_proj("layer.w_gate", prefix + "mlp.gate_proj.weight", D, F),
+        hf.in_proj("layer.w_up", prefix + "mlp.up_proj.weight", D, F),
+        hf.out_proj("layer.w_down", prefix + "mlp.down_proj.weight", D, F),
+        hf.same("layer.mlp_norm", prefix + "post_attention_layernorm.weight"),
     ]
     if config.version == 3:  # the layer's attn_norm normalises the feature; embed_norm the embedding
-        per_layer.append(hf._same("layer.attn_norm", prefix + "hidden_norm.weight"))
-    # The head's one layer keeps DecoderLayers' leading layer axis (of size 1).
+        per_layer.append(hf.same("layer.attn_norm", prefix + "hidden_norm.weight"))
+    # The head's one layer keeps StackedLayers' leading layer axis (of size 1).
     rules = [dataclasses.replace(rule, layered=True) for rule in per_layer]
     if config.version == 3:
-        rules.append(hf._same("embed_norm", prefix + "input_layernorm.weight"))
+        rules.append(hf.same("embed_norm", prefix + "input_layernorm.weight"))
     return rules
 
 
 def _rules(config: EagleConfig) -> list[hf.Rule]:
     transpose = lambda w: (w.T,)  # noqa: E731  (torch Linear [out, in] <-> ours [in, out])
     if config.version == 1:
-        return [hf.Rule(("fc",), ("fc.weight",), transpose, transpose), hf._same("fc_bias", "fc.bias"),
+        return [hf.Rule(("fc",), ("fc.weight",), transpose, transpose), hf.same("fc_bias", "fc.bias"),
                 *_layer_rules(config, "layers.0.")]
-    return [hf.Rule(("fc",), ("fc.weight",), transpose, transpose), hf._same("final_norm", "norm.weight"),
+    return [hf.Rule(("fc",), ("fc.weight",), transpose, transpose), hf.same("final_norm", "norm.weight"),
             hf.Rule(("lm_head",), ("lm_head.weight",), transpose, transpose), *_layer_rules(config, "midlayer.")]
 
 
@@ -256,7 +256,7 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
     if not config_path.exists():
         raise hf.CheckpointError(f"{folder}: no {hf.CONFIG_FILE} found")
     raw = json.loads(config_path.read_text())
-    reader = hf._TensorReader(folder)
+    reader = hf.TensorReader(folder)
     if version is None:
         version = _checkpoint_version(reader.keys(), folder)
     layer_raw = {**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
@@ -284,7 +284,7 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
 def save_eagle(head: EagleHead, folder: str | Path) -> None:
     """Writes the public layout that load_eagle reads."""
     if isinstance(head.layer, DecodingLayer):
-        raise ValueError("head.layer is in the decoding layout (eagle.split_head), which is not a checkpoint "
+        raise ValueError("head.layer is in the decoding layout (eagle.head_to_decoding_layout), which is not a checkpoint "
                          "layout: save the head it was made from")
     folder = Path(folder)
     config = head.config

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from specjax.config import ConfigError, ModelConfig, RopeScaling
-from specjax.models.transformer import DecoderLayers, Transformer
+from specjax.models.transformer import StackedLayers, Transformer
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -33,7 +33,7 @@ SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "GPT2LMHeadModel")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 # Parameter dtypes kept as stored; any other checkpoint dtype loads as float32.
-_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class CheckpointError(ValueError):
@@ -214,23 +214,23 @@ class Rule:
         return self.layered if self.layered is not None else "{i}" in self.hf[0]
 
 
-def _same(prefix_ours: str, key: str) -> Rule:
+def same(prefix_ours: str, key: str) -> Rule:
     return Rule((prefix_ours,), (key,), lambda w: (w,), lambda w: (w,))
 
 
-def _in_proj(ours: str, key: str, d_in: int, *out_dims: int) -> Rule:
+def in_proj(ours: str, key: str, d_in: int, *out_dims: int) -> Rule:
     """torch Linear [out, in] -> ours [in, *out_dims] (attention q/k/v, MLP up/gate)."""
     return Rule((ours,), (key,), lambda w: (w.T.reshape(d_in, *out_dims),),
                 lambda w: (w.reshape(d_in, -1).T,))
 
 
-def _out_proj(ours: str, key: str, d_out: int, *in_dims: int) -> Rule:
+def out_proj(ours: str, key: str, d_out: int, *in_dims: int) -> Rule:
     """torch Linear [out, in] -> ours [*in_dims, out] (attention output, MLP down)."""
     return Rule((ours,), (key,), lambda w: (w.T.reshape(*in_dims, d_out),),
                 lambda w: (w.reshape(-1, d_out).T,))
 
 
-def _reshaped(ours: str, key: str, *our_shape: int) -> Rule:
+def reshaped(ours: str, key: str, *our_shape: int) -> Rule:
     """A bias stored flat in the checkpoint and per head in specjax."""
     return Rule((ours,), (key,), lambda b: (b.reshape(our_shape),), lambda b: (b.reshape(-1),))
 
@@ -239,28 +239,28 @@ def _llama_rules(c: ModelConfig) -> list[Rule]:
     D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     layer = "model.layers.{i}."
     rules = [
-        _same("embed", "model.embed_tokens.weight"),
-        _same("final_norm", "model.norm.weight"),
-        _same("layers.attn_norm", layer + "input_layernorm.weight"),
-        _same("layers.mlp_norm", layer + "post_attention_layernorm.weight"),
-        _in_proj("layers.wq", layer + "self_attn.q_proj.weight", D, H, E),
-        _in_proj("layers.wk", layer + "self_attn.k_proj.weight", D, K, E),
-        _in_proj("layers.wv", layer + "self_attn.v_proj.weight", D, K, E),
-        _out_proj("layers.wo", layer + "self_attn.o_proj.weight", D, H, E),
-        _in_proj("layers.w_gate", layer + "mlp.gate_proj.weight", D, c.intermediate_size),
-        _in_proj("layers.w_up", layer + "mlp.up_proj.weight", D, c.intermediate_size),
-        _out_proj("layers.w_down", layer + "mlp.down_proj.weight", D, c.intermediate_size),
+        same("embed", "model.embed_tokens.weight"),
+        same("final_norm", "model.norm.weight"),
+        same("layers.attn_norm", layer + "input_layernorm.weight"),
+        same("layers.mlp_norm", layer + "post_attention_layernorm.weight"),
+        in_proj("layers.wq", layer + "self_attn.q_proj.weight", D, H, E),
+        in_proj("layers.wk", layer + "self_attn.k_proj.weight", D, K, E),
+        in_proj("layers.wv", layer + "self_attn.v_proj.weight", D, K, E),
+        out_proj("layers.wo", layer + "self_attn.o_proj.weight", D, H, E),
+        in_proj("layers.w_gate", layer + "mlp.gate_proj.weight", D, c.intermediate_size),
+        in_proj("layers.w_up", layer + "mlp.up_proj.weight", D, c.intermediate_size),
+        out_proj("layers.w_down", layer + "mlp.down_proj.weight", D, c.intermediate_size),
     ]
     if c.qkv_bias:
-        rules += [_reshaped("layers.bq", layer + "self_attn.q_proj.bias", H, E),
-                  _reshaped("layers.bk", layer + "self_attn.k_proj.bias", K, E),
-                  _reshaped("layers.bv", layer + "self_attn.v_proj.bias", K, E)]
+        rules += [reshaped("layers.bq", layer + "self_attn.q_proj.bias", H, E),
+                  reshaped("layers.bk", layer + "self_attn.k_proj.bias", K, E),
+                  reshaped("layers.bv", layer + "self_attn.v_proj.bias", K, E)]
     if c.out_bias:
-        rules.append(_same("layers.bo", layer + "self_attn.o_proj.bias"))
+        rules.append(same("layers.bo", layer + "self_attn.o_proj.bias"))
     if c.mlp_bias:
-        rules += [_same("layers.b_gate", layer + "mlp.gate_proj.bias"),
-                  _same("layers.b_up", layer + "mlp.up_proj.bias"),
-                  _same("layers.b_down", layer + "mlp.down_proj.bias")]
+        rules += [same("layers.b_gate", layer + "mlp.gate_proj.bias"),
+                  same("layers.b_up", layer + "mlp.up_proj.bias"),
+                  same("layers.b_down", layer + "mlp.down_proj.bias")]
     if not c.tie_word_embeddings:
         rules.append(Rule(("lm_head",), ("lm_head.weight",), lambda w: (w.T,), lambda w: (w.T,)))
     return rules
@@ -272,14 +272,14 @@ def _gpt2_rules(c: ModelConfig) -> list[Rule]:
     layer = "transformer.h.{i}."
     qkv_names = ("layers.wq", "layers.wk", "layers.wv")
     rules = [
-        _same("embed", "transformer.wte.weight"),
-        _same("pos_embed", "transformer.wpe.weight"),
-        _same("final_norm", "transformer.ln_f.weight"),
-        _same("final_norm_bias", "transformer.ln_f.bias"),
-        _same("layers.attn_norm", layer + "ln_1.weight"),
-        _same("layers.attn_norm_bias", layer + "ln_1.bias"),
-        _same("layers.mlp_norm", layer + "ln_2.weight"),
-        _same("layers.mlp_norm_bias", layer + "ln_2.bias"),
+        same("embed", "transformer.wte.weight"),
+        same("pos_embed", "transformer.wpe.weight"),
+        same("final_norm", "transformer.ln_f.weight"),
+        same("final_norm_bias", "transformer.ln_f.bias"),
+        same("layers.attn_norm", layer + "ln_1.weight"),
+        same("layers.attn_norm_bias", layer + "ln_1.bias"),
+        same("layers.mlp_norm", layer + "ln_2.weight"),
+        same("layers.mlp_norm_bias", layer + "ln_2.bias"),
         Rule(qkv_names, (layer + "attn.c_attn.weight",),
              lambda w: tuple(part.reshape(D, H, E) for part in jnp.split(w, 3, axis=1)),
              lambda q, k, v: (jnp.concatenate([t.reshape(D, -1) for t in (q, k, v)], axis=1),)),
@@ -288,11 +288,11 @@ def _gpt2_rules(c: ModelConfig) -> list[Rule]:
              lambda q, k, v: (jnp.concatenate([t.reshape(-1) for t in (q, k, v)]),)),
         Rule(("layers.wo",), (layer + "attn.c_proj.weight",), lambda w: (w.reshape(H, E, D),),
              lambda w: (w.reshape(-1, D),)),
-        _same("layers.bo", layer + "attn.c_proj.bias"),
-        _same("layers.w_up", layer + "mlp.c_fc.weight"),
-        _same("layers.b_up", layer + "mlp.c_fc.bias"),
-        _same("layers.w_down", layer + "mlp.c_proj.weight"),
-        _same("layers.b_down", layer + "mlp.c_proj.bias"),
+        same("layers.bo", layer + "attn.c_proj.bias"),
+        same("layers.w_up", layer + "mlp.c_fc.weight"),
+        same("layers.b_up", layer + "mlp.c_fc.bias"),
+        same("layers.w_down", layer + "mlp.c_proj.weight"),
+        same("layers.b_down", layer + "mlp.c_proj.bias"),
     ]
     if not c.tie_word_embeddings:
         rules.append(Rule(("lm_head",), ("lm_head.weight",), lambda w: (w.T,), lambda w: (w.T,)))
@@ -310,7 +310,7 @@ def _get_param(model: Transformer, path: str) -> nnx.Param:
     return obj
 
 
-class _TensorReader:
+class TensorReader:
     """Reads tensors by key from a single-file or sharded (index.json) safetensors checkpoint."""
 
     def __init__(self, model_dir: Path):
@@ -368,9 +368,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | None = None) -> Transformer:
     """Loads a checkpoint folder. param_dtype defaults to the checkpoint's; dtype to param_dtype."""
     model_dir = Path(model_dir)
-    reader = _TensorReader(model_dir)
+    reader = TensorReader(model_dir)
     stored = reader.dtype()
-    param_dtype = param_dtype or (stored if stored in _CHECKPOINT_DTYPES else "float32")
+    param_dtype = param_dtype or (stored if stored in CHECKPOINT_DTYPES else "float32")
     config = dataclasses.replace(load_config(model_dir), param_dtype=param_dtype, dtype=dtype or param_dtype)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     used = fill_from_rules(model, rules_for(config), reader, model_dir, config.num_layers, config.architecture)
@@ -380,7 +380,7 @@ def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | 
     return model
 
 
-def fill_from_rules(model: nnx.Module, rules: list[Rule], reader: _TensorReader, folder: Path, num_layers: int,
+def fill_from_rules(model: nnx.Module, rules: list[Rule], reader: TensorReader, folder: Path, num_layers: int,
                     description: str) -> set[str]:
     """Sets every parameter of an abstract (eval_shape) module from the checkpoint through the rule
     table, checking each tensor's shape; returns the keys used."""
@@ -411,7 +411,7 @@ def fill_from_rules(model: nnx.Module, rules: list[Rule], reader: _TensorReader,
     return used
 
 
-def check_all_used(reader: _TensorReader, used: set[str], folder: Path, description: str) -> None:
+def check_all_used(reader: TensorReader, used: set[str], folder: Path, description: str) -> None:
     """An unexpected tensor means part of the checkpoint would be silently ignored: refuse it."""
     unexpected = sorted(k for k in reader.keys() - used if not k.endswith(_IGNORED_SUFFIXES))
     if unexpected:
@@ -441,12 +441,12 @@ def save(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int = 4 
 
     extra_config is merged into config.json (e.g. bos_token_id, eos_token_id).
     """
-    if not isinstance(model.layers, DecoderLayers):
-        raise ValueError("model.layers is in the decoding layout (transformer.split_layers), which is not a "
+    if not isinstance(model.layers, StackedLayers):
+        raise ValueError("model.layers is in the decoding layout (transformer.to_decoding_layout), which is not a "
                          "checkpoint layout: save the stacked model it was made from")
     config = model.config
     hf_config = {**config_to_hf(config), **(extra_config or {})}
-    hf_config["dtype"] = config.param_dtype if config.param_dtype in _CHECKPOINT_DTYPES else "float32"
+    hf_config["dtype"] = config.param_dtype if config.param_dtype in CHECKPOINT_DTYPES else "float32"
     write_from_rules(model, rules_for(config), model_dir, hf_config, num_layers=config.num_layers,
                      max_shard_bytes=max_shard_bytes)
 

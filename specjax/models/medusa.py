@@ -28,8 +28,8 @@ from jaxtyping import Array, Float
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from specjax.config import DTYPES, ConfigError, _require, dtype_from_name
-from specjax.models.hf import _CHECKPOINT_DTYPES, CONFIG_FILE, CheckpointError
+from specjax.config import DTYPES, ConfigError, require, dtype_from_name
+from specjax.models.hf import CHECKPOINT_DTYPES, CONFIG_FILE, CheckpointError
 from specjax.models.transformer import Transformer, einsum_f32, unembed
 
 TENSOR_FILE = "medusa_lm_head.safetensors"
@@ -52,7 +52,7 @@ class MedusaConfig:
     def __post_init__(self):
         for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, "MedusaConfig", name, value, "an integer >= 1")
+            require(isinstance(value, int) and value >= 1, "MedusaConfig", name, value, "an integer >= 1")
         dtype_from_name(self.param_dtype, "MedusaConfig.param_dtype")
         dtype_from_name(self.dtype, "MedusaConfig.dtype")
 
@@ -219,7 +219,7 @@ def load_medusa(folder: str | Path, *, param_dtype: str | None = None, dtype: st
         raise CheckpointError(f"{folder / CONFIG_FILE}: field 'vocab_size' is missing; heads sharing the "
                               "target's LM head need it")
     stored_dtype = jnp.dtype(probe.dtype).name
-    param_dtype = param_dtype or (stored_dtype if stored_dtype in _CHECKPOINT_DTYPES else "float32")
+    param_dtype = param_dtype or (stored_dtype if stored_dtype in CHECKPOINT_DTYPES else "float32")
     try:
         config = MedusaConfig(num_heads=num_heads, num_layers=num_layers,
                               hidden_size=hf_config.get("hidden_size", probe.shape[1]),

@@ -8,11 +8,11 @@ returns a new cache, so the model (an NNX module, hence a pytree) goes straight 
 Decoding wants another layout: on the GPU, XLA copies each layer's slice of a stacked weight into a
 buffer of its own before the matrix product reads it (measured at Llama-3.1-8B shapes, batch 1: 164
 copies a step, 54% of the step's time; `scripts/profile_decode.py`), so a memory-bound decode step
-would read every weight three times. `split_layers(model)` gives the same model in the decoding layout
+would read every weight three times. `to_decoding_layout(model)` gives the same model in the decoding layout
 (`DecodingLayer`: per-layer arrays, q/k/v and gate/up fused, decode steps writing the cache and
 attending through the Pallas kernel `pallas_kernels.decode_attention` on a GPU), run as a Python loop
 over layers: `experiments.load_models` and `specjax generate` decode with it on GPUs
-(`decoding_layout`), the GPU benchmarks always; training, checkpoints and converters keep the stacked
+(`for_decoding`), the GPU benchmarks always; training, checkpoints and converters keep the stacked
 layout.
 
 Dimension names in shapes and einsum strings: B batch, T new tokens, S cache slots, D hidden size,
@@ -125,7 +125,7 @@ def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[A
     return out.reshape(batch, num_new, config.num_heads, head_dim)
 
 
-def _param(rngs: nnx.Rngs, shape, config: ModelConfig, kind: str = "normal") -> nnx.Param:
+def init_param(rngs: nnx.Rngs, shape, config: ModelConfig, kind: str = "normal") -> nnx.Param:
     dtype = config.jnp_param_dtype
     if kind == "ones":
         return nnx.Param(jnp.ones(shape, dtype))
@@ -134,7 +134,7 @@ def _param(rngs: nnx.Rngs, shape, config: ModelConfig, kind: str = "normal") -> 
     return nnx.Param(config.init_std * jax.random.normal(rngs.params(), shape, dtype))
 
 
-class DecoderLayers(nnx.Module):
+class StackedLayers(nnx.Module):
     """Every decoder layer's weights, stacked on a leading L axis. Absent weights (biases, the gate of
     a GELU MLP, LayerNorm shifts) are None."""
 
@@ -145,18 +145,18 @@ class DecoderLayers(nnx.Module):
         D_in = attn_input_size or D  # EAGLE-3 projects q, k, v from [embedding, feature] (2D)
 
         def weight(*shape):
-            return _param(rngs, (L, *shape), c)
+            return init_param(rngs, (L, *shape), c)
 
         def bias(present: bool, *shape):
-            return _param(rngs, (L, *shape), c, "zeros") if present else None
+            return init_param(rngs, (L, *shape), c, "zeros") if present else None
 
         layer_norm = c.norm == "layer"
-        self.attn_norm = _param(rngs, (L, D), c, "ones")
+        self.attn_norm = init_param(rngs, (L, D), c, "ones")
         self.attn_norm_bias = bias(layer_norm, D)
         self.wq, self.wk, self.wv = weight(D_in, H, E), weight(D_in, K, E), weight(D_in, K, E)
         self.bq, self.bk, self.bv = bias(c.qkv_bias, H, E), bias(c.qkv_bias, K, E), bias(c.qkv_bias, K, E)
         self.wo, self.bo = weight(H, E, D), bias(c.out_bias, D)
-        self.mlp_norm = _param(rngs, (L, D), c, "ones")
+        self.mlp_norm = init_param(rngs, (L, D), c, "ones")
         self.mlp_norm_bias = bias(layer_norm, D)
         gated = c.mlp == "gated_silu"
         self.w_gate, self.b_gate = (weight(D, F), bias(c.mlp_bias, F)) if gated else (None, None)
@@ -177,7 +177,7 @@ def _project(x, w, b, spec: str, dtype, *, row_parallel: bool = False):
     return y if b is None else y + _value(b, dtype)
 
 
-def _mlp(x: Float[Array, "B T D"], layer: DecoderLayers | DecodingLayer, config: ModelConfig) -> Float[Array, "B T D"]:
+def _mlp(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer, config: ModelConfig) -> Float[Array, "B T D"]:
     dtype = config.jnp_dtype
     if getattr(layer, "w_gate_up", None) is not None:  # DecodingLayer: one product, shard-major [M, 2, F / M]
         gate_up = _project(x, layer.w_gate_up, layer.b_gate_up, "btd,dmgf->btmgf", dtype)
@@ -204,7 +204,7 @@ def query_slots_for(batch: int, num_new: int, cache: KVCache | None) -> Int[Arra
     return offsets[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
 
 
-def decoder_layer(x: Float[Array, "B T D"], layer: DecoderLayers | DecodingLayer, index, positions: Int[Array, "B T"],
+def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer, index, positions: Int[Array, "B T"],
                   query_slots: Int[Array, "B T"], cache: KVCache | None, config: ModelConfig, *,
                   attn_input: Float[Array, "B T D2"] | None = None) -> tuple[Float[Array, "B T D"], KVCache | None]:
     """One pre-norm decoder layer (`layer` holds one layer's weights, `index` its cache layer).
@@ -250,13 +250,13 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         c = config
-        self.embed = _param(rngs, (c.vocab_size, c.hidden_size), c)
-        self.pos_embed = (_param(rngs, (c.max_position_embeddings, c.hidden_size), c)
+        self.embed = init_param(rngs, (c.vocab_size, c.hidden_size), c)
+        self.pos_embed = (init_param(rngs, (c.max_position_embeddings, c.hidden_size), c)
                           if c.position == "learned" else None)
-        self.layers: DecoderLayers | nnx.List = DecoderLayers(c, rngs=rngs)  # nnx.List: see split_layers
-        self.final_norm = _param(rngs, (c.hidden_size,), c, "ones")
-        self.final_norm_bias = _param(rngs, (c.hidden_size,), c, "zeros") if c.norm == "layer" else None
-        self.lm_head = None if c.tie_word_embeddings else _param(rngs, (c.hidden_size, c.vocab_size), c)
+        self.layers: StackedLayers | nnx.List = StackedLayers(c, rngs=rngs)  # nnx.List: see to_decoding_layout
+        self.final_norm = init_param(rngs, (c.hidden_size,), c, "ones")
+        self.final_norm_bias = init_param(rngs, (c.hidden_size,), c, "zeros") if c.norm == "layer" else None
+        self.lm_head = None if c.tie_word_embeddings else init_param(rngs, (c.hidden_size, c.vocab_size), c)
 
     def __call__(
         self,
@@ -293,13 +293,13 @@ class Transformer(nnx.Module):
             return (out, cache), (x if hidden_layers else None)
 
         layers = None
-        if isinstance(self.layers, DecoderLayers):
+        if isinstance(self.layers, StackedLayers):
             (x, cache), layer_inputs = jax.lax.scan(
                 layer_step, (x, cache), (self.layers, jnp.arange(c.num_layers)))
             if hidden_layers:
                 stream = jnp.concatenate([layer_inputs, x[None]], axis=0)  # [L + 1, B, T, D]
                 layers = stream[jnp.asarray(hidden_layers)]
-        else:  # split_layers: one set of arrays per layer
+        else:  # to_decoding_layout: one set of arrays per layer
             stream = []
             for index, layer in enumerate(self.layers):
                 stream.append(x)
@@ -315,7 +315,7 @@ class Transformer(nnx.Module):
     def create_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty KV cache for this model: one array per layer in the decoding layout, stacked otherwise."""
         return KVCache.create(self.config, batch_size, max_length, dtype,
-                              per_layer=not isinstance(self.layers, DecoderLayers))
+                              per_layer=not isinstance(self.layers, StackedLayers))
 
     def unembed(self, final_hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
         """Float32 logits from final hidden states (the tied embedding or the LM head)."""
@@ -333,7 +333,7 @@ def unembed(final_hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_
 
 
 class DecodingLayer(nnx.Module):
-    """One layer's weights in the decoding layout (see split_layers): no layer axis, and q, k, v in one
+    """One layer's weights in the decoding layout (see to_decoding_layout): no layer axis, and q, k, v in one
     weight and the MLP's gate and up in another, so a decode step makes four matrix products a layer
     instead of seven; each small product leaves part of the memory bandwidth unused (measured at
     Llama-3.1-8B shapes, batch 1: seven products 5.10 ms a step, four 3.78 ms, floor 3.79 ms).
@@ -349,7 +349,7 @@ class DecodingLayer(nnx.Module):
     device; on a mesh of several devices (GSPMD cannot split a kernel's call) and with a cache of
     another dtype than the model's, the attention stays in XLA."""
 
-    def __init__(self, layers: DecoderLayers, index: int, config: ModelConfig, model_shards: int = 1,
+    def __init__(self, layers: StackedLayers, index: int, config: ModelConfig, model_shards: int = 1,
                  attention_kernel: bool | None = None):
         c = config
         divides = all(n % model_shards == 0 for n in (c.num_heads, c.num_kv_heads, c.intermediate_size))
@@ -388,12 +388,12 @@ def _optional(value) -> nnx.Param | None:
     return None if value is None else nnx.Param(value)
 
 
-def split_layers(model: Transformer, model_shards: int = 1, attention_kernel: bool | None = None) -> Transformer:
+def to_decoding_layout(model: Transformer, model_shards: int = 1, attention_kernel: bool | None = None) -> Transformer:
     """The same model in the decoding layout: one DecodingLayer per layer, run as a Python loop (see
     the module docstring and DecodingLayer). model_shards: the size of the mesh's model axis it will
     be split over (specjax.sharding); attention_kernel: see DecodingLayer. The weights are new buffers
     (keep the stacked model only if it is needed again); a model already split is returned as is."""
-    if not isinstance(model.layers, DecoderLayers):
+    if not isinstance(model.layers, StackedLayers):
         return model
     c = model.config
     split = jax.tree.map(lambda w: w, model)  # a new module over the same arrays
@@ -402,13 +402,13 @@ def split_layers(model: Transformer, model_shards: int = 1, attention_kernel: bo
     return split
 
 
-def decoding_layout(module, model_shards: int = 1, split=split_layers):
-    """split(module, model_shards) on GPUs, where it pays (2.5x faster 8B-shaped decode steps);
+def for_decoding(module, model_shards: int = 1, convert=to_decoding_layout):
+    """convert(module, model_shards) on GPUs, where it pays (2.5x faster 8B-shaped decode steps);
     elsewhere the module as is: on the CPU the Python loop over layers costs compile time (the demo
     sweep: 30 s against 20) for a gain not measured, and on TPUs, where scans over stacked weights are
-    the usual practice, it is unmeasured. split: split_layers for a Transformer, eagle.split_head for
+    the usual practice, it is unmeasured. convert: to_decoding_layout for a Transformer, eagle.head_to_decoding_layout for
     an EAGLE head."""
-    return split(module, model_shards) if jax.default_backend() == "gpu" else module
+    return convert(module, model_shards) if jax.default_backend() == "gpu" else module
 
 
 def num_parameters(module: nnx.Module) -> int:

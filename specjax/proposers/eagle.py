@@ -90,7 +90,7 @@ class EagleProposer:
         return EagleParams(head=head, embed=embed, lm_head=lm_head,
                            draft_lm_head=head.restricted_lm_head(embed, lm_head))
 
-    def _logits(self, params: EagleParams, features):
+    def logits(self, params: EagleParams, features):
         target_head = lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)  # noqa: E731
         return params.head.logits(features, target_head, params.draft_lm_head)
 
@@ -125,13 +125,13 @@ class EagleProposer:
 
         def draft_step(carry, step_key):
             cache, feature = carry
-            token, probs = draw_draft_tokens(self._logits(params, feature), step_key, self.settings)
+            token, probs = draw_draft_tokens(self.logits(params, feature), step_key, self.settings)
             out, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, params.embed)
             return (cache, out[:, 0]), (token, probs)
 
         (cache, feature), (tokens, probs) = jax.lax.scan(
             draft_step, (cache.with_lengths(committed), feature), step_keys[:-1])
-        last_token, last_probs = draw_draft_tokens(self._logits(params, feature), step_keys[-1], self.settings)
+        last_token, last_probs = draw_draft_tokens(self.logits(params, feature), step_keys[-1], self.settings)
         drafts = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
         draft_probs = None
         if last_probs is not None:
