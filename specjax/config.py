@@ -159,11 +159,13 @@ VERIFY_IMPLS = ("auto", "pallas", "xla")
 class SpecConfig:
     """Speculative decoding, with vLLM's `SpeculativeConfig` names and meanings.
 
-    method: the drafter (a name in `specjax.proposers.PROPOSERS`).
+    method: the drafter, a name in `specjax.proposers.PROPOSERS` (checked when the proposer is built:
+      this module imports no registry, so a config alone loads no model code).
     num_speculative_tokens: K, tokens drafted per step.
     rejection_sample_method: 'standard' (Leviathan et al.), 'block' (Sun et al.'s joint prefix
-      ratio) or 'synthetic' (benchmark mode, not lossless). At temperature 0 the greedy verifier
-      runs whatever is chosen here, except 'synthetic'.
+      ratio) or 'synthetic' (benchmark mode, not lossless): a name in
+      `specjax.verify.REJECTION_SAMPLE_METHODS`, checked when the verifier is chosen. At temperature 0
+      the greedy verifier runs whatever is chosen here, except 'synthetic'.
     synthetic_acceptance_rates: unconditional acceptance rate of each draft position (K values,
       non-increasing, in [0, 1]); or synthetic_acceptance_length: a mean acceptance length L in
       [1, K + 1], turned into rates as vLLM does. Exactly one of them with 'synthetic', neither otherwise.
@@ -175,9 +177,10 @@ class SpecConfig:
     kv_cache_dtype: the drafter's KV cache dtype ('bfloat16', 'float8_e4m3fn', ...); None inherits
       the drafter's compute dtype.
     verify_impl: 'pallas' runs block verification of probabilistic drafts as the one-sweep Pallas
-      kernel (interpreted on the CPU), 'xla' the jnp reference; 'auto' takes whichever measured
-      faster on the backend (specjax.verify.AUTO_PALLAS_BACKENDS; today jnp everywhere). Both give
-      the same tokens from the same draws.
+      kernel (interpreted on the CPU; where it cannot compile, e.g. a JAX without Pallas's GPU
+      lowering, the jnp reference runs instead, with a warning), 'xla' the jnp reference; 'auto'
+      takes whichever is faster on the backend (specjax.verify.AUTO_PALLAS_BACKENDS; today jnp
+      everywhere). Both give the same tokens from the same draws.
     """
 
     method: str = "draft_model"
@@ -193,14 +196,8 @@ class SpecConfig:
     verify_impl: str = "auto"
 
     def __post_init__(self):
-        from specjax.proposers import PROPOSERS  # the registries import this module
-        from specjax.verify import REJECTION_SAMPLE_METHODS
-
         k = self.num_speculative_tokens
-        require(self.method in PROPOSERS, "SpecConfig", "method", self.method, f"one of {sorted(PROPOSERS)}")
         require(isinstance(k, int) and k >= 1, "SpecConfig", "num_speculative_tokens", k, "an integer >= 1")
-        require(self.rejection_sample_method in REJECTION_SAMPLE_METHODS, "SpecConfig",
-                 "rejection_sample_method", self.rejection_sample_method, f"one of {REJECTION_SAMPLE_METHODS}")
         require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
                  self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
         require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,
@@ -439,30 +436,29 @@ class TrainConfig(TrainingRun):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HeadTrainConfig(TrainingRun):
-    """Training draft heads (EAGLE or Medusa) on a frozen target.
+    """Training draft heads (EAGLE or Medusa) on a frozen target."""
 
-    target: the target's Hugging Face folder or default:target (its tokenizer tokenizes the corpus).
-    kind: 'eagle1', 'eagle3' or 'medusa'. num_heads / num_layers: Medusa heads and residual blocks per head;
-    shared_lm_head: Medusa heads project with the target's LM head instead of a copy each.
-    fuse_layers: EAGLE-3 only (None: layers 2, L//2, L-3). draft_vocab_size: EAGLE-1 or EAGLE-3, the
-    most frequent training ids that drafts are drawn from (None: the target's vocabulary); EAGLE-3 trains
-    its own LM head over them, EAGLE-1 is trained as without one and drafts with those rows of the
-    target's LM head (FR-Spec).
-    unroll_steps / step_decay: EAGLE-3's training-time test (draft steps fed their own output, loss
-    weights step_decay^i) and Medusa's per-head weights (step_decay^k). feature_noise: EAGLE-1's
-    uniform noise on target features. eval_prompts: held-out prompts for the closing acceptance
-    eval (greedy, K = eval_num_speculative_tokens)."""
-
+    # The target's Hugging Face folder or default:target (its tokenizer tokenizes the corpus).
     target: str
     kind: Literal["eagle1", "eagle3", "medusa"]
+    # Medusa: heads, residual blocks per head, and whether heads project with the target's LM head
+    # instead of a copy each.
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = False
+    # EAGLE-3: the target layers whose inputs are fused (None: layers 2, L//2, L-3).
     fuse_layers: tuple[int, ...] | None = None
+    # EAGLE-1 or EAGLE-3: the most frequent training ids that drafts are drawn from (None: the target's
+    # vocabulary). EAGLE-3 trains its own LM head over them; EAGLE-1 is trained as without one and
+    # drafts with those rows of the target's LM head (FR-Spec).
     draft_vocab_size: int | None = None
+    # EAGLE-3's training-time test (draft steps fed their own output, loss weights step_decay^i) and
+    # Medusa's per-head loss weights (step_decay^k).
     unroll_steps: int = 7
     step_decay: float = 0.8
+    # EAGLE-1's uniform noise on target features.
     feature_noise: float = 0.1
+    # The closing acceptance eval: held-out prompts, greedy, K = eval_num_speculative_tokens.
     eval_prompts: int = 32
     eval_prompt_len: int = 64
     eval_new_tokens: int = 64

@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 from specjax import default_models, sharding
 from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
 from specjax.proposers import UnsupportedSpeculation
+from specjax.proposers.base import proposer_class
+from specjax.verify import verifier_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,9 @@ class RunConfig:
     draft_vocab_size: int | None = None
 
     def __post_init__(self):
+        # The names SpecConfig leaves to the registries, checked now so that a file names its error.
+        proposer_class(self.spec.method)
+        verifier_name(self.spec, self.sampling)
         if self.draft_vocab_size is not None and (self.spec.method != "eagle" or self.draft_vocab_size < 1):
             raise ConfigError(f"RunConfig.draft_vocab_size = {self.draft_vocab_size!r} is invalid with spec.method "
                               f"{self.spec.method!r}: allowed null, or a positive integer with method 'eagle'")

@@ -4,7 +4,10 @@ import dataclasses
 
 import pytest
 
-from specjax.config import ConfigError, HeadTrainConfig, ModelConfig, RopeScaling, dtype_from_name
+from specjax.config import ConfigError, HeadTrainConfig, ModelConfig, RopeScaling, SamplingConfig, SpecConfig, \
+    dtype_from_name
+from specjax.proposers import build_proposer
+from specjax.verify import verifier_for
 
 BASE = dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4,
             intermediate_size=32)
@@ -52,3 +55,17 @@ def test_head_train_config_takes_a_draft_vocabulary_for_either_eagle_kind():
 def test_bad_head_train_config_names_the_field(changes, message):
     with pytest.raises(ConfigError, match=message):
         HeadTrainConfig(target="t", **changes)
+
+
+@pytest.mark.parametrize("changes, build, message", [
+    (dict(method="lookahead"), lambda spec: build_proposer(spec, SamplingConfig(), cache_size=16),
+     r"SpecConfig.method = 'lookahead' is invalid: allowed one of \['draft_model', 'eagle', 'eagle3', 'medusa', "
+     r"'ngram'\]"),
+    (dict(rejection_sample_method="typical"), lambda spec: verifier_for(spec, SamplingConfig()),
+     r"SpecConfig.rejection_sample_method = 'typical' is invalid: allowed one of \('standard', 'block', "
+     r"'synthetic'\)"),
+])
+def test_registry_names_are_checked_where_the_registries_are(changes, build, message):
+    spec = SpecConfig(**changes)  # config.py imports no registry, so it cannot know the names
+    with pytest.raises(ConfigError, match=message):
+        build(spec)

@@ -1,16 +1,20 @@
 """The Pallas block-verification kernel (interpret mode on the CPU) reproduces the jnp reference
-exactly from the same draws, over shapes, distribution kinds and tile boundaries; and speculative
-decoding with it in place is lossless."""
+exactly from the same draws, over shapes, distribution kinds and tile boundaries; and where it cannot
+compile (no GPU lowering), verify_impl 'pallas' runs the jnp reference with one warning."""
 
 import functools
 import itertools
+import re
+import sys
+import warnings
 
 import jax
 import numpy as np
 import pytest
 
+from specjax.config import SamplingConfig, SpecConfig
 from specjax.pallas_kernels import block_verify
-from specjax.verify import block
+from specjax.verify import block, verifier_for
 from specjax.verify.testing import KINDS, random_verify_inputs
 
 TILE = 256  # small tiles: several per row, the last one partial (V below is not a multiple)
@@ -62,3 +66,56 @@ def test_the_sweep_lowers_through_triton_for_cuda(lower_for_cuda):
     args = [jax.ShapeDtypeStruct(shape, np.float32) for shape in
             ((batch, num_draft + 1, vocab), (batch, num_draft, vocab), (batch, vocab), (batch, num_draft + 1))]
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(sweep, *args)
+
+
+# ------------------------------------------------------------------------- without the GPU lowering
+
+PALLAS_SPEC = SpecConfig(rejection_sample_method="block", draft_sample_method="probabilistic", verify_impl="pallas")
+
+
+@pytest.fixture
+def on_a_gpu_backend(monkeypatch):
+    """The verifier chooses as on a GPU (the kernel is then compiled, not interpreted); the probe's
+    answer is cached per process, so it is cleared around the test."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    block_verify.kernel_available.cache_clear()
+    yield
+    block_verify.kernel_available.cache_clear()
+
+
+def hide_the_triton_lowering(monkeypatch):
+    """As on a JAX without Pallas's Triton lowering: importing it fails."""
+    import jax.experimental.pallas as pallas
+
+    monkeypatch.delattr(pallas, "triton", raising=False)
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+
+
+@pytest.mark.parametrize("hidden, reason", [
+    (True, r"ModuleNotFoundError: import of jax\.experimental\.pallas\.triton"),
+    (False, r"ValueError: "),  # the lowering is there but raises: this machine's backend is the CPU
+], ids=["lowering_missing", "lowering_raises"])
+def test_without_a_working_lowering_pallas_falls_back_to_jnp_with_one_warning(on_a_gpu_backend, monkeypatch,
+                                                                               hidden, reason):
+    if hidden:
+        hide_the_triton_lowering(monkeypatch)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")  # so that a second warning would be seen
+        chosen = [verifier_for(PALLAS_SPEC, SamplingConfig(temperature=1.0)) for _ in range(3)]
+    assert chosen == [block.verify] * 3
+    assert len(record) == 1
+    assert re.search(r"the Pallas block verifier does not compile on gpu \(" + reason + r".*\); running the jnp "
+                     r"block verifier instead", str(record[0].message)), record[0].message
+
+
+def test_the_probe_instance_lowers_for_cuda(lower_for_cuda):
+    """kernel_available's small instance is one the GPU lowering takes: no fallback where it works."""
+    kernel, args = block_verify.small_instance("gpu")
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(kernel, *args)
+
+
+def test_the_interpreted_kernel_needs_no_lowering(monkeypatch):
+    hide_the_triton_lowering(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert verifier_for(PALLAS_SPEC, SamplingConfig(temperature=1.0)) is block_verify.verify

@@ -231,8 +231,6 @@ def test_speculative_generation_is_one_program_with_one_while_loop():
      r"rejection_sample_method = 'block' cannot be combined with synthetic_acceptance_rates / "
      r"synthetic_acceptance_length: allowed only with rejection_sample_method 'synthetic'"),
     (dict(num_speculative_tokens=0), r"SpecConfig.num_speculative_tokens = 0 is invalid: allowed an integer >= 1"),
-    (dict(rejection_sample_method="typical"), r"rejection_sample_method = 'typical' is invalid: allowed one of"),
-    (dict(method="lookahead"), r"SpecConfig.method = 'lookahead' is invalid: allowed one of \['draft_model'"),
     (dict(draft_sample_method="beam"), r"draft_sample_method = 'beam' is invalid"),
     (dict(num_speculative_tokens=3, rejection_sample_method="synthetic", synthetic_acceptance_rates=(0.5, 0.7, 0.2)),
      r"synthetic_acceptance_rates = \(0.5, 0.7, 0.2\) is invalid: allowed non-increasing values"),
@@ -247,6 +245,17 @@ def test_speculative_generation_is_one_program_with_one_while_loop():
 def test_bad_spec_configs_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         SpecConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rejection_sample_method="typical"), r"rejection_sample_method = 'typical' is invalid: allowed one of"),
+    (dict(method="lookahead"), r"SpecConfig.method = 'lookahead' is invalid: allowed one of \['draft_model'"),
+])
+def test_unregistered_names_are_refused_when_generating(kwargs, message):
+    target, drafts = target_and_drafts()
+    spec = SpecConfig(**kwargs)  # the registries check their names, not the config
+    with pytest.raises(ConfigError, match=message):
+        generate(target, [[1, 2]], max_new_tokens=4, spec=spec, drafter=drafts["perturbed"])
 
 
 def test_draft_with_another_vocabulary_is_refused():

@@ -25,7 +25,6 @@ EAGLE-1 `fc.*`, `layers.0.*`; EAGLE-3 `fc.weight`, `midlayer.*`, `norm.weight`, 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax
@@ -252,16 +251,13 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
     layout. version defaults to what the weights say: 3 with `midlayer.*`, 1 with `layers.0.*`. Either
     version reads a draft vocabulary (config.json `draft_vocab_size`, tensor `d2t`)."""
     folder = Path(folder)
-    config_path = folder / hf.CONFIG_FILE
-    if not config_path.exists():
-        raise hf.CheckpointError(f"{folder}: no {hf.CONFIG_FILE} found")
-    raw = json.loads(config_path.read_text())
+    raw = hf.read_config_json(folder)
     reader = hf.TensorReader(folder)
     if version is None:
         version = _checkpoint_version(reader.keys(), folder)
     layer_raw = {**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
                  "vocab_size": target_config.vocab_size}
-    layer = dataclasses.replace(hf.config_from_hf(layer_raw, config_path), param_dtype=target_config.param_dtype,
+    layer = dataclasses.replace(hf.config_from_hf(layer_raw, folder / hf.CONFIG_FILE), param_dtype=target_config.param_dtype,
                                 dtype=target_config.dtype)
     draft_vocab = raw.get("draft_vocab_size")
     if version == 3 and fuse_layers is None:

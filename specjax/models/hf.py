@@ -311,19 +311,23 @@ def _get_param(model: Transformer, path: str) -> nnx.Param:
 
 
 class TensorReader:
-    """Reads tensors by key from a single-file or sharded (index.json) safetensors checkpoint."""
+    """Reads tensors by key from a single-file or sharded (index.json) safetensors checkpoint.
 
-    def __init__(self, model_dir: Path):
+    file / index: the single file's name and the shard index's (None: never sharded); missing_hint is
+    appended to the error when neither is there."""
+
+    def __init__(self, model_dir: Path, file: str = SINGLE_FILE, *, index: str | None = INDEX_FILE,
+                 missing_hint: str = ""):
         self.model_dir = model_dir
         self._handles: dict[Path, Any] = {}
-        index = model_dir / INDEX_FILE
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+        if index is not None and (model_dir / index).exists():
+            weight_map = json.loads((model_dir / index).read_text())["weight_map"]
             self.files = {key: model_dir / name for key, name in weight_map.items()}
-        elif (model_dir / SINGLE_FILE).exists():
-            self.files = {key: model_dir / SINGLE_FILE for key in self._open(model_dir / SINGLE_FILE).keys()}
+        elif (model_dir / file).exists():
+            self.files = {key: model_dir / file for key in self._open(model_dir / file).keys()}
         else:
-            raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} found")
+            either = file if index is None else f"{file} or {index}"
+            raise CheckpointError(f"{model_dir}: no {either} found{missing_hint}")
 
     def keys(self) -> set[str]:
         return set(self.files)
@@ -348,6 +352,7 @@ class TensorReader:
     def _open(self, path: Path):
         if path not in self._handles:
             try:
+                # As jax arrays: numpy has no bfloat16, the usual dtype of released checkpoints.
                 self._handles[path] = safe_open(path, framework="flax")
             except Exception as error:
                 raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from error
@@ -357,20 +362,32 @@ class TensorReader:
         first = self.get(next(iter(sorted(self.files))))
         return jnp.dtype(first.dtype).name
 
+    def param_dtype(self, requested: str | None = None) -> str:
+        """requested, else the checkpoint's dtype where it is kept as stored (CHECKPOINT_DTYPES), else float32."""
+        if requested is not None:
+            return requested
+        stored = self.dtype()
+        return stored if stored in CHECKPOINT_DTYPES else "float32"
+
+
+def read_config_json(folder: Path, missing_hint: str = "") -> dict:
+    """A checkpoint folder's config.json, parsed; missing_hint is appended to the error when it is absent."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.exists():
+        raise CheckpointError(f"{folder}: no {CONFIG_FILE} found{missing_hint}")
+    return json.loads(path.read_text())
+
 
 def load_config(model_dir: str | Path) -> ModelConfig:
-    path = Path(model_dir) / CONFIG_FILE
-    if not path.exists():
-        raise CheckpointError(f"{model_dir}: no {CONFIG_FILE} found (is this a Hugging Face model folder?)")
-    return config_from_hf(json.loads(path.read_text()), path)
+    raw = read_config_json(model_dir, " (is this a Hugging Face model folder?)")
+    return config_from_hf(raw, Path(model_dir) / CONFIG_FILE)
 
 
 def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | None = None) -> Transformer:
     """Loads a checkpoint folder. param_dtype defaults to the checkpoint's; dtype to param_dtype."""
     model_dir = Path(model_dir)
     reader = TensorReader(model_dir)
-    stored = reader.dtype()
-    param_dtype = param_dtype or (stored if stored in CHECKPOINT_DTYPES else "float32")
+    param_dtype = reader.param_dtype(param_dtype)
     config = dataclasses.replace(load_config(model_dir), param_dtype=param_dtype, dtype=dtype or param_dtype)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     used = fill_from_rules(model, rules_for(config), reader, model_dir, config.num_layers, config.architecture)

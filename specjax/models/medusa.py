@@ -25,11 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
-from safetensors import safe_open
 from safetensors.flax import save_file
 
 from specjax.config import DTYPES, ConfigError, require, dtype_from_name
-from specjax.models.hf import CHECKPOINT_DTYPES, CONFIG_FILE, CheckpointError
+from specjax.models import hf
 from specjax.models.transformer import Transformer, einsum_f32, unembed
 
 TENSOR_FILE = "medusa_lm_head.safetensors"
@@ -171,30 +170,7 @@ def save_medusa(heads: MedusaHeads, folder: str | Path, *, base_model_name_or_pa
         config["shared_lm_head"] = True
     if base_model_name_or_path is not None:
         config["base_model_name_or_path"] = base_model_name_or_path
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-
-
-def _read_config(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    if not path.exists():
-        raise CheckpointError(f"{folder}: no {CONFIG_FILE} found (a Medusa folder has one with medusa_num_heads)")
-    config = json.loads(path.read_text())
-    if "medusa_num_heads" not in config:
-        raise CheckpointError(f"{path}: field 'medusa_num_heads' is missing; Medusa heads need it")
-    return config
-
-
-def _open_tensors(folder: Path):
-    path = folder / TENSOR_FILE
-    if not path.exists():
-        hint = (f"; only {TORCH_FILE} is there: convert it (torch.load, then safetensors.torch.save_file "
-                f"as {TENSOR_FILE})") if (folder / TORCH_FILE).exists() else ""
-        raise CheckpointError(f"{folder}: no {TENSOR_FILE} found{hint}")
-    try:
-        # As jax arrays: numpy has no bfloat16, the usual dtype of released heads.
-        return safe_open(path, framework="flax")
-    except Exception as error:  # safetensors raises its own error types for corrupt data
-        raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from error
+    (folder / hf.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def load_medusa(folder: str | Path, *, param_dtype: str | None = None, dtype: str | None = None) -> MedusaHeads:
@@ -202,45 +178,45 @@ def load_medusa(folder: str | Path, *, param_dtype: str | None = None, dtype: st
     when there, else from head 0's projection (older configs lack them). param_dtype defaults to the
     checkpoint's; dtype to param_dtype."""
     folder = Path(folder)
-    hf_config = _read_config(folder)
-    file = _open_tensors(folder)
-    path = folder / TENSOR_FILE
+    hf_config = hf.read_config_json(folder, " (a Medusa folder has one with medusa_num_heads)")
+    config_path = folder / hf.CONFIG_FILE
+    if "medusa_num_heads" not in hf_config:
+        raise hf.CheckpointError(f"{config_path}: field 'medusa_num_heads' is missing; Medusa heads need it")
+    torch_hint = (f"; only {TORCH_FILE} is there: convert it (torch.load, then safetensors.torch.save_file "
+                  f"as {TENSOR_FILE})") if (folder / TORCH_FILE).exists() else ""
+    reader = hf.TensorReader(folder, TENSOR_FILE, index=None, missing_hint=torch_hint)
+    path, stored = folder / TENSOR_FILE, reader.keys()
     num_heads, num_layers = hf_config["medusa_num_heads"], hf_config.get("medusa_num_layers", 1)
     shared = bool(hf_config.get("shared_lm_head", False))
-    stored = set(file.keys())
     # Sizes from config.json, else (older configs) from head 0's projection; shared heads have none.
     first = _block_keys(0, 0)[0] if shared else _projection_key(0, num_layers)
     if first not in stored:
-        raise CheckpointError(f"{path}: tensor {first!r} is missing (medusa_num_layers={num_layers})")
-    probe = file.get_tensor(first)
+        raise hf.CheckpointError(f"{path}: tensor {first!r} is missing (medusa_num_layers={num_layers})")
+    probe = reader.get(first)
     if probe.ndim != 2:
-        raise CheckpointError(f"{path}: tensor {first!r} has shape {tuple(probe.shape)}; expected 2 dimensions")
+        raise hf.CheckpointError(f"{path}: tensor {first!r} has shape {tuple(probe.shape)}; expected 2 dimensions")
     if shared and "vocab_size" not in hf_config:
-        raise CheckpointError(f"{folder / CONFIG_FILE}: field 'vocab_size' is missing; heads sharing the "
+        raise hf.CheckpointError(f"{config_path}: field 'vocab_size' is missing; heads sharing the "
                               "target's LM head need it")
-    stored_dtype = jnp.dtype(probe.dtype).name
-    param_dtype = param_dtype or (stored_dtype if stored_dtype in CHECKPOINT_DTYPES else "float32")
+    param_dtype = reader.param_dtype(param_dtype)
     try:
         config = MedusaConfig(num_heads=num_heads, num_layers=num_layers,
                               hidden_size=hf_config.get("hidden_size", probe.shape[1]),
                               vocab_size=hf_config.get("vocab_size", probe.shape[0]), shared_lm_head=shared,
                               param_dtype=param_dtype, dtype=dtype or param_dtype)
     except ConfigError as error:
-        raise CheckpointError(f"{folder / CONFIG_FILE}: {error}") from error
+        raise hf.CheckpointError(f"{config_path}: {error}") from error
     layout = _layout(config)
     missing = [key for key in layout if key not in stored]
     if missing:
-        raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing (medusa_num_heads={num_heads}, "
+        raise hf.CheckpointError(f"{path}: tensor {missing[0]!r} is missing (medusa_num_heads={num_heads}, "
                               f"medusa_num_layers={num_layers})")
-    unexpected = sorted(stored - set(layout))
-    if unexpected:
-        raise CheckpointError(f"{path}: tensors not used by {num_heads} heads of {num_layers} blocks: "
-                              f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    hf.check_all_used(reader, set(layout), folder, f"{num_heads} heads of {num_layers} blocks")
     tensors = {}
     for key, shape in layout.items():
-        tensors[key] = file.get_tensor(key)
+        tensors[key] = reader.get(key)
         if tuple(tensors[key].shape) != shape:
-            raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(tensors[key].shape)}; expected {shape} "
+            raise hf.CheckpointError(f"{path}: tensor {key!r} has shape {tuple(tensors[key].shape)}; expected {shape} "
                                   f"for hidden_size={config.hidden_size}, vocab_size={config.vocab_size}")
 
     def stacked(key_of) -> jax.Array:  # [N, L, ...]; .T turns torch's [out, in] into [in, out]

@@ -19,27 +19,29 @@ is needed at tau alone, which the jnp reference already reads in one gather.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from specjax.verify import block
+from specjax.verify import block  # the jnp reference (specjax.verify.block), not the registry
 from specjax.verify.common import Draws, from_draws, gather_position
 
-# Tuned on the H200 (scripts/bench_verify.py): 1024-wide tiles with 8 warps read fastest.
+# The tile width and warp count that read fastest on the H200 (scripts/bench_verify.py).
 DEFAULT_TILE = 1024
 TRITON_NUM_WARPS = 8
 _NO_INDEX = jnp.iinfo(jnp.int32).max
 # Which Pallas GPU lowering compiles the kernel (see gpu_compiler_params): Triton, the one
-# scripts/bench_verify.py measured and checked against the reference (benchmarks/results/bench_verify.md).
+# scripts/bench_verify.py checks against the reference.
 GPU_LOWERING = "triton"
 
 
-def gpu_compiler_params(lowering: str | None = None):
-    """Compiler parameters that select a Pallas GPU lowering ('mosaic_gpu' or 'triton'); None off GPU."""
-    if jax.default_backend() != "gpu":
+def gpu_compiler_params(lowering: str | None = None, backend: str | None = None):
+    """Compiler parameters that select a Pallas GPU lowering ('mosaic_gpu' or 'triton'); None off GPU.
+    backend defaults to JAX's default backend."""
+    if (backend or jax.default_backend()) != "gpu":
         return None
     lowering = lowering or GPU_LOWERING
     if lowering == "mosaic_gpu":
@@ -80,7 +82,7 @@ def sweep(target_probs: Float[Array, "B K1 V"], draft_probs: Float[Array, "B K V
           rows_per_block: int | None = None, interpret: bool | None = None, compiler_params=None):
     """Per-tile partial residual masses [B, J, K], race scores and indices [B, J, K + 1].
 
-    rows_per_block: rows each program takes; by default 1 compiled on GPU (measured there), 8 on
+    rows_per_block: rows each program takes; by default 1 compiled on GPU (the fastest there), 8 on
     TPU (its sublane count), and 64 in interpret mode, whose cost grows with the number of programs
     faster than linearly."""
     batch, num_positions, vocab = target_probs.shape
@@ -136,3 +138,35 @@ def verify_with_draws(target_probs: Float[Array, "B K1 V"], draft_tokens: Int[Ar
 
 
 verify = from_draws(verify_with_draws)
+
+
+def small_instance(backend: str):
+    """The kernel on `backend` (compiled, not interpreted) and abstract arguments of a small instance:
+    what kernel_available compiles. Powers of two, which every lowering takes as blocks."""
+    batch, num_draft, vocab = 1, 1, 128
+    draws = Draws(uniforms=jax.ShapeDtypeStruct((batch, num_draft), jnp.float32),
+                  exponentials=jax.ShapeDtypeStruct((batch, vocab), jnp.float32))
+    args = (jax.ShapeDtypeStruct((batch, num_draft + 1, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_draft), jnp.int32),
+            jax.ShapeDtypeStruct((batch, num_draft, vocab), jnp.float32), draws)
+    kernel = functools.partial(verify_with_draws, interpret=False, compiler_params=gpu_compiler_params(backend=backend))
+    return kernel, args
+
+
+@functools.cache
+def kernel_available(backend: str) -> bool:
+    """Whether the kernel compiles on backend, found once per process by compiling a small instance.
+    The CPU interprets it; elsewhere it needs a Pallas lowering (Triton on GPUs, which JAX deprecates).
+    Where that lowering is missing or fails, warns once and returns False: the caller then runs the jnp
+    block verifier, which gives the same tokens."""
+    if backend == "cpu":
+        return True
+    try:
+        kernel, args = small_instance(backend)
+        jax.jit(kernel).lower(*args).compile()
+    except Exception as error:  # ImportError without the lowering; lowerings raise their own types
+        warnings.warn(f"verify_impl 'pallas': the Pallas block verifier does not compile on {backend} "
+                      f"({type(error).__name__}: {error}); running the jnp block verifier instead, which gives "
+                      "the same tokens", RuntimeWarning, stacklevel=2)
+        return False
+    return True

@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig
+from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig, require
 from specjax.models.transformer import Hidden
 
 
@@ -99,10 +99,16 @@ def register(name: str):
     return add
 
 
+def proposer_class(method: str):
+    """The class registered as method (SpecConfig.method); an unknown name is a ConfigError."""
+    require(method in PROPOSERS, "SpecConfig", "method", method, f"one of {sorted(PROPOSERS)}")
+    return PROPOSERS[method]
+
+
 def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int, drafter: Any = None) -> Proposer:
     """The proposer of spec.method. A proposer class whose static settings depend on its weights
     (EAGLE-3 reads the target layers its head fuses) defines `build(settings, drafter)`."""
-    cls = PROPOSERS[spec.method]
+    cls = proposer_class(spec.method)
     settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)
     build = getattr(cls, "build", None)
     return build(settings, drafter) if build is not None else cls(settings)

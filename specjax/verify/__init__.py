@@ -2,6 +2,9 @@
 
 `verify(target_probs[B,K+1,V], draft_tokens[B,K], draft_probs[B,K,V] | None, keys[B])
 -> (num_accepted[B] in 0..K, next_token[B])`: the row emits draft_tokens[:n] + [next_token].
+
+The Pallas block verifier (specjax.pallas_kernels.block_verify) builds on this package's jnp modules
+(block, common); this module is the one place that chooses between them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Callable
 
 import jax
 
-from specjax.config import SamplingConfig, SpecConfig
+from specjax.config import SamplingConfig, SpecConfig, require
 from specjax.verify import block, greedy, standard, synthetic
 from specjax.verify.common import from_draws
 
@@ -26,31 +29,38 @@ REJECTION_SAMPLE_METHODS = (*(name for name in VERIFIERS if name != "greedy"), "
 
 
 def verifier_name(spec: SpecConfig, sampling: SamplingConfig) -> str:
-    """Greedy rows skip the random path whichever lossless method is chosen, as in vLLM."""
+    """Greedy rows skip the random path whichever lossless method is chosen, as in vLLM. An unknown
+    rejection_sample_method is a ConfigError, at temperature 0 too."""
+    require(spec.rejection_sample_method in REJECTION_SAMPLE_METHODS, "SpecConfig", "rejection_sample_method",
+            spec.rejection_sample_method, f"one of {REJECTION_SAMPLE_METHODS}")
     if spec.rejection_sample_method == "synthetic":
         return "synthetic"
     return "greedy" if sampling.is_greedy else spec.rejection_sample_method
 
 
-# Backends where verify_impl 'auto' takes the Pallas kernel. None: on the H200 XLA fuses the jnp
-# block verifier into passes that run at up to 86% of the copy bandwidth, and the kernel measured
-# 0.77-1.05x its speed (benchmarks/results/bench_verify.md); TPU is unmeasured.
+# Backends where verify_impl 'auto' takes the Pallas kernel. None: on the H200 XLA's fusion of the jnp
+# block verifier is at least as fast, and TPU is unmeasured (figures in docs/performance.md).
 AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
 
 
 def uses_pallas(spec: SpecConfig) -> bool:
-    """Whether verify_impl resolves to the Pallas kernel on the default backend."""
+    """Whether verify_impl asks for the Pallas kernel on the default backend."""
     if spec.verify_impl == "auto":
         return jax.default_backend() in AUTO_PALLAS_BACKENDS
     return spec.verify_impl == "pallas"
 
 
 def verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
+    """The verifier of spec and sampling. The Pallas kernel where asked for and compilable here; where it
+    is not (see block_verify.kernel_available), the jnp block verifier, which gives the same tokens."""
     name = verifier_name(spec, sampling)
     if name == "synthetic":
         return from_draws(functools.partial(synthetic.verify_with_draws, rates=spec.synthetic_rates))
     if name == "block" and uses_pallas(spec):
-        from specjax.pallas_kernels import block_verify  # the kernel module imports this package
+        # Imported here: the kernel module imports this package's jnp modules, so an import above would
+        # hand it this package half-initialised.
+        from specjax.pallas_kernels import block_verify
 
-        return block_verify.verify
+        if block_verify.kernel_available(jax.default_backend()):
+            return block_verify.verify
     return VERIFIERS[name]

@@ -31,11 +31,8 @@ def processed_logits(logits: Float[Array, "... V"], sampling: SamplingConfig) ->
     if sampling.top_p < 1.0:
         probs = jax.nn.softmax(logits, axis=-1)
         sorted_probs = -jnp.sort(-probs, axis=-1)
-        # Kept apart from what follows: inside the speculative loop on the H200 (jax 0.11.2), XLA fused
-        # the sorted values into kernels that computed wrong kept sets (whole rows of NaN probabilities)
-        # once the batch passed about 20k rows of [B, 3, 8]; a standalone jit of the same code was right.
-        # scripts/top_p_fusion_check.py measures it (benchmarks/results/top_p_fusion_check_gpu.md) and
-        # what the barrier costs (top_p_barrier_cost_gpu.md: 2-5% of top-p's time at [1-64, 6, 128256]).
+        # Kept apart from what follows: XLA's GPU fusion of the sorted values into the kept-set kernels
+        # miscomputed large batches inside the speculative loop (docs/performance.md; the barrier is cheap).
         probs, sorted_probs = jax.lax.optimization_barrier((probs, sorted_probs))
         mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
         num_kept = jnp.sum(mass_before < sampling.top_p, axis=-1, keepdims=True)
