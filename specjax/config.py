@@ -37,6 +37,19 @@ def dtype_from_name(name: str, field: str = "dtype"):
     return DTYPES[name]
 
 
+def require_positive_ints(config, *names: str) -> None:
+    """Each named field of config is an integer >= 1."""
+    for name in names:
+        value = getattr(config, name)
+        require(isinstance(value, int) and value >= 1, type(config).__name__, name, value, "an integer >= 1")
+
+
+def require_dtype_names(config, *names: str) -> None:
+    """Each named field of config is a dtype name of DTYPES."""
+    for name in names:
+        dtype_from_name(getattr(config, name), f"{type(config).__name__}.{name}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling. `llama3` is Llama 3.1's piecewise rule; `linear` divides all frequencies."""
@@ -49,7 +62,7 @@ class RopeScaling:
 
     def __post_init__(self):
         require(self.rope_type in ("llama3", "linear"), "RopeScaling", "rope_type", self.rope_type,
-                 "'llama3' or 'linear'")
+                "'llama3' or 'linear'")
         require(self.factor >= 1.0, "RopeScaling", "factor", self.factor, "a float >= 1")
         if self.rope_type == "llama3":
             require(self.high_freq_factor > self.low_freq_factor, "RopeScaling", "high_freq_factor",
@@ -93,24 +106,21 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and value >= 1, "ModelConfig", name, value, "an integer >= 1")
+        require_positive_ints(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                              "intermediate_size", "max_position_embeddings")
         require(self.num_heads % self.num_kv_heads == 0, "ModelConfig", "num_kv_heads", self.num_kv_heads,
-                 f"a divisor of num_heads ({self.num_heads})")
+                f"a divisor of num_heads ({self.num_heads})")
         require(self.norm in ("rms", "layer"), "ModelConfig", "norm", self.norm, "'rms' or 'layer'")
         require(self.position in ("rope", "learned"), "ModelConfig", "position", self.position,
-                 "'rope' or 'learned'")
+                "'rope' or 'learned'")
         require(self.mlp in ("gated_silu", "gelu_tanh"), "ModelConfig", "mlp", self.mlp,
-                 "'gated_silu' or 'gelu_tanh'")
+                "'gated_silu' or 'gelu_tanh'")
         require(self.norm_eps > 0, "ModelConfig", "norm_eps", self.norm_eps, "a float > 0")
         require(self.sliding_window is None or self.sliding_window >= 1, "ModelConfig", "sliding_window",
-                 self.sliding_window, "None or an integer >= 1")
+                self.sliding_window, "None or an integer >= 1")
         require(self.rope_scaling is None or self.position == "rope", "ModelConfig", "rope_scaling",
-                 self.rope_scaling, "None when position is 'learned'")
-        dtype_from_name(self.param_dtype, "ModelConfig.param_dtype")
-        dtype_from_name(self.dtype, "ModelConfig.dtype")
+                self.rope_scaling, "None when position is 'learned'")
+        require_dtype_names(self, "param_dtype", "dtype")
 
     @property
     def num_query_groups(self) -> int:
@@ -140,11 +150,11 @@ class SamplingConfig:
 
     def __post_init__(self):
         require(self.temperature >= 0.0, "SamplingConfig", "temperature", self.temperature,
-                 "a float >= 0 (0 means greedy)")
+                "a float >= 0 (0 means greedy)")
         require(isinstance(self.top_k, int) and self.top_k >= 0, "SamplingConfig", "top_k", self.top_k,
-                 "an integer >= 0 (0 disables top-k)")
+                "an integer >= 0 (0 disables top-k)")
         require(0.0 < self.top_p <= 1.0, "SamplingConfig", "top_p", self.top_p,
-                 "a float in (0, 1] (1 disables top-p)")
+                "a float in (0, 1] (1 disables top-p)")
 
     @property
     def is_greedy(self) -> bool:
@@ -196,17 +206,15 @@ class SpecConfig:
     verify_impl: str = "auto"
 
     def __post_init__(self):
+        require_positive_ints(self, "num_speculative_tokens", "prompt_lookup_min")
         k = self.num_speculative_tokens
-        require(isinstance(k, int) and k >= 1, "SpecConfig", "num_speculative_tokens", k, "an integer >= 1")
         require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
-                 self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
+                self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
         require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,
-                 f"one of {VERIFY_IMPLS}")
-        require(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1, "SpecConfig",
-                 "prompt_lookup_min", self.prompt_lookup_min, "an integer >= 1")
+                f"one of {VERIFY_IMPLS}")
         require(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
-                 "SpecConfig", "prompt_lookup_max", self.prompt_lookup_max,
-                 f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
+                "SpecConfig", "prompt_lookup_max", self.prompt_lookup_max,
+                f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
         if self.kv_cache_dtype is not None:
             dtype_from_name(self.kv_cache_dtype, "SpecConfig.kv_cache_dtype")
         if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
@@ -368,9 +376,8 @@ class DataConfig:
 
     def __post_init__(self):
         require(0.0 < self.held_out_fraction < 1.0, "DataConfig", "held_out_fraction", self.held_out_fraction,
-                 "a float in (0, 1)")
-        for name in ("seq_len", "batch_size", "vocab_size"):
-            require(getattr(self, name) >= 1, "DataConfig", name, getattr(self, name), "an integer >= 1")
+                "a float in (0, 1)")
+        require_positive_ints(self, "seq_len", "batch_size", "vocab_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,9 +394,9 @@ class OptimizerConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        require(self.total_steps >= 1, "OptimizerConfig", "total_steps", self.total_steps, "an integer >= 1")
+        require_positive_ints(self, "total_steps")
         require(0 <= self.warmup_steps <= self.total_steps, "OptimizerConfig", "warmup_steps", self.warmup_steps,
-                 f"an integer in [0, total_steps = {self.total_steps}]")
+                f"an integer in [0, total_steps = {self.total_steps}]")
         require(self.lr > 0, "OptimizerConfig", "lr", self.lr, "a float > 0")
 
 
@@ -402,7 +409,7 @@ class MeshConfig:
 
     def __post_init__(self):
         require(self.data == -1 or self.data >= 1, "MeshConfig", "data", self.data, "-1 or an integer >= 1")
-        require(self.model >= 1, "MeshConfig", "model", self.model, "an integer >= 1")
+        require_positive_ints(self, "model")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -421,9 +428,7 @@ class TrainingRun:
     fsdp: bool = False
 
     def __post_init__(self):
-        owner = type(self).__name__
-        require(self.checkpoint_every >= 1, owner, "checkpoint_every", self.checkpoint_every, "an integer >= 1")
-        require(self.log_every >= 1, owner, "log_every", self.log_every, "an integer >= 1")
+        require_positive_ints(self, "checkpoint_every", "log_every")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -467,13 +472,13 @@ class HeadTrainConfig(TrainingRun):
     def __post_init__(self):
         super().__post_init__()
         require(self.kind in ("eagle1", "eagle3", "medusa"), "HeadTrainConfig", "kind", self.kind,
-                 "'eagle1', 'eagle3' or 'medusa'")
+                "'eagle1', 'eagle3' or 'medusa'")
         require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")
         require(self.fuse_layers is None or self.kind == "eagle3", "HeadTrainConfig", "fuse_layers",
-                 self.fuse_layers, f"only with kind 'eagle3' (kind is {self.kind!r}), else None")
+                self.fuse_layers, f"only with kind 'eagle3' (kind is {self.kind!r}), else None")
         require(self.draft_vocab_size is None or self.kind in ("eagle1", "eagle3"), "HeadTrainConfig",
-                 "draft_vocab_size", self.draft_vocab_size,
-                 f"only with kind 'eagle1' or 'eagle3' (kind is {self.kind!r}), else None")
+                "draft_vocab_size", self.draft_vocab_size,
+                f"only with kind 'eagle1' or 'eagle3' (kind is {self.kind!r}), else None")
         require(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
-                                                   and self.draft_vocab_size >= 1),
-                 "HeadTrainConfig", "draft_vocab_size", self.draft_vocab_size, "None or an integer >= 1")
+                                                  and self.draft_vocab_size >= 1),
+                "HeadTrainConfig", "draft_vocab_size", self.draft_vocab_size, "None or an integer >= 1")

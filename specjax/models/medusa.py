@@ -27,7 +27,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 from safetensors.flax import save_file
 
-from specjax.config import DTYPES, ConfigError, require, dtype_from_name
+from specjax.config import DTYPES, ConfigError, require_dtype_names, require_positive_ints
 from specjax.models import hf
 from specjax.models.transformer import Transformer, einsum_f32, unembed
 
@@ -49,11 +49,8 @@ class MedusaConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and value >= 1, "MedusaConfig", name, value, "an integer >= 1")
-        dtype_from_name(self.param_dtype, "MedusaConfig.param_dtype")
-        dtype_from_name(self.dtype, "MedusaConfig.dtype")
+        require_positive_ints(self, "num_heads", "hidden_size", "vocab_size", "num_layers")
+        require_dtype_names(self, "param_dtype", "dtype")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("embed", "lm_head"), meta_fields=())
