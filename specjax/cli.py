@@ -29,17 +29,15 @@ def _generate(args: argparse.Namespace) -> int:
         data, model_shards = _mesh_shape(args.mesh)
         mesh = sharding.make_mesh(data, model_shards)
 
-    def load(folder):
-        return for_decoding(hf.load(folder, param_dtype=args.param_dtype, dtype=args.dtype), model_shards)
-
+    model_dir = default_models.resolve(args.model)
+    model = for_decoding(hf.load(model_dir, param_dtype=args.param_dtype, dtype=args.dtype), model_shards)
     spec = drafter = None
-    if args.draft is not None:
-        spec = SpecConfig(method="draft_model", num_speculative_tokens=args.num_speculative_tokens,
+    method = _method(args)
+    if method is not None:
+        drafter = _drafter(method, args, model, model_shards)
+        spec = SpecConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
                           rejection_sample_method=args.rejection_sample_method,
                           draft_sample_method=args.draft_sample_method)
-        drafter = load(default_models.resolve(args.draft))
-    model_dir = default_models.resolve(args.model)
-    model = load(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(args.model))
     prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
     if tokenizer.bos_token_id is not None:
@@ -56,6 +54,33 @@ def _generate(args: argparse.Namespace) -> int:
     if result.metrics is not None:
         print(result.metrics.format_summary())
     return 0
+
+
+def _method(args: argparse.Namespace) -> str | None:
+    """--method; with only --draft, the method whose bundled drafter it names, else draft_model."""
+    if args.method is not None or args.draft is None:
+        return args.method
+    from specjax.proposers import PROPOSERS
+
+    return next((name for name, proposer in PROPOSERS.items() if proposer.default_drafter == args.draft),
+                "draft_model")
+
+
+def _drafter(method: str, args: argparse.Namespace, target, model_shards: int):
+    """The weights of --method's drafter: from --draft, else the method's bundled one (with the bundled
+    target), loaded by its registered proposer in the target's compute dtype."""
+    from specjax import default_models
+    from specjax.experiments import default_drafter, load_drafter
+    from specjax.proposers import proposer_class
+
+    proposer = proposer_class(method)
+    if not proposer.needs_drafter and args.draft is not None:
+        raise ValueError(f"--draft {args.draft} is invalid with --method {method}: that method has no weights")
+    folder = default_drafter(args.model, method, args.draft)
+    if proposer.needs_drafter and folder is None:
+        bundled = "" if proposer.default_drafter is None else f" (it has a bundled one for --model {default_models.TARGET})"
+        raise ValueError(f"--method {method} needs --draft FOLDER{bundled}")
+    return load_drafter(method, folder, target, args.dtype or args.param_dtype, model_shards)
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -127,8 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default=None, help="compute dtype (default: the weights')")
     gen.add_argument("--mesh", default=None, metavar="DATA,MODEL",
                      help="run on a data x model device mesh, e.g. 1,2 (default: one device)")
-    spec = gen.add_argument_group("speculative decoding (with --draft)")
-    spec.add_argument("--draft", default=None, help="draft model folder (same vocabulary), e.g. default:draft")
+    spec = gen.add_argument_group("speculative decoding (with --method or --draft)")
+    spec.add_argument("--method", default=None,
+                      help="a registered drafter (specjax.proposers), e.g. eagle or ngram (default with --draft: "
+                           "the method of the bundled drafter it names, else draft_model; without: none, "
+                           "autoregressive)")
+    spec.add_argument("--draft", default=None,
+                      help="the drafter's folder, e.g. default:draft (default: the method's bundled drafter with "
+                           "the bundled target)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="K, tokens drafted per step")
     spec.add_argument("--rejection-sample-method", default="standard", help="standard | block | synthetic")
     spec.add_argument("--draft-sample-method", default="greedy", help="greedy | probabilistic")

@@ -25,8 +25,7 @@ from tqdm.auto import tqdm
 
 from specjax import default_models, sharding
 from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
-from specjax.proposers import UnsupportedSpeculation
-from specjax.proposers.base import proposer_class
+from specjax.proposers import UnsupportedSpeculation, proposer_class
 from specjax.verify import verifier_name
 
 
@@ -79,37 +78,28 @@ class SweepConfig:
 # ------------------------------------------------------------------------------------------ loading
 
 def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1):
-    """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one);
-    dtype is the compute dtype (None: the checkpoint's; EAGLE heads compute in the target's); draft
-    LMs and EAGLE heads come in transformer.for_decoding for model_shards."""
-    if method == "ngram":
+    """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one), by the
+    method's registered proposer (its `load`); None for a method without weights. dtype is the compute
+    dtype (None: the checkpoint's); modules come in transformer.for_decoding for model_shards."""
+    proposer = proposer_class(method)
+    if not proposer.needs_drafter:
         return None
     if folder is None:
         raise ConfigError(f"RunConfig.drafter is missing: method {method!r} needs a drafter folder")
-    folder = default_models.resolve(folder)
-    if method == "draft_model":
-        from specjax.models import hf
-        from specjax.models.transformer import for_decoding
+    return proposer.load(default_models.resolve(folder), target, dtype, model_shards)
 
-        return for_decoding(hf.load(folder, dtype=dtype), model_shards)
-    if method in ("eagle", "eagle3"):
-        from specjax.models.eagle import load_eagle, head_to_decoding_layout
-        from specjax.models.transformer import for_decoding
 
-        head = load_eagle(folder, target.config, version=1 if method == "eagle" else 3)
-        return for_decoding(head, model_shards, convert=head_to_decoding_layout)
-    if method == "medusa":
-        from specjax.models.medusa import load_medusa
-
-        return load_medusa(folder, dtype=dtype)
-    raise ConfigError(f"no drafter loader for method {method!r}")
+def default_drafter(target: str, method: str, drafter: str | None) -> str | None:
+    """drafter; without one, for the bundled target, the method's bundled drafter (its proposer's
+    `default_drafter`)."""
+    if drafter is None and target == default_models.TARGET:
+        return proposer_class(method).default_drafter
+    return drafter
 
 
 def drafter_folder(config: RunConfig) -> str | None:
     """config.drafter; for the bundled target without one, the bundled drafter of the method."""
-    if config.drafter is None and config.target == default_models.TARGET:
-        return default_models.drafter_folder(config.spec.method)
-    return config.drafter
+    return default_drafter(config.target, config.spec.method, config.drafter)
 
 
 def load_models(target: str, method: str | None = None, drafter: str | None = None, dtype: str | None = None,
@@ -127,9 +117,7 @@ def load_models(target: str, method: str | None = None, drafter: str | None = No
     tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(target))
     if method is None:
         return model, tokenizer, None
-    if drafter is None and target == default_models.TARGET:
-        drafter = default_models.drafter_folder(method)
-    return model, tokenizer, load_drafter(method, drafter, model, dtype, model_shards)
+    return model, tokenizer, load_drafter(method, default_drafter(target, method, drafter), model, dtype, model_shards)
 
 
 FREQUENCY_TOKENS = 2_000_000  # enough to rank the ids of a code corpus (FR-Spec counts over a corpus sample too)

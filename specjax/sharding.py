@@ -29,7 +29,8 @@ LAYER_CACHE = PartitionSpec(*CACHE[1:])  # one layer's of a per-layer cache: [B,
 
 # Parameter name -> the mesh axis of each dimension of one layer's weight; names not listed are
 # replicated. Stacked decoder weights (specjax.models.transformer.StackedLayers) carry a leading layer
-# axis in front, which stays whole.
+# axis in front, which stays whole. A drafter's pytree adds rules for names of its own with a
+# `parameter_rules` class attribute of the same form (e.g. specjax.proposers.eagle.EagleParams).
 PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
     "wq": (None, MODEL, None),  # [D, H, E]: column parallel over heads
     "wk": (None, MODEL, None),  # [D, H_kv, E]
@@ -49,7 +50,6 @@ PARAMETER_RULES: dict[str, tuple[str | None, ...]] = {
     "b_gate_up": (MODEL, None, None),
     "embed": (MODEL, None),  # [V, D]: vocabulary parallel
     "lm_head": (None, MODEL),  # [D, V]
-    "draft_lm_head": (None, MODEL),  # [D, V_draft]: EAGLE-1's restricted unembedding (proposers.eagle.EagleParams)
 }
 
 
@@ -76,11 +76,12 @@ def fit_spec(spec: PartitionSpec, shape: tuple[int, ...], mesh_shape: dict[str, 
     return PartitionSpec(*fitted)
 
 
-def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool = False) -> PartitionSpec:
+def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool = False,
+                   rules: dict[str, tuple[str | None, ...]] = PARAMETER_RULES) -> PartitionSpec:
     """The spec of the parameter at `path` (its last name picks the rule). fsdp additionally splits
     the first whole dimension the data axis divides (after the layer axis of stacked weights)."""
     name = str(path[-1]) if path else ""
-    rule = PARAMETER_RULES.get(name, ())
+    rule = rules.get(name, ())
     # Stacked layers carry the layer axis; to_decoding_layout' have a layer index in their path instead.
     stacked = any(n in STACKED for n in path) and not any(n.isdigit() for n in path)
     rule = (None, *rule) if stacked and len(shape) == len(rule) + 1 else rule
@@ -96,9 +97,11 @@ def parameter_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh, fsdp: bool =
 
 def shardings(tree, mesh: Mesh, fsdp: bool = False):
     """A NamedSharding for every array of a pytree (a model, a drafter's bound weights, a training state
-    with its optimizer moments), by the name each array has in the tree (see PARAMETER_RULES)."""
+    with its optimizer moments), by the name each array has in the tree (see PARAMETER_RULES, and the
+    tree's own `parameter_rules`)."""
+    rules = {**PARAMETER_RULES, **getattr(tree, "parameter_rules", {})}
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, parameter_spec(_names(path), np.shape(leaf), mesh, fsdp)), tree)
+        lambda path, leaf: NamedSharding(mesh, parameter_spec(_names(path), np.shape(leaf), mesh, fsdp, rules)), tree)
 
 
 def shard(tree, mesh: Mesh, fsdp: bool = False):

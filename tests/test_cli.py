@@ -10,6 +10,7 @@ from conftest import write_tiny_checkpoint
 from specjax import cli
 from specjax.decoding import generate
 from specjax.models import hf
+from specjax.proposers import PROPOSERS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,3 +63,45 @@ def test_generate_with_a_draft_prints_the_acceptance_summary(checkpoint, capsys)
     assert code == 0
     # The model drafting for itself with its own distribution is always accepted.
     assert "speculative: K=3" in out and "(100.0%)" in out and "mean acceptance length=4.000" in out
+
+
+def generate_text(capsys, *args: str) -> str:
+    """The text `specjax generate` prints for the bundled target on a short prompt (fails on an error)."""
+    code = cli.main(["generate", "--prompt", "import os", "--max-new-tokens", "6", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+@pytest.fixture(scope="module")
+def autoregressive_text():
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert cli.main(["generate", "--prompt", "import os", "--max-new-tokens", "6"]) == 0
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("method", sorted(PROPOSERS))
+def test_every_registered_method_runs_with_its_bundled_drafter(method, autoregressive_text, capsys):
+    out = generate_text(capsys, "--method", method)
+    # Greedy speculative decoding prints the autoregressive text, then its acceptance summary.
+    assert out.startswith(autoregressive_text) and "speculative: K=4" in out[len(autoregressive_text):]
+
+
+def test_a_bundled_drafter_folder_picks_its_method(autoregressive_text, capsys):
+    """`--draft default:eagle1` runs method eagle (an EAGLE head is no draft model)."""
+    assert generate_text(capsys, "--draft", "default:eagle1").startswith(autoregressive_text + "speculative: K=4")
+
+
+def test_bad_methods_and_drafters_exit_with_a_message(checkpoint, capsys):
+    folder, _ = checkpoint
+    assert cli.main(["generate", "--method", "lookahead", "--prompt", "x"]) == 2
+    assert (f"specjax generate: error: method 'lookahead' is not a registered drafter: allowed one of "
+            f"{sorted(PROPOSERS)}") in capsys.readouterr().err
+    assert cli.main(["generate", "--method", "ngram", "--draft", "default:draft", "--prompt", "x"]) == 2
+    assert "--draft default:draft is invalid with --method ngram: that method has no weights" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(folder), "--method", "eagle", "--prompt", "x"]) == 2
+    assert ("--method eagle needs --draft FOLDER (it has a bundled one for --model default:target)"
+            in capsys.readouterr().err)

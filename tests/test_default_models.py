@@ -10,6 +10,7 @@ from specjax import cli, default_models
 from specjax.config import ConfigError, SpecConfig
 from specjax.decoding import generate
 from specjax.experiments import RunConfig, load_models, load_prompts, load_sweep
+from specjax.proposers import PROPOSERS
 from test_experiments import REPO
 
 METHODS = ["draft_model", "eagle", "eagle3", "medusa", "ngram"]
@@ -44,8 +45,18 @@ def test_every_bundled_drafter_is_lossless_at_temperature_zero(target_and_prompt
 def test_unknown_default_names_are_refused():
     with pytest.raises(ValueError, match="default model 'eagle2' does not exist: allowed"):
         default_models.resolve("default:eagle2")
-    with pytest.raises(ValueError, match="no bundled drafter for method 'lookahead'"):
-        default_models.drafter_folder("lookahead")
+    with pytest.raises(ConfigError, match=r"method 'lookahead' is not a registered drafter: allowed one of "
+                                          r"\['draft_model', 'eagle', 'eagle3', 'medusa', 'ngram'\]"):
+        load_models(default_models.TARGET, "lookahead")
+
+
+def test_every_registered_method_has_its_bundled_drafter():
+    assert sorted(PROPOSERS) == sorted(METHODS)
+    for method, proposer in PROPOSERS.items():
+        if proposer.needs_drafter:
+            assert (default_models.resolve(proposer.default_drafter) / "config.json").exists(), method
+        else:
+            assert proposer.default_drafter is None and proposer.load("unused", None, None, 1) is None
 
 
 def test_the_demo_config_runs_end_to_end(tmp_path, capsys):

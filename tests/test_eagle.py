@@ -250,7 +250,7 @@ def test_a_head_of_another_hidden_size_is_refused():
     target, _ = target_and_drafts()
     layer = dataclasses.replace(target.config, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1)
     head = init_eagle(EagleConfig(layer=layer), seed=0)
-    with pytest.raises(ValueError, match=r"EAGLE head hidden_size 32 does not match the target's 64"):
+    with pytest.raises(ValueError, match=r"EAGLE head hidden_size 32 differs from the target's 64"):
         generate(target, [[1, 2, 3]], max_new_tokens=4, spec=SpecConfig(method="eagle"), drafter=head)
 
 

@@ -3,7 +3,8 @@ its tokenizer, and EAGLE-1, EAGLE-3 and Medusa heads for the target, trained on 
 library by scripts/train_default_models.sh. MODEL_CARD.md beside this file gives their figures.
 
 Anywhere specjax takes a model folder (configs, `specjax generate --model`), `default:NAME` names one of
-them; the draft shares the target's tokenizer.
+them; the draft shares the target's tokenizer. Which one a method drafts with by default is its
+proposer's `default_drafter` (specjax.proposers).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from pathlib import Path
 
 NAMES = ("target", "draft", "eagle1", "eagle3", "medusa")
 PREFIX = "default:"
-# The bundled drafter folder of each speculative method (ngram needs none).
-DRAFTERS = {"draft_model": "draft", "eagle": "eagle1", "eagle3": "eagle3", "medusa": "medusa"}
 TARGET = PREFIX + "target"
 
 
@@ -37,11 +36,3 @@ def tokenizer_folder(folder: str | Path) -> Path:
     """Where a model's tokenizer lives: the bundled draft uses the target's."""
     return path("target") if str(folder) == PREFIX + "draft" else resolve(folder)
 
-
-def drafter_folder(method: str) -> str | None:
-    """The bundled drafter of a speculative method, as a `default:` name (None for ngram)."""
-    if method == "ngram":
-        return None
-    if method not in DRAFTERS:
-        raise ValueError(f"no bundled drafter for method {method!r}: allowed {sorted([*DRAFTERS, 'ngram'])}")
-    return PREFIX + DRAFTERS[method]

@@ -1,10 +1,12 @@
-"""Drafters behind one protocol (see base.py); importing a drafter's module registers it."""
+"""Drafters behind one protocol (see base.py). The registry: importing a drafter's module registers it,
+so each drafter is one line here."""
 
 from specjax.proposers import draft_model  # noqa: F401  (registers "draft_model")
 from specjax.proposers import eagle  # noqa: F401  (registers "eagle", "eagle3")
 from specjax.proposers import medusa  # noqa: F401  (registers "medusa")
 from specjax.proposers import ngram  # noqa: F401  (registers "ngram")
 from specjax.proposers.base import (PROPOSERS, Context, Proposer, TargetOutput, UnsupportedSpeculation,
-                                    build_proposer, register)
+                                    WeightlessProposer, build_proposer, proposer_class, register)
 
-__all__ = ["PROPOSERS", "Context", "Proposer", "TargetOutput", "UnsupportedSpeculation", "build_proposer", "register"]
+__all__ = ["PROPOSERS", "Context", "Proposer", "TargetOutput", "UnsupportedSpeculation", "WeightlessProposer",
+           "build_proposer", "proposer_class", "register"]

@@ -1,11 +1,12 @@
 """The proposer protocol and registry.
 
-A proposer is a frozen dataclass of static settings with three pure functions over a state pytree:
+A proposer is a frozen dataclass subclassing `Proposer`: static settings, with three pure functions
+over a state pytree:
   init(params, prompt[B,T], lengths[B], target_out) -> state
   propose(params, state, context, keys[B]) -> (draft_tokens[B,K], draft_probs[B,K,V] | None, state)
   accept(state, num_accepted[B], next_token[B], target_out) -> state
-`params` are the drafter's weights (a draft model, EAGLE or Medusa heads; None for n-gram lookup).
-draft_probs None means a deterministic draft (one-hot to the verifier).
+`params` are the drafter's weights (a draft model, EAGLE or Medusa heads; None for n-gram lookup),
+as `bind` made them. draft_probs None means a deterministic draft (one-hot to the verifier).
 
 What the loop passes:
 - init: prompt[b, :lengths[b]] is row b's prompt followed by the token the target's prefill drew
@@ -13,15 +14,22 @@ What the loop passes:
   target_out.hidden.final[b, lengths[b] - 2] is the feature that drew that token.
 - propose: context.tokens[b, :context.lengths[b]] are the committed tokens.
 - accept: target_out is the verify forward over [last committed token, d_1 .. d_K] (K + 1
-  positions); the row kept d_1 .. d_n and next_token, which position n's logits drew. A new drafter is one file
-with a `@register("name")` class, plus its import in `specjax/proposers/__init__.py`.
+  positions); the row kept d_1 .. d_n and next_token, which position n's logits drew.
+
+The class also says everything else about its drafter: how `load` reads its weights from a folder,
+which bundled drafter the method uses (`default_drafter`), whether it takes weights at all
+(`needs_drafter`); weight names of its own that specjax.sharding should split are declared by the
+pytree `bind` returns (a `parameter_rules` class attribute, e.g. eagle.EagleParams). A new drafter
+is one file with a `@register("name")` subclass of Proposer, plus its import line in
+`specjax/proposers/__init__.py` (docs/research-guide.md works one through).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import Any, ClassVar
 
 import jax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -67,39 +75,90 @@ class ProposerSettings:
         return None if self.spec.kv_cache_dtype is None else DTYPES[self.spec.kv_cache_dtype]
 
 
-class Proposer(Protocol):
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+    """What every proposer has, with the defaults of a drafter that reads weights from a folder and
+    uses them as they are; subclasses are frozen dataclasses too and override what differs."""
+
     settings: ProposerSettings
     # Target layers whose inputs the proposer reads from TargetOutput.hidden.layers (EAGLE-3).
-    hidden_layers: tuple[int, ...]
+    hidden_layers: tuple[int, ...] = ()
+    # The bundled drafter of the method (`default:NAME`, see specjax.default_models), taken with the
+    # bundled target when no drafter folder is given; None where none is bundled.
+    default_drafter: ClassVar[str | None] = None
+    # False for a method without weights (n-gram lookup): it takes no drafter folder.
+    needs_drafter: ClassVar[bool] = True
+
+    @classmethod
+    def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
+        """The drafter's weights from its folder, for `target` (a Transformer): dtype is the compute
+        dtype (None: the checkpoint's); modules come in transformer.for_decoding(..., model_shards)."""
+        raise NotImplementedError(f"{cls.__name__} defines no load: pass its weights to generate() directly")
 
     def check(self, params: Any, target_config: ModelConfig) -> None:
         """Raises ValueError (host side, before tracing) if params cannot draft for this target."""
+        raise NotImplementedError
 
     def bind(self, params: Any, target: Any) -> Any:
         """The params the loop passes to init / propose, built on the host from the drafter's own
         weights and the target model (EAGLE and Medusa read the target's embedding or LM head).
-        Proposers that need nothing from the target return params unchanged."""
+        By default the params unchanged."""
+        return params
 
-    def init(self, params, prompt: Int[Array, "B T"], lengths: Int[Array, " B"], target_out: TargetOutput): ...
+    def init(self, params: Any, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+             target_out: TargetOutput) -> Any:
+        raise NotImplementedError
 
-    def propose(self, params, state, context: Context, keys: PRNGKeyArray): ...
+    def propose(self, params: Any, state: Any, context: Context,
+                keys: PRNGKeyArray) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, Any]:
+        raise NotImplementedError
 
-    def accept(self, state, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
-               target_out: TargetOutput): ...
+    def accept(self, state: Any, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
+               target_out: TargetOutput) -> Any:
+        raise NotImplementedError
 
 
-PROPOSERS: dict[str, Callable[[ProposerSettings], Proposer]] = {}
+@dataclasses.dataclass(frozen=True)
+class WeightlessProposer(Proposer):
+    """A drafter without weights (n-gram lookup): params is None throughout."""
+
+    needs_drafter: ClassVar[bool] = False
+
+    @classmethod
+    def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> None:
+        return None
+
+    def check(self, params: Any, target_config: ModelConfig) -> None:
+        if params is not None:
+            raise ValueError(f"method {self.settings.spec.method!r} is weightless and takes no drafter weights: "
+                             f"allowed drafter=None, got {type(params).__name__}")
+
+
+def require_target_sizes(drafter: str, target_config: ModelConfig, **sizes: int) -> None:
+    """Raises ValueError naming the first of `sizes` (field=value) that differs from the target's, for
+    drafters that read the target's hidden states or share its vocabulary."""
+    for field, value in sizes.items():
+        expected = getattr(target_config, field)
+        if value != expected:
+            kind = "vocabularies" if field == "vocab_size" else "sizes"
+            raise ValueError(f"{drafter} {field} {value} differs from the target's {expected}: allowed only equal {kind}")
+
+
+PROPOSERS: dict[str, type[Proposer]] = {}
 
 
 def register(name: str):
+    """Class decorator: the proposer of method `name`."""
     def add(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Proposer)):
+            raise TypeError(f"register({name!r}) needs a subclass of specjax.proposers.Proposer, got {cls!r}")
         PROPOSERS[name] = cls
         return cls
 
     return add
 
 
-def proposer_class(method: str):
+def proposer_class(method: str) -> type[Proposer]:
     """The class registered as method (SpecConfig.method); an unknown name is a ConfigError."""
     require(method in PROPOSERS, "SpecConfig", "method", method, f"one of {sorted(PROPOSERS)}")
     return PROPOSERS[method]

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Transformer
-from specjax.proposers.base import Context, ProposerSettings, TargetOutput, register
+from specjax.models.transformer import Transformer, for_decoding
+from specjax.proposers.base import Context, Proposer, ProposerSettings, TargetOutput, register
 from specjax.proposers.heterogeneous import HeterogeneousDraft
 from specjax.verify.sampling import processed_logits, processed_probs
 
@@ -40,40 +43,40 @@ def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings:
 
 @register("draft_model")
 @dataclasses.dataclass(frozen=True)
-class DraftModelProposer:
-    settings: ProposerSettings
-    hidden_layers: tuple[int, ...] = ()
+class DraftModelProposer(Proposer):
+    default_drafter: ClassVar[str | None] = "default:draft"
 
-    def check(self, drafter, target_config) -> None:
+    @classmethod
+    def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> Transformer:
+        return for_decoding(hf.load(folder, dtype=dtype), model_shards)
+
+    def check(self, params, target_config) -> None:
         if self.settings.spec.use_heterogeneous_vocab:
-            if not isinstance(drafter, HeterogeneousDraft):
+            if not isinstance(params, HeterogeneousDraft):
                 raise ValueError("use_heterogeneous_vocab needs a HeterogeneousDraft (draft model + vocabulary "
-                                 f"mapping) as drafter, got {type(drafter).__name__}")
-            mapping, draft = drafter.mapping, drafter.model
+                                 f"mapping) as drafter, got {type(params).__name__}")
+            mapping, draft = params.mapping, params.model
             if mapping.target_to_draft.shape[0] != target_config.vocab_size or \
                     mapping.draft_to_target.shape[0] != draft.config.vocab_size:
                 raise ValueError(f"the vocabulary mapping covers {mapping.target_to_draft.shape[0]} target and "
                                  f"{mapping.draft_to_target.shape[0]} draft ids; the models have "
                                  f"{target_config.vocab_size} and {draft.config.vocab_size}")
             return
-        if not isinstance(drafter, Transformer):
-            raise ValueError(f"method 'draft_model' needs a draft Transformer as drafter, got {type(drafter).__name__}")
-        if drafter.config.vocab_size != target_config.vocab_size:
+        if not isinstance(params, Transformer):
+            raise ValueError(f"method 'draft_model' needs a draft Transformer as drafter, got {type(params).__name__}")
+        if params.config.vocab_size != target_config.vocab_size:
             raise ValueError(
-                f"draft vocab_size {drafter.config.vocab_size} differs from the target's {target_config.vocab_size}: "
+                f"draft vocab_size {params.config.vocab_size} differs from the target's {target_config.vocab_size}: "
                 "allowed only equal vocabularies (different tokenizers need use_heterogeneous_vocab)")
 
-    def bind(self, drafter, target: Transformer):
-        return drafter
-
     @staticmethod
-    def _split(drafter) -> tuple[Transformer, HeterogeneousDraft | None]:
+    def _split(params) -> tuple[Transformer, HeterogeneousDraft | None]:
         """The draft model, and the vocabulary bridge when its ids are not the target's."""
-        return (drafter.model, drafter) if isinstance(drafter, HeterogeneousDraft) else (drafter, None)
+        return (params.model, params) if isinstance(params, HeterogeneousDraft) else (params, None)
 
-    def init(self, drafter, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+    def init(self, params, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> DraftModelState:
-        draft, bridge = self._split(drafter)
+        draft, bridge = self._split(params)
         batch, length = prompt.shape
         cache = draft.create_cache(batch, self.settings.cache_size, self.settings.cache_dtype)
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
@@ -81,8 +84,8 @@ class DraftModelProposer:
         _, _, cache = draft(tokens, positions, cache, compute_logits=False)
         return DraftModelState(cache=cache.with_lengths(lengths))
 
-    def propose(self, drafter, state: DraftModelState, context: Context, keys: PRNGKeyArray):
-        draft, bridge = self._split(drafter)
+    def propose(self, params, state: DraftModelState, context: Context, keys: PRNGKeyArray):
+        draft, bridge = self._split(params)
         num_draft = self.settings.spec.num_speculative_tokens
         rows = jnp.arange(context.tokens.shape[0])
         start = context.lengths - 2  # >= 0: every row holds its prompt and the prefill's token

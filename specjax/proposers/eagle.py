@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.models.eagle import EagleHead
+from specjax.models.eagle import EagleHead, head_to_decoding_layout, load_eagle
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Hidden, Transformer, unembed
-from specjax.proposers.base import Context, ProposerSettings, TargetOutput, register
+from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
+from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, register,
+                                    require_target_sizes)
 from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.sharding import MODEL
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("head", "embed", "lm_head", "draft_lm_head"),
@@ -41,6 +44,8 @@ class EagleParams:
     embed: Float[Array, "V D"]
     lm_head: Float[Array, "D V"] | None
     draft_lm_head: Float[Array, "D Vd"] | None = None
+    # specjax.sharding's rule for the name not among a Transformer's: split over the vocabulary.
+    parameter_rules: ClassVar[dict[str, tuple[str | None, ...]]] = {"draft_lm_head": (None, MODEL)}
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -56,39 +61,39 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleProposer:
+class EagleProposer(Proposer):
     """Shared by both registrations; `version` says which head the method expects."""
 
-    settings: ProposerSettings
-    hidden_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers the head fuses
     version: ClassVar[int] = 1
 
     @classmethod
-    def build(cls, settings: ProposerSettings, head: Any) -> EagleProposer:
-        return cls(settings, tuple(head.config.fuse_layers) if isinstance(head, EagleHead) else ())
+    def build(cls, settings: ProposerSettings, params: Any) -> EagleProposer:
+        # EAGLE-3: hidden_layers are the target layers the head fuses.
+        return cls(settings, tuple(params.config.fuse_layers) if isinstance(params, EagleHead) else ())
 
-    def check(self, head: Any, target_config) -> None:
+    @classmethod
+    def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> EagleHead:
+        """The head computes in the target's dtype (dtype is not used)."""
+        head = load_eagle(folder, target.config, version=cls.version)
+        return for_decoding(head, model_shards, convert=head_to_decoding_layout)
+
+    def check(self, params: Any, target_config) -> None:
         method = self.settings.spec.method
-        if not isinstance(head, EagleHead):
-            raise ValueError(f"method {method!r} needs an EagleHead as drafter, got {type(head).__name__}")
-        if head.config.version != self.version:
-            raise ValueError(f"method {method!r} needs an EAGLE-{self.version} head, got EAGLE-{head.config.version}")
-        layer = head.config.layer
-        if layer.hidden_size != target_config.hidden_size:
-            raise ValueError(f"EAGLE head hidden_size {layer.hidden_size} does not match the target's "
-                             f"{target_config.hidden_size}: allowed only equal sizes")
-        if layer.vocab_size != target_config.vocab_size:
-            raise ValueError(f"EAGLE head vocab_size {layer.vocab_size} does not match the target's "
-                             f"{target_config.vocab_size}: allowed only equal vocabularies")
-        bad = [i for i in head.config.fuse_layers if not 0 <= i <= target_config.num_layers]
+        if not isinstance(params, EagleHead):
+            raise ValueError(f"method {method!r} needs an EagleHead as drafter, got {type(params).__name__}")
+        if params.config.version != self.version:
+            raise ValueError(f"method {method!r} needs an EAGLE-{self.version} head, got EAGLE-{params.config.version}")
+        layer = params.config.layer
+        require_target_sizes("EAGLE head", target_config, hidden_size=layer.hidden_size, vocab_size=layer.vocab_size)
+        bad = [i for i in params.config.fuse_layers if not 0 <= i <= target_config.num_layers]
         if bad:
-            raise ValueError(f"EAGLE-3 fuse_layers {head.config.fuse_layers} name layers outside the target's "
+            raise ValueError(f"EAGLE-3 fuse_layers {params.config.fuse_layers} name layers outside the target's "
                              f"0..{target_config.num_layers}")
 
-    def bind(self, head: EagleHead, target: Transformer) -> EagleParams:
+    def bind(self, params: EagleHead, target: Transformer) -> EagleParams:
         embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
-        return EagleParams(head=head, embed=embed, lm_head=lm_head,
-                           draft_lm_head=head.restricted_lm_head(embed, lm_head))
+        return EagleParams(head=params, embed=embed, lm_head=lm_head,
+                           draft_lm_head=params.restricted_lm_head(embed, lm_head))
 
     def logits(self, params: EagleParams, features):
         target_head = lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)  # noqa: E731
@@ -161,9 +166,11 @@ def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Eagle1Proposer(EagleProposer):
     version: ClassVar[int] = 1
+    default_drafter: ClassVar[str | None] = "default:eagle1"
 
 
 @register("eagle3")
 @dataclasses.dataclass(frozen=True)
 class Eagle3Proposer(EagleProposer):
     version: ClassVar[int] = 3
+    default_drafter: ClassVar[str | None] = "default:eagle3"

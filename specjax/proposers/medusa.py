@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.models.medusa import LMHead, MedusaHeads
+from specjax.models.medusa import LMHead, MedusaHeads, load_medusa
 from specjax.models.transformer import Transformer
-from specjax.proposers.base import Context, ProposerSettings, TargetOutput, UnsupportedSpeculation, register
+from specjax.proposers.base import (Context, Proposer, TargetOutput, UnsupportedSpeculation, register,
+                                    require_target_sizes)
 from specjax.proposers.draft_model import draw_draft_tokens
 
 
@@ -39,26 +42,24 @@ class MedusaState:
 
 @register("medusa")
 @dataclasses.dataclass(frozen=True)
-class MedusaProposer:
-    settings: ProposerSettings
-    hidden_layers: tuple[int, ...] = ()
+class MedusaProposer(Proposer):
+    default_drafter: ClassVar[str | None] = "default:medusa"
 
-    def check(self, heads: MedusaHeads, target_config) -> None:
-        if not isinstance(heads, MedusaHeads):
-            raise ValueError(f"method 'medusa' needs MedusaHeads as drafter, got {type(heads).__name__}")
-        c, num_draft = heads.config, self.settings.spec.num_speculative_tokens
-        if c.hidden_size != target_config.hidden_size:
-            raise ValueError(f"Medusa hidden_size {c.hidden_size} differs from the target's "
-                             f"{target_config.hidden_size}: the heads read the target's hidden states")
-        if c.vocab_size != target_config.vocab_size:
-            raise ValueError(f"Medusa vocab_size {c.vocab_size} differs from the target's "
-                             f"{target_config.vocab_size}: allowed only equal vocabularies")
+    @classmethod
+    def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> MedusaHeads:
+        return load_medusa(folder, dtype=dtype)
+
+    def check(self, params: MedusaHeads, target_config) -> None:
+        if not isinstance(params, MedusaHeads):
+            raise ValueError(f"method 'medusa' needs MedusaHeads as drafter, got {type(params).__name__}")
+        c, num_draft = params.config, self.settings.spec.num_speculative_tokens
+        require_target_sizes("Medusa", target_config, hidden_size=c.hidden_size, vocab_size=c.vocab_size)
         if c.num_heads < num_draft:
             raise UnsupportedSpeculation(f"Medusa has {c.num_heads} heads but num_speculative_tokens is {num_draft}: "
                              f"allowed K <= {c.num_heads}")
 
-    def bind(self, heads: MedusaHeads, target: Transformer) -> BoundMedusa:
-        return BoundMedusa(heads=heads, lm_head=LMHead.of(target) if heads.config.shared_lm_head else None)
+    def bind(self, params: MedusaHeads, target: Transformer) -> BoundMedusa:
+        return BoundMedusa(heads=params, lm_head=LMHead.of(target) if params.config.shared_lm_head else None)
 
     def init(self, params: BoundMedusa, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> MedusaState:

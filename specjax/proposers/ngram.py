@@ -21,7 +21,7 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
-from specjax.proposers.base import Context, ProposerSettings, TargetOutput, register
+from specjax.proposers.base import Context, TargetOutput, WeightlessProposer, register
 
 NO_MATCH = -1
 
@@ -55,18 +55,7 @@ def ngram_draft(tokens: Int[Array, "B S"], lengths: Int[Array, " B"], num_draft:
 
 @register("ngram")
 @dataclasses.dataclass(frozen=True)
-class NgramProposer:
-    settings: ProposerSettings
-    hidden_layers: tuple[int, ...] = ()
-
-    def check(self, params, target_config) -> None:
-        if params is not None:
-            raise ValueError("method 'ngram' looks drafts up in the context and takes no drafter weights: "
-                             f"allowed drafter=None, got {type(params).__name__}")
-
-    def bind(self, params, target):
-        return params
-
+class NgramProposer(WeightlessProposer):
     def init(self, params, prompt: Int[Array, "B T"], lengths: Int[Array, " B"], target_out: TargetOutput) -> tuple:
         return ()
 
