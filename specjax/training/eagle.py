@@ -1,51 +1,16 @@
 """Training EAGLE-1 and EAGLE-3 draft heads on a frozen target (HeadTrainConfig, kind 'eagle1' / 'eagle3').
 
-Data: the corpus is tokenized with the target's tokenizer (DataConfig.tokenizer = config.target);
-batch `step` is the window x_0 .. x_T (T = data.seq_len) of `batch_at`, a pure function of
-(seed, step), so a killed run resumes exactly. The target runs once per batch, without a cache, over
-the whole window (T + 1 tokens) under stop_gradient; its hidden states are the head's inputs and its
-distributions the labels. Only the head's nnx.Param are trained (`draft_to_target` is an nnx.Variable
-and stays fixed).
-
-The head runs its own forward over the T pairs (f_j, x_{j+1}), j = 0 .. T-1, at positions 0 .. T-1,
-through a fresh (empty) KV cache of T slots, i.e. causally over the window, exactly as drafting
-commits pairs (see specjax.proposers.eagle).
-
-EAGLE-1 (Li et al., the original recipe). f_j is the target's final-norm feature at position j.
-The input features get uniform noise U(-feature_noise, feature_noise) (a fresh draw per step,
-drawn on the host from (seed, step) with the batch); the targets do not. The head's output at pair j, f̂_{j+1}, is regressed onto
-f_{j+1}, which exists for every j = 0 .. T-1 because the target ran over T + 1 tokens:
-
-    loss = mean_{b,j,d} SmoothL1(f̂_{j+1}, f_{j+1})
-           + 0.1 * mean_{b,j} [ -sum_v p_t(v) log p_h(v) ],
-    p_t = softmax(LMhead f_{j+1}), p_h = softmax(LMhead f̂_{j+1}),
-
-with LMhead the target's own unembedding (specjax.models.transformer.unembed).
-
-EAGLE-3 (training-time test). F_j = head.fuse(target hidden states entering `fuse_layers`) at
-position j (fuse's fc is trained). The label of pair j at every step is the target's next-token
-distribution at position j + 1 (the distribution of x_{j+2}), restricted to the draft vocabulary
-and renormalised there: q_j(v) = p_target(d2t[v] | x_{<=j+1}) / sum_u p_target(d2t[u] | x_{<=j+1}).
-Unroll steps i = 0 .. unroll_steps-1:
-
-    step 0:      features_0[j] = F_j                              (target features)
-    step i > 0:  features_i[j] = out_{i-1}[j-1]  for j >= 1       (the head's own prediction of the
-                                                                   feature at j, made from pair j-1)
-                 features_i[0] = F_0                              (no earlier pair exists)
-    out_i = head(tokens x_{j+1}, features_i, positions j)          (tokens stay the true ones)
-    loss  = sum_i step_decay^i * mean_{b, j >= i} [ -sum_v q_j(v) log softmax(draft logits(out_i[j]))_v ]
-
-Position j at step i is fed by a chain of exactly i of the head's own predictions only when j >= i,
-so positions j < i are left out of step i's mean. Gradients flow through the whole chain. There is
-no feature loss. The simplification against real drafting: at step i every earlier position of the
-window also carries a step-i (self-predicted) feature, where drafting would have target features in
-the cache for all but the last i pairs.
-
-Draft vocabulary (draft_vocab_size < the target's vocabulary): the draft_vocab_size most frequent
-target ids in the training tokens (ties to the lower id), sorted ascending, as head.draft_to_target.
-EAGLE-3 trains its own LM head over it; EAGLE-1 (FR-Spec, Zhao et al. 2025) is trained exactly as
-without one, over the target's full LM head, and only drafts from those ids
-(specjax.models.eagle.with_draft_vocabulary applies one to an already trained head).
+The target runs once per batch (a window of T + 1 tokens from `batch_at`, a pure function of (seed,
+step), so a killed run resumes exactly) without a cache and under stop_gradient; its hidden states are
+the head's inputs and its distributions the labels. The head runs causally over the window's T pairs
+(feature f_j, token x_{j+1}) through a fresh KV cache, as drafting commits them. Objectives:
+- EAGLE-1: SmoothL1 of the head's predicted feature against the target's next feature (inputs noised
+  by U(-feature_noise, feature_noise)), plus 0.1 x the cross-entropy of the target's LM head on the two.
+- EAGLE-3 (training-time test): over `unroll_steps` steps fed the head's own earlier predictions,
+  step_decay-weighted cross-entropy against the target's next-token distribution restricted to the
+  draft vocabulary; no feature loss.
+A draft vocabulary (draft_vocab_size) is the most frequent training ids; EAGLE-1 (FR-Spec) trains as
+without one and only drafts from it. The full derivation: docs/training.md, "The heads' objectives".
 
 Writes under output_dir: tokenizer/ and token files (data), checkpoints/, metrics.jsonl, and head/ (the
 public EAGLE layout that load_eagle reads) with eval.json: the greedy mean acceptance length of the

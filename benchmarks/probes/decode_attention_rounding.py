@@ -1,6 +1,6 @@
 """Does a verification block's last token get the attention output that a decode step at its slot gets?
 
-    PYTHONPATH=. python scripts/decode_attention_rounding.py [--name decode_attention_rounding_gpu]
+    python -m benchmarks.probes.decode_attention_rounding [--name decode_attention_rounding_gpu]
 
 pallas_kernels.decode_attention on the GPU (compiled) or the CPU (interpret mode): K + 1 = 6 new tokens
 attend as one block, then the last of them again alone (T = 1) with the other five already written to
@@ -52,7 +52,7 @@ def compare(dtype, batch: int, fill: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", default=None, help="default: decode_attention_rounding_<platform>")
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--out-dir", default="benchmarks/results/probes")
     args = parser.parse_args()
     rows = []
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -66,7 +66,7 @@ def main():
                ("same_caches", "same caches")]
     name = args.name or f"decode_attention_rounding_{jax.default_backend()}"
     print("wrote", *benchmarking.write_results(name, rows, columns, meta, args.out_dir,
-                                               notes="Written by scripts/decode_attention_rounding.py."))
+                                               notes="Written by benchmarks/probes/decode_attention_rounding.py."))
 
 
 if __name__ == "__main__":

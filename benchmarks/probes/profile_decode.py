@@ -1,6 +1,6 @@
 """Where does an autoregressive decode step's time go? Variants of one 8B-shaped step, timed on the GPU.
 
-    PYTHONPATH=. python scripts/profile_decode.py [--batch 1] [--context 256] [--dump-hlo DIR] [--name NAME]
+    python -m benchmarks.probes.profile_decode [--batch 1] [--context 256] [--dump-hlo DIR] [--name NAME]
     XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true ... --name profile_decode_dsf   (a compiler option tried)
 
 Each variant is one bfloat16 forward of one token per row at `context` cached tokens, timed inside a
@@ -24,9 +24,9 @@ in the same run:
 - gemv DxF / gemv FxD^T: one activation-times-weight product for each weight shape of the layer, with
   the weight stored [in, out] (as specjax stores it) or [out, in] (contraction over its minor axis),
   against the copy bandwidth.
---loop also times a step of the real decode loop (bench_decode's way: a long run minus a one-token run),
-with the attention kernel and without, the figure the variants above approximate; under different
-XLA_FLAGS it compares compiler options.
+--loop also times a step of the real decode loop (scripts/bench_decode.py's way: a long run minus a
+one-token run), with the attention kernel and without, the figure the variants above approximate; under
+different XLA_FLAGS it compares compiler options.
 --trace STEPS profiles STEPS tokens of the real decode loop (jax.profiler) and tabulates the GPU
 kernels by total time: which kernels the step spends its time in, and how much is gaps between them.
 --dump-hlo writes the optimised HLO of every program (XLA's own dump) for reading off the device.
@@ -44,13 +44,15 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import benchmarking
+from specjax.benchmarking import SHAPES, on_device, timed, weight_bytes
+from specjax.config import SamplingConfig
+from specjax.decoding import decode_loop, pad_request
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import attention, decoder_layer, normalize, unembed
 from specjax.pallas_kernels.decode_attention import decode_attention
-
-from bench_decode import SHAPES, on_device, weight_bytes  # noqa: E402  (scripts/ is on the path when run)
 
 
 def main():
@@ -254,25 +256,24 @@ def main():
             "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "config": dataclasses.asdict(config)}
     benchmarking.write_results(args.name, rows, [("variant", "variant"), ("ms", "ms"), ("floor_ms", "floor ms"),
                                                        ("fraction_of_floor", "of floor")], meta,
-                               os.environ.get("OUT", "benchmarks/results"), notes=notes)
+                               os.environ.get("OUT", "benchmarks/results/probes"), notes=notes)
 
 
 def greedy_decode(model, batch: int, new_tokens: int, prompt_len: int = 128, cache_size: int = 512):
-    """A function running the real greedy decode loop on random prompts (as bench_decode builds them)."""
-    from bench_decode import generation_args
-
-    from specjax.config import SamplingConfig
-    from specjax.decoding import decode_loop
-
-    args = generation_args(model, batch, prompt_len, new_tokens, 1, cache_size)
+    """A function running the real greedy decode loop on random prompts (as scripts/bench_decode.py builds
+    them)."""
+    rng = np.random.default_rng(batch * 7919 + prompt_len)
+    prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
+    request = pad_request(model, prompts, new_tokens, 0, cache_size, 1)
+    args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
     return lambda: decode_loop(model, *args, sampling=SamplingConfig(), eos_token_ids=(), cache_size=cache_size).tokens
 
 
 def decode_loop_step(model, batch: int, new_tokens: int = 256) -> float:
     """Seconds a step of the real greedy decode loop takes: a run of new_tokens tokens minus a one-token
-    run (the prefill and the call's fixed costs), over the remaining steps (as bench_decode times it)."""
-    from bench_decode import timed
-
+    run (the prefill and the call's fixed costs), over the remaining steps (as scripts/bench_decode.py times
+    it)."""
     full, one = (greedy_decode(model, batch, n) for n in (new_tokens, 1))
     return (timed(full, 5) - timed(one, 5)) / (new_tokens - 1)
 

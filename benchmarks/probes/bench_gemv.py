@@ -1,6 +1,6 @@
 """The decode step's weight products: XLA's against a Pallas GEMV (defined here) and its tilings.
 
-    PYTHONPATH=. python scripts/bench_gemv.py [--rows 1] [--shapes qkv,o,gate_up,down,lm_head] [--name bench_gemv]
+    python -m benchmarks.probes.bench_gemv [--rows 1] [--shapes qkv,o,gate_up,down,lm_head] [--name bench_gemv]
 
 For each weight shape of the 8B-shaped layer in the decoding layout ([in, out], q/k/v and gate/up
 fused), M rows times the weight, chained through `copies` distinct weights (a residual add between
@@ -16,8 +16,8 @@ checked against XLA's on the same inputs (a tiling that computes something else 
 The kernel: grid (column block n, contraction split s); a program reads a [K / S, BN] slab of w in
 BK-row steps and accumulates its rows' products in float32; XLA adds the S partial sums after the
 call. Rows go to the tensor cores padded to 16 (`dot`), or one row is multiplied and summed on the
-vector units (`fma`). Measured on the H200 (benchmarks/results/profile/bench_gemv_m*.md) it does not
-beat XLA's products at one row, nor over a decode step's chain at 1 or 16, so specjax keeps XLA's.
+vector units (`fma`). Results: benchmarks/results/probes/bench_gemv_m*.md; what they concluded:
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_decode import SHAPES
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from specjax import benchmarking
+from specjax.benchmarking import SHAPES
 
 MIN_ROWS = 16  # rows of a tensor-core product
 
@@ -129,7 +129,7 @@ def main():
     parser.add_argument("--chain-bytes", type=float, default=1.5e9, help="weight bytes a chain reads")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
     parser.add_argument("--name", default=None)
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--out-dir", default="benchmarks/results/probes")
     args = parser.parse_args()
     config, _ = SHAPES[args.shape]
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size

@@ -1,6 +1,6 @@
 """What does one small kernel cost inside a decode step? Chains of 32 dependent calls, timed on the GPU.
 
-    PYTHONPATH=.:scripts python scripts/kernel_chain_latency.py [--batch 1] [--context 384] [--only REGEX] [--name NAME]
+    python -m benchmarks.probes.kernel_chain_latency [--batch 1] [--context 384] [--only REGEX] [--name NAME]
 
 At batch 1 an 8B-shaped decode step runs about 15 kernels a layer, eleven of them tiny; the step's gap
 to the memory floor is their cost. Each variant here is one link of a chain run 32 times (once a layer)
@@ -19,8 +19,8 @@ link.
 - attention: pallas_kernels.decode_attention as the model calls it (the layout fusion, the kernel with
   its cache write, the combine of the splits), with `context` filled slots of a 512-slot cache;
 - attention_splits_N: the same with N slot splits (1: no combine).
-Results: benchmarks/results/profile/kernel_chain_latency*.md; run from copies of the tree that change
-the kernel (PYTHONPATH=copy:copy/scripts), decode_attention_parts.md.
+Results: benchmarks/results/probes/kernel_chain_latency*.md; run from copies of the tree that change
+the kernel (cd copy && python -m benchmarks.probes.kernel_chain_latency), decode_attention_parts.md.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from specjax import benchmarking
+from specjax.benchmarking import SHAPES
 from specjax.models.transformer import normalize
 from specjax.pallas_kernels import decode_attention as attention_kernel
-
-from bench_decode import SHAPES  # noqa: E402  (scripts/ is on the path when run)
 
 LINKS = 32
 
@@ -90,7 +89,7 @@ def main():
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--only", default="", help="run only the variants whose names match this regex")
     parser.add_argument("--name", default="kernel_chain_latency")
-    parser.add_argument("--out-dir", default="benchmarks/results/profile")
+    parser.add_argument("--out-dir", default="benchmarks/results/probes")
     args = parser.parse_args()
     config = SHAPES[args.shape][0]  # the target
     interpret = jax.default_backend() != "gpu"
@@ -136,7 +135,7 @@ def main():
     columns = [("variant", "variant"), ("us_per_link", "µs a link (median)"), ("min_us", "fastest"),
                ("max_us", "slowest")]
     print("wrote", *benchmarking.write_results(args.name, rows, columns, meta, args.out_dir,
-                                               notes="Written by scripts/kernel_chain_latency.py; see its "
+                                               notes="Written by benchmarks/probes/kernel_chain_latency.py; see its "
                                                      "docstring for the method."))
 
 

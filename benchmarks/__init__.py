@@ -1,0 +1,1 @@
+"""Measurements kept with the code: results/ (committed results files) and probes/ (finished investigations)."""
