@@ -1,9 +1,28 @@
 # Two jobs, each of which sets itself up on a fresh machine:
-#   make demo   - virtual environment, install, run the main job
+#   make demo   - virtual environment, install, run the main job (every drafter on the bundled models;
+#                 on a GPU also the 8B-shaped speed table: random weights, synthetic acceptance)
 #   make test   - virtual environment with test extras, run the test suite
-PYTHON_FOUND := $(shell scripts/find_python.sh)
+# Where nothing can be installed but the packages are there (e.g. a GPU machine's image), name the
+# interpreter: no virtual environment is made, and it runs this checkout with PYTHONPATH=.
+#   make demo SYSTEM_PYTHON=python3
+PYTHON_FOUND = $(shell scripts/find_python.sh)
 VENV ?= .venv
 PY := $(VENV)/bin/python
+SYSTEM_PYTHON ?=
+ifeq ($(SYSTEM_PYTHON),)
+RUN := $(PY)
+DEMO_SETUP := $(VENV)/.installed
+TEST_SETUP := $(VENV)/.installed-test
+else
+RUN := PYTHONPATH=$(CURDIR) $(SYSTEM_PYTHON)
+DEMO_SETUP :=
+TEST_SETUP :=
+endif
+
+# For the bundled models, whose GPU steps are bound by kernel launches: XLA's autotuning of Triton
+# matrix products is most of their GPU compile time and buys them nothing (docs/performance.md).
+# CPUs ignore it; the 8B-shaped table (`specjax speed`) keeps XLA's defaults.
+BUNDLED_XLA_FLAGS := --xla_gpu_enable_triton_gemm=false
 
 .PHONY: demo test install install-test clean
 
@@ -24,13 +43,15 @@ $(VENV)/.installed-test: $(VENV)/.created pyproject.toml
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-demo: $(VENV)/.installed
+demo: $(DEMO_SETUP)
 	rm -rf build/demo
-	$(VENV)/bin/specjax sweep configs/demo.yaml --set output_dir=build/demo
-	$(VENV)/bin/specjax generate --draft default:draft --prompt "def fibonacci(n):" --max-new-tokens 48
+	XLA_FLAGS="$(BUNDLED_XLA_FLAGS) $$XLA_FLAGS" $(RUN) -m specjax.cli sweep configs/demo.yaml --set output_dir=build/demo
+	$(RUN) -m specjax.cli speed --output build/demo
+	XLA_FLAGS="$(BUNDLED_XLA_FLAGS) $$XLA_FLAGS" $(RUN) -m specjax.cli generate --draft default:draft \
+		--prompt "def fibonacci(n):" --max-new-tokens 48
 
-test: $(VENV)/.installed-test
-	$(PY) -m pytest -n 2 -q tests
+test: $(TEST_SETUP)
+	$(RUN) -m pytest -n 2 -q tests
 
 clean:
 	rm -rf $(VENV) build

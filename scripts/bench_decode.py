@@ -33,78 +33,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from specjax import benchmarking, sharding
-from specjax.config import ModelConfig, SamplingConfig, SpecConfig
-from specjax.decoding import decode_loop, pad_request, speculative_loop
-from specjax.models.eagle import EagleConfig, default_fuse_layers, init_eagle, head_to_decoding_layout
-from specjax.models.transformer import init_model, to_decoding_layout
+from specjax.config import SamplingConfig, SpecConfig
 from specjax.proposers.base import build_proposer
-
-BF16 = dict(param_dtype="bfloat16", dtype="bfloat16")
-SHAPES = {  # name: (target, draft LM)
-    "8b": (ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                       head_dim=128, intermediate_size=14336, max_position_embeddings=131072, rope_theta=500000.0,
-                       **BF16),
-           ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                       head_dim=64, intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
-                       tie_word_embeddings=True, **BF16)),
-    "tiny": (ModelConfig(vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
-                         intermediate_size=128, **BF16),
-             ModelConfig(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                         intermediate_size=64, tie_word_embeddings=True, **BF16)),
-}
-
-
-def spec_method(method: str) -> str:
-    """The SpecConfig method that times the drafter named `method` in --methods."""
-    return "eagle" if method == "eagle_fr" else method
-
-
-def on_device(make):
-    """A module built by make() with its parameters created on the device (no host copy of 16 GB)."""
-    graphdef, _ = nnx.split(nnx.eval_shape(make))
-    state = jax.jit(lambda: nnx.split(make())[1])()
-    return nnx.merge(graphdef, state)
-
-
-def weight_bytes(module, config: ModelConfig, batch: int) -> int:
-    """Bytes of parameters one decode step reads: an untied embedding table contributes B rows."""
-    leaves = jax.tree.leaves(nnx.state(module, nnx.Param))
-    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    if not config.tie_word_embeddings:
-        total -= config.vocab_size * config.hidden_size * jnp.dtype(config.param_dtype).itemsize
-        total += batch * config.hidden_size * jnp.dtype(config.param_dtype).itemsize
-    return total
-
-
-def kv_bytes(config: ModelConfig, batch: int, context: float) -> float:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize * context * batch
-
-
-def timed(fn, repeats: int = 3) -> float:
-    """Median wall time of fn() (compiled before), waiting for the device."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahead: int, cache_size: int):
-    rng = np.random.default_rng(batch * 7919 + prompt_len)
-    prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
-    request = pad_request(model, prompts, new_tokens, 0, cache_size, lookahead)
-    return (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
-            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+from specjax.speed import (DRAFTERS, autoregressive_run, build_drafter, build_target, cache_size_for, generation_args,
+                           spec_method, speculative_run, synthetic_spec, tokens_per_s)
 
 
 def component_times(target, drafters: dict, batch: int, context: int, num_draft: int, cache_size: int) -> dict:
@@ -158,15 +96,9 @@ def first_difference(model, got: np.ndarray, want: np.ndarray) -> tuple[int, flo
 
 def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args):
     """Final decode states of a greedy autoregressive run and of one synthetic speculative run."""
-    greedy = SamplingConfig()
-    states = [decode_loop(target, *run_args, sampling=greedy, eos_token_ids=(), cache_size=cache_size)]
-    for method in methods:
-        for tau in taus:
-            spec = SpecConfig(method=spec_method(method), num_speculative_tokens=num_draft,
-                              rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
-            proposer = build_proposer(spec, greedy, cache_size, drafters[method])
-            states.append(speculative_loop(target, proposer.bind(drafters[method], target), *run_args,
-                                           proposer=proposer, eos_token_ids=()).decode)
+    states = [autoregressive_run(target, cache_size)(run_args)]
+    states += [speculative_run(target, drafters[method], synthetic_spec(method, tau, num_draft), cache_size)(run_args)
+               for method in methods for tau in taus]
     return states
 
 
@@ -217,7 +149,7 @@ def plot_batch_scaling(rows: list[dict], path) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--shape", choices=sorted(benchmarking.SHAPES), default="8b")
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--prompt-lens", default="128,1024")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -250,32 +182,17 @@ def main():
     bandwidths = [benchmarking.copy_bandwidth()]
     print(f"copy bandwidth {bandwidths[0] / 1e12:.2f} TB/s")
     target_config, draft_config = (dataclasses.replace(c, param_dtype=args.dtype, dtype=args.dtype)
-                                   for c in SHAPES[args.shape])
+                                   for c in benchmarking.SHAPES[args.shape])
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "float32")
     parallel = args.model_parallel
-    # In the decoding layout (to_decoding_layout), as experiments.load_models gives it.
-    target = to_decoding_layout(on_device(lambda: init_model(target_config, seed=0)), parallel)
-    head_layer = dataclasses.replace(target_config, num_layers=1)
-    draft_vocab = min(32000, target_config.vocab_size)
-    head_configs = {"eagle": EagleConfig(layer=head_layer, version=1),
-                    # FR-Spec: the EAGLE-1 head drafting over draft_vocab target ids (the first ones: speed
-                    # does not depend on which).
-                    "eagle_fr": EagleConfig(layer=head_layer, version=1, draft_vocab_size=draft_vocab),
-                    # EAGLE-3 as released for Llama-3.1-8B: its own LM head over a 32000-token draft vocabulary.
-                    "eagle3": EagleConfig(layer=head_layer, version=3, draft_vocab_size=draft_vocab,
-                                          fuse_layers=default_fuse_layers(target_config.num_layers))}
-    unknown = set(methods) - {"draft_model", *head_configs}
+    unknown = set(methods) - set(DRAFTERS)
     if unknown:
-        raise SystemExit(f"--methods {args.methods!r}: {sorted(unknown)} unknown; allowed draft_model, eagle, "
-                         "eagle_fr, eagle3")
-    drafters = {method: to_decoding_layout(on_device(lambda: init_model(draft_config, seed=1)), parallel)
-                if method == "draft_model" else
-                head_to_decoding_layout(on_device(lambda m=method: init_eagle(head_configs[m], seed=2)), parallel)
-                for method in methods}
-    greedy = SamplingConfig()
+        raise SystemExit(f"--methods {args.methods!r}: {sorted(unknown)} unknown; allowed {', '.join(DRAFTERS)}")
+    target = build_target(target_config, parallel)
+    drafters = {method: build_drafter(method, target_config, draft_config, parallel) for method in methods}
     mesh = sharding.make_mesh(1, parallel)
-    cases = [(p, b, -(-(p + new_tokens + num_draft + 1) // 128) * 128) for p in prompt_lens for b in batches]
+    cases = [(p, b, cache_size_for(p, new_tokens, num_draft)) for p in prompt_lens for b in batches]
     # One GPU's greedy tokens (autoregressive, and speculative with the first method and tau), to compare with.
     reference = {}
     if parallel > 1:
@@ -319,29 +236,20 @@ def main():
                              if not np.array_equal(a, b)]
                 row["first_difference"] = min(d[0] for d in differing) - prompt_len if differing else None
                 row["logit_gap_at_difference"] = max(d[1] for d in differing) if differing else None
-            ar = lambda a: decode_loop(target, *a, sampling=greedy, eos_token_ids=(), cache_size=cache_size)
-            t_prefill = timed(lambda: ar(one_args))
-            t_full = timed(lambda: ar(run_args))
-            step = (t_full - t_prefill) / (new_tokens - 1)
+            ar_tok_s, t_prefill = tokens_per_s(autoregressive_run(target, cache_size), run_args, one_args)
             context = prompt_len + new_tokens / 2
             # Per GPU: each reads its 1 / parallel of the weights and of the KV heads.
-            floor_bytes = (weight_bytes(target, target_config, batch)
-                           + kv_bytes(target_config, batch, context)) / parallel
-            row.update(ar_step_ms=step * 1e3, ar_tok_s=batch / step, floor_bytes=floor_bytes,
+            floor_bytes = (benchmarking.weight_bytes(target, target_config, batch)
+                           + benchmarking.kv_bytes(target_config, batch, context)) / parallel
+            row.update(ar_step_ms=batch / ar_tok_s * 1e3, ar_tok_s=ar_tok_s, floor_bytes=floor_bytes,
                        prefill_ms=t_prefill * 1e3)
             row.update(component_times(target, drafters, batch, int(context), num_draft, cache_size))
             for method in methods:
                 t_draft = row[f"t_draft_{method}_s"]
                 for tau in taus:
-                    spec = SpecConfig(method=spec_method(method), num_speculative_tokens=num_draft,
-                                      rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
-                    proposer = build_proposer(spec, greedy, cache_size, drafters[method])
-                    bound = proposer.bind(drafters[method], target)
-                    spec_run = lambda a: speculative_loop(target, bound, *a, proposer=proposer, eos_token_ids=())
                     # As for autoregressive: the full run minus a one-token run (same program).
-                    t_spec_one, t_spec = timed(lambda: spec_run(one_args)), timed(lambda: spec_run(run_args))
-                    generated = float(jnp.sum(spec_run(run_args).decode.num_generated))
-                    spec_tok_s = (generated - batch) / (t_spec - t_spec_one)
+                    spec_tok_s, _ = tokens_per_s(speculative_run(target, drafters[method], synthetic_spec(
+                        method, tau, num_draft), cache_size), run_args, one_args)
                     bound_tok_s = batch * tau / (row["t_verify_s"] + num_draft * t_draft)
                     row[f"{method}_tau{tau}_tok_s"] = spec_tok_s
                     row[f"{method}_tau{tau}_bound_tok_s"] = bound_tok_s

@@ -1,6 +1,7 @@
-"""Measurement helpers for the benchmark scripts: timing jitted functions, the device's copy
-bandwidth (the memory ceiling, measured in the same run it is compared against), and writing
-results as JSON plus a markdown table that name the device, versions, shapes and dtypes."""
+"""Measurement helpers for the benchmark scripts and `specjax speed`: model shapes to time at, building
+random models on the device, timing jitted functions, the bytes a decode step must read and the
+device's copy bandwidth (the memory ceiling, measured in the same run it is compared against), and
+writing results as JSON plus a markdown table that name the device, versions, shapes and dtypes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,57 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.config import ModelConfig
+
+BF16 = dict(param_dtype="bfloat16", dtype="bfloat16")
+SHAPES = {  # name: (target, draft LM)
+    "8b": (ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, intermediate_size=14336, max_position_embeddings=131072, rope_theta=500000.0,
+                       **BF16),
+           ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                       head_dim=64, intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
+                       tie_word_embeddings=True, **BF16)),
+    "tiny": (ModelConfig(vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=128, **BF16),
+             ModelConfig(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                         intermediate_size=64, tie_word_embeddings=True, **BF16)),
+}
+
+
+def on_device(make):
+    """A module built by make() with its parameters created on the device (no host copy of 16 GB)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(make))
+    state = jax.jit(lambda: nnx.split(make())[1])()
+    return nnx.merge(graphdef, state)
+
+
+def weight_bytes(module, config: ModelConfig, batch: int) -> int:
+    """Bytes of parameters one decode step reads: an untied embedding table contributes B rows."""
+    leaves = jax.tree.leaves(nnx.state(module, nnx.Param))
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    if not config.tie_word_embeddings:
+        total -= config.vocab_size * config.hidden_size * jnp.dtype(config.param_dtype).itemsize
+        total += batch * config.hidden_size * jnp.dtype(config.param_dtype).itemsize
+    return total
+
+
+def kv_bytes(config: ModelConfig, batch: int, context: float) -> float:
+    """Bytes of the KV cache a decode step reads: every layer's keys and values of `context` tokens a row."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize * context * batch
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Median wall time of fn() (compiled before), waiting for the device."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def time_call(fn: Callable, *args, calls_per_sample: int = 10, samples: int = 15, warmup: int = 2) -> dict:

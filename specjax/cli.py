@@ -135,6 +135,22 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speed(args: argparse.Namespace) -> int:
+    from specjax import speed
+
+    skipped = speed.skip_reason(args.shape)
+    if skipped:
+        print(skipped)
+        return 0
+    batches = tuple(int(b) for b in args.batches.split(","))
+    rows, meta = speed.speed_table(args.shape, batches, args.prompt_len, args.new_tokens, args.acceptance_length,
+                                   args.num_speculative_tokens, args.drafter)
+    print(speed.markdown(rows, meta), end="")
+    if args.output:
+        print("wrote", *speed.write(rows, meta, args.output))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("config", type=Path, help=f"a {'RunConfig' if name == 'run' else 'SweepConfig'} YAML")
         command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
         command.set_defaults(run=function)
+    speed = commands.add_parser("speed", help="decoding speed at Llama-3.1-8B's shapes (random weights, synthetic "
+                                "acceptance; GPU only): autoregressive, speculative, the HBM floor")
+    speed.add_argument("--shape", default="8b", choices=("8b", "tiny"), help="model shapes (tiny: for tests)")
+    speed.add_argument("--batches", default="1", help="comma-separated batch sizes (default: 1)")
+    speed.add_argument("--prompt-len", type=int, default=128)
+    speed.add_argument("--new-tokens", type=int, default=128)
+    speed.add_argument("--acceptance-length", type=float, default=4.0,
+                       help="synthetic mean acceptance length tau (tokens committed a step, at most K + 1)")
+    speed.add_argument("--num-speculative-tokens", type=int, default=5, help="K, tokens drafted a step")
+    speed.add_argument("--drafter", default="eagle", help="eagle | eagle_fr | eagle3 | draft_model")
+    speed.add_argument("--output", default=None, help="also write speed_<shape>.json and .md into this folder")
+    speed.set_defaults(run=_speed)
     return parser
 
 

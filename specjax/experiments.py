@@ -49,7 +49,7 @@ class RunConfig:
     seed: int = 0
     # Compute dtype of target and drafter (None: the checkpoints'). float32 by default: in bfloat16 the
     # verify pass over K + 1 positions and the one-token autoregressive pass round differently, and
-    # a near-tie in the logits can then flip a greedy token (seen on the default models: 1 row in 16).
+    # a near-tie in the logits can then flip a greedy token (how often: docs/performance.md).
     dtype: str | None = "float32"
     # Devices (specjax.sharding): None runs on one device; e.g. {data: 1, model: 2} splits the models.
     mesh: MeshConfig | None = None
@@ -191,7 +191,7 @@ class Runner:
         baseline_key = (config.target, config.dtype, json.dumps(prompts), config.max_new_tokens, config.sampling,
                         config.mesh)
         # float32 runs multiply in float32: GPUs otherwise take float32 products in TF32, whose rounding
-        # flips greedy near-ties between the verify pass and the one-token pass (seen: 1 row in 32).
+        # flips greedy near-ties between the verify pass and the one-token pass (docs/performance.md).
         precision = "float32" if config.dtype == "float32" else None
         if baseline_key not in self._baselines:
             self._baselines[baseline_key] = self._timed(precision, **common)

@@ -2,14 +2,19 @@
 transformer.attention."""
 
 import functools
+import importlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fixture_dir, positions_like
 
 from specjax.config import ModelConfig
-from specjax.models.transformer import attention
+from specjax.models import hf
+from specjax.models.transformer import attention, to_decoding_layout
+from specjax.pallas_kernels import decode_attention as attention_kernel
 from specjax.pallas_kernels.decode_attention import decode_attention
 
 
@@ -106,3 +111,50 @@ def test_the_kernel_lowers_through_triton_for_cuda(lower_for_cuda, num_new, num_
     kernel = functools.partial(decode_attention, interpret=False, num_splits=num_splits)
     module = lower_for_cuda(kernel, *args, jax.ShapeDtypeStruct((batch, num_new), jnp.int32))
     assert "__gpu$xla.gpu.triton" in module
+
+
+@pytest.fixture
+def fresh_availability():
+    """decode_attention.available() checked anew: its answer and its probe's compiled kernel are cached."""
+    attention_kernel.available.cache_clear()
+    jax.clear_caches()
+    yield
+    attention_kernel.available.cache_clear()
+
+
+def test_the_kernel_is_available_where_its_lowering_is(fresh_availability):
+    assert attention_kernel.available()  # interpreted on the CPU, through the Triton lowering's store
+
+
+@pytest.mark.parametrize("missing", ["lowering", "compile"])
+def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypatch, fresh_availability, missing):
+    """The GPU's default layout (built here on any backend): with Pallas' Triton lowering hidden (its
+    import fails) or its compile failing, every layer attends through XLA, one warning says why, and the
+    model computes what the XLA attention path computes."""
+    stacked = hf.load(fixture_dir("llama_gqa"))
+
+    def broken_compile(**options):
+        raise RuntimeError("triton compile failed")
+
+    with monkeypatch.context() as patch, pytest.warns(RuntimeWarning) as records:
+        patch.setattr(jax, "default_backend", lambda: "gpu")
+        if missing == "lowering":
+            patch.setitem(sys.modules, attention_kernel.TRITON, None)
+        else:
+            patch.setattr(importlib.import_module(attention_kernel.TRITON), "CompilerParams", broken_compile)
+        models = [to_decoding_layout(stacked), to_decoding_layout(stacked)]  # the check runs once
+    fallbacks = [str(r.message) for r in records if "attend through XLA" in str(r.message)]
+    assert len(fallbacks) == 1, [str(r.message) for r in records]
+    assert ("ModuleNotFoundError" if missing == "lowering" else "triton compile failed") in fallbacks[0]
+    assert not any(layer.attention_kernel for model in models for layer in model.layers)
+    xla = to_decoding_layout(stacked, attention_kernel=False)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, stacked.config.vocab_size, (2, 5)))
+    outputs = []
+    for model in (models[0], xla):
+        cache, logits = model.create_cache(2, 16), []
+        for start in range(0, 5, 2):  # a prefill, then cached steps of T = 2 and 1
+            chunk = tokens[:, start:start + 2]
+            out, _, cache = model(chunk, positions_like(chunk) + start, cache)
+            logits.append(np.asarray(out))
+        outputs.append(np.concatenate(logits, axis=1))
+    np.testing.assert_array_equal(outputs[0], outputs[1])

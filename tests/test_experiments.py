@@ -127,3 +127,9 @@ def test_a_bad_grid_key_is_named(models, tmp_path):
     with pytest.raises(ConfigError, match=r"sweep.yaml: grid key 'spec.num_draft_tokens': SpecConfig has no field "
                                           r"'num_draft_tokens': allowed \["):
         load_sweep(path)
+
+
+def test_the_8b_speed_table_is_skipped_off_gpus_with_a_reason(capsys):
+    assert cli.main(["speed", "--output", "unused"]) == 0
+    assert capsys.readouterr().out == ("8b-shaped speed table skipped: it needs a GPU (backend here: cpu); "
+                                       "`specjax speed` on a GPU shows where speculation pays\n")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from conftest import fixture_dir, positions_like
 
-from specjax.models import hf
+from specjax.models import hf, transformer
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import DecodingLayer, for_decoding, to_decoding_layout
+from specjax.models.transformer import DecodingLayer, for_decoding, layer_weight_bytes, to_decoding_layout
 
 PROMPT_LENGTHS = (5, 9, 2)
 DECODE_STEPS = 7
@@ -107,9 +107,16 @@ def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_ker
 
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
-def test_the_decoding_layout_is_taken_on_gpus_only(monkeypatch, backend):
+def test_the_decoding_layout_is_taken_on_gpus_for_large_layers_only(monkeypatch, backend):
     model = hf.load(fixture_dir("llama_gqa"))
+    c = model.config
+    # A Llama layer: q/k/v, output, gate/up/down, two norms.
+    layer_params = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + \
+        c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    assert layer_weight_bytes(model) == layer_params * np.dtype(c.param_dtype).itemsize
     monkeypatch.setattr("jax.default_backend", lambda: backend)
+    assert for_decoding(model) is model  # too small to gain from it, on any backend
+    monkeypatch.setattr(transformer, "DECODING_LAYOUT_MIN_LAYER_BYTES", layer_weight_bytes(model))
     if backend == "gpu":
         assert isinstance(for_decoding(model, 2).layers[0], DecodingLayer)
     else:  # the stacked model as is

@@ -6,14 +6,13 @@ returns a new cache, so the model (an NNX module, hence a pytree) goes straight 
 `lax.scan`, which keeps compile time flat in depth and lines the weights up with the cache's layer axis.
 
 Decoding wants another layout: on the GPU, XLA copies each layer's slice of a stacked weight into a
-buffer of its own before the matrix product reads it (measured at Llama-3.1-8B shapes, batch 1: 164
-copies a step, 54% of the step's time; `scripts/profile_decode.py`), so a memory-bound decode step
-would read every weight three times. `to_decoding_layout(model)` gives the same model in the decoding layout
-(`DecodingLayer`: per-layer arrays, q/k/v and gate/up fused, decode steps writing the cache and
-attending through the Pallas kernel `pallas_kernels.decode_attention` on a GPU), run as a Python loop
-over layers: `experiments.load_models` and `specjax generate` decode with it on GPUs
-(`for_decoding`), the GPU benchmarks always; training, checkpoints and converters keep the stacked
-layout.
+buffer of its own before the matrix product reads it, so a memory-bound decode step would read every
+weight three times (docs/performance.md). `to_decoding_layout(model)` gives the same model in the
+decoding layout (`DecodingLayer`: per-layer arrays, q/k/v and gate/up fused, decode steps writing the
+cache and attending through the Pallas kernel `pallas_kernels.decode_attention` on a GPU), run as a
+Python loop over layers: `for_decoding` takes it where it pays (GPUs, layers large enough), and
+`experiments.load_models` and `specjax generate` decode through `for_decoding`; training, checkpoints
+and converters keep the stacked layout.
 
 Dimension names in shapes and einsum strings: B batch, T new tokens, S cache slots, D hidden size,
 H query heads, K key/value heads, G query heads per KV head (H = K * G), E head dim, F MLP width,
@@ -335,8 +334,7 @@ def unembed(final_hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_
 class DecodingLayer(nnx.Module):
     """One layer's weights in the decoding layout (see to_decoding_layout): no layer axis, and q, k, v in one
     weight and the MLP's gate and up in another, so a decode step makes four matrix products a layer
-    instead of seven; each small product leaves part of the memory bandwidth unused (measured at
-    Llama-3.1-8B shapes, batch 1: seven products 5.10 ms a step, four 3.78 ms, floor 3.79 ms).
+    instead of seven (each small product leaves part of the memory bandwidth unused).
 
     The fused weights are shard-major for `model_shards` devices on the model axis: wqkv is
     [D, M, H/M + 2 K/M, E] and w_gate_up [D, M, 2, F/M], so that splitting their M axis (specjax.sharding)
@@ -345,17 +343,19 @@ class DecodingLayer(nnx.Module):
 
     attention_kernel: decode steps and verification blocks write the cache and attend through the
     Pallas kernel pallas_kernels.decode_attention, which reads only the filled cache, instead of XLA's
-    cache writes and six kernels over all of it. By default on GPUs for a layout made for one
-    device; on a mesh of several devices (GSPMD cannot split a kernel's call) and with a cache of
-    another dtype than the model's, the attention stays in XLA."""
+    cache writes and six kernels over all of it. By default on GPUs for a layout made for one device,
+    where the kernel compiles (decode_attention.available(): else XLA, with one warning); on a mesh of
+    several devices (GSPMD cannot split a kernel's call) and with a cache of another dtype than the
+    model's, the attention stays in XLA."""
 
     def __init__(self, layers: StackedLayers, index: int, config: ModelConfig, model_shards: int = 1,
                  attention_kernel: bool | None = None):
         c = config
         divides = all(n % model_shards == 0 for n in (c.num_heads, c.num_kv_heads, c.intermediate_size))
         M = model_shards if divides else 1
-        self.attention_kernel = (jax.default_backend() == "gpu" and M == 1) if attention_kernel is None \
-            else attention_kernel
+        if attention_kernel is None:
+            attention_kernel = jax.default_backend() == "gpu" and M == 1 and decode_attention.available()
+        self.attention_kernel = attention_kernel
         take = lambda w: None if w is None else w[...][index]  # noqa: E731
         # attn_norm is None in EAGLE-1's head layer.
         self.attn_norm, self.attn_norm_bias = _optional(take(layers.attn_norm)), _optional(take(layers.attn_norm_bias))
@@ -402,13 +402,28 @@ def to_decoding_layout(model: Transformer, model_shards: int = 1, attention_kern
     return split
 
 
+# Per-layer weight bytes from which the decoding layout pays on a GPU in compile time as well as in step
+# time; below, its faster steps do not win back its slower compile in a short run (docs/performance.md).
+DECODING_LAYOUT_MIN_LAYER_BYTES = 32 << 20
+
+
+def layer_weight_bytes(module) -> int:
+    """Bytes of one decoder layer's weights (the mean over the module's stacked layers; 0 with none)."""
+    stacks = [node for _, node in nnx.iter_graph(module) if isinstance(node, StackedLayers)]
+    leaves = [leaf for stack in stacks for leaf in jax.tree.leaves(nnx.state(stack, nnx.Param))]
+    layers = sum(stack.wo.shape[0] for stack in stacks)
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves) // max(layers, 1)
+
+
 def for_decoding(module, model_shards: int = 1, convert=to_decoding_layout):
-    """convert(module, model_shards) on GPUs, where it pays (2.5x faster 8B-shaped decode steps);
-    elsewhere the module as is: on the CPU the Python loop over layers costs compile time (the demo
-    sweep: 30 s against 20) for a gain not measured, and on TPUs, where scans over stacked weights are
-    the usual practice, it is unmeasured. convert: to_decoding_layout for a Transformer, eagle.head_to_decoding_layout for
-    an EAGLE head."""
-    return convert(module, model_shards) if jax.default_backend() == "gpu" else module
+    """convert(module, model_shards) where the decoding layout pays, else the module as is.
+
+    The rule: on GPUs, layers of 32 MiB of weights or more (DECODING_LAYOUT_MIN_LAYER_BYTES; docs/performance.md).
+    Smaller models (the bundled ones) and other backends keep the stacked layout: it compiles faster,
+    and on TPUs, where scans over stacked weights are the usual practice, the layout is unmeasured.
+    convert: to_decoding_layout for a Transformer, eagle.head_to_decoding_layout for an EAGLE head."""
+    pays = jax.default_backend() == "gpu" and layer_weight_bytes(module) >= DECODING_LAYOUT_MIN_LAYER_BYTES
+    return convert(module, model_shards) if pays else module
 
 
 def num_parameters(module: nnx.Module) -> int:

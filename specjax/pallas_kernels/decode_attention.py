@@ -1,18 +1,11 @@
 """A few new tokens' cache write and attention against the KV cache, reading only its filled part (Pallas).
 
 A decode step (T = 1) or a verification block (T = K + 1) writes its keys and values to the cache and
-attends to every cache slot up to its own. XLA runs that as two cache writes (with a bounds check
-each) and six attention kernels a layer (the scores product, the mask, two softmax reductions, a
-convert, the values product) over all S_max slots; here it is one kernel over the filled slots (and a
-small combine when the slots are split; scripts/profile_decode.py times both, variants attention*).
-The new keys and values enter as inputs: a program merges the ones falling in its blocks into what it
-reads from the cache and writes them there, so no program needs another's writes. Writing the cache
-here rather than in XLA (its two writes, their bounds check and the queries' padding were five kernels
-a layer, now one that lays q, k and v out for this one) took the 8B-shaped decode step from 4.42 to
-4.37 ms at batch 1 and from 4.57 to 4.49 at batch 16, but from 5.58 to 5.69 at batch 64, where the
-new keys and values padded to the queries' 16 rows cost more bytes than the kernels saved
-(benchmarks/results/profile/decode_loop_ab_cache_write.md). Carrying them at T rows instead, merged by
-T selects, was slower still at every batch (+9% at batch 64; decode_loop_ab_kv_rows.md).
+attends to every cache slot up to its own. XLA runs that as two cache writes and six attention kernels
+a layer over all S_max slots; here it is one kernel over the filled slots (and a small combine when the
+slots are split). The new keys and values enter as inputs: a program merges the ones falling in its
+blocks into what it reads from the cache and writes them there, so no program needs another's writes.
+What that saves, and where it costs (large batches), is in docs/performance.md.
 
 Flash-decoding: the grid is (row b, KV head, slot split j). A program takes the G query heads of its
 KV head for all T new tokens as one [T * G, E] block of rows (padded to the 16 rows a tensor-core
@@ -20,35 +13,31 @@ product needs) and walks its split's blocks of cache slots with an online softma
 it writes the normalised output; with several, each writes its partial output, running max and
 running sum, and a combine weighs the splits by exp(max - overall max). Splits buy parallelism at
 the cost of that second pass: the default takes enough of them for TARGET_PROGRAMS programs and for
-no program to walk more than MAX_BLOCKS blocks (measured in the 8B-shaped decode loop, prompt 128,
-on two H200s alike to 1%: at batch 1 a step takes 4.41 ms with 8 splits, 4.52 with one and 4.52
-with XLA's attention; at batch 16, 4.57 ms with one, 4.64 with 8 and 4.80 with XLA's;
-benchmarks/results/profile/decode_loop_ab.md). Split boundaries are fixed by the shapes alone (never
-by the fill level), so T = 1 and T = K + 1 sum the same blocks in the same order (the split figures
-above predate the cache write). A row's result then agrees to rounding however many tokens attend with
-it (tested), but not always bit for bit: a decode step's 16-row block and a verification block's 32
-rows (K = 5, G = 4) are products, and combines, of different shapes, which may round differently. At
-the 8B shape in float32 they differed by one ulp in 4 of 4 cases compiled on an H200 and in 1 of 4
-interpreted on the CPU; in bfloat16 the outputs were identical in all 8
-(scripts/decode_attention_rounding.py, benchmarks/results/decode_attention_rounding_*.md). XLA's weight
-products of 1 and K + 1 rows differ in the same way, so greedy speculative decoding equals greedy
-autoregressive decoding up to near-ties.
+no program to walk more than MAX_BLOCKS blocks (the measured choice: docs/performance.md). Split
+boundaries are fixed by the shapes alone (never by the fill level), so T = 1 and T = K + 1 sum the
+same blocks in the same order: a row's result agrees to rounding however many tokens attend with it
+(tested), though not always bit for bit, since a decode step's and a verification block's row blocks
+are products of different shapes. XLA's weight products of 1 and K + 1 rows differ in the same way, so
+greedy speculative decoding equals greedy autoregressive decoding up to near-ties.
 
-Lowered through Pallas' Triton backend, which JAX 0.12 deprecates (Mosaic GPU is its recommended GPU
-backend, but needs a warpgroup-level rewrite for products this small); off the GPU the kernel runs
-in Pallas' interpret mode, which is what the CPU tests check against KVCache.write and
-transformer.attention, and they lower it for CUDA to catch what Triton cannot lower.
+Lowered through Pallas' Triton backend, which JAX deprecates (Mosaic GPU, its recommended GPU backend,
+would need a warpgroup-level rewrite for products this small). `available()` says whether that
+lowering is there and compiles the kernel; where it does not, the models attend through XLA
+(transformer.DecodingLayer), with one warning. Off the GPU the kernel runs in Pallas' interpret mode,
+which is what the CPU tests check against KVCache.write and transformer.attention; they also lower it
+for CUDA to catch what Triton cannot lower.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas.triton import store as _store  # a masked store (interpret mode runs it too)
 from jaxtyping import Array, Float, Int
 
 BLOCK_SLOTS = 64  # cache slots per step of a program's loop
@@ -58,6 +47,9 @@ TARGET_PROGRAMS = 128  # about one per multiprocessor of an H100 / H200 (132)
 MAX_BLOCKS = 8  # blocks one program walks at most
 NUM_WARPS = 4
 _MASKED = -1e30  # finite, so that exp(_MASKED - _MASKED) of a fully masked split is no NaN
+
+
+TRITON = "jax.experimental.pallas.triton"  # the lowering's module (its masked store runs in interpret mode too)
 
 
 def fits(num_new: int, num_query_groups: int) -> bool:
@@ -72,6 +64,7 @@ def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest
     rest: the running max and sum refs when there are several splits (out_ref is then partial), then
     the cache outputs (the caches' own buffers)."""
     *split_refs, k_out_ref, v_out_ref = rest
+    store = importlib.import_module(TRITON).store  # a masked store
     q = q_ref[...]  # [M, E]
     new_k, new_v = new_k_ref[...], new_v_ref[...]  # [M, E]: row t is new token t, rows >= T zero
     slots = slots_ref[...]  # [M]; padding rows hold -1 and see nothing
@@ -109,7 +102,7 @@ def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest
                 picked = jax.lax.dot_general(pick, new, contract_rows, precision=precision,
                                              preferred_element_type=jnp.float32).astype(cached.dtype)
                 merged = jnp.where(is_new, picked, cached)
-                _store(out_ref.at[pl.ds(offset, block), :], merged, mask=jnp.broadcast_to(is_new, merged.shape))
+                store(out_ref.at[pl.ds(offset, block), :], merged, mask=jnp.broadcast_to(is_new, merged.shape))
                 return merged
 
             return merge(k, new_k, k_out_ref), merge(v, new_v, v_out_ref)
@@ -187,11 +180,8 @@ def decode_attention(q: Float[Array, "B T H E"], k_new: Float[Array, "B T K E"],
     row_slots = jnp.pad(jnp.repeat(query_slots.astype(jnp.int32), groups, axis=1), ((0, 0), (0, padded - rows)),
                         constant_values=-1)
 
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        compiler_params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+    compiler_params = None if interpret else importlib.import_module(TRITON).CompilerParams(
+        num_warps=NUM_WARPS, num_stages=2)
     kernel = functools.partial(_kernel, block=block, blocks_per_split=blocks_per_split, num_slots=num_slots,
                                num_new=num_new, sliding_window=sliding_window, scale=1.0 / math.sqrt(head_dim))
     row_block = pl.BlockSpec((None, None, None, padded), lambda b, h, j: (b, h, j, 0))
@@ -230,3 +220,22 @@ def decode_attention(q: Float[Array, "B T H E"], k_new: Float[Array, "B T K E"],
         out = results[0][:, :, 0]
     out = out[:, :, :rows].reshape(batch, num_kv, num_new, groups, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(batch, num_new, num_heads, head_dim).astype(q.dtype), k_cache, v_cache
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs on this backend: Pallas' Triton lowering imports, and a small instance
+    compiles and runs (compiled on a GPU, interpreted elsewhere). Checked once a process, when a layout
+    that would use the kernel is built (transformer.DecodingLayer), so no step pays for it; False
+    comes with one warning, and the models then attend through XLA."""
+    try:
+        importlib.import_module(TRITON)
+        q = jnp.zeros((1, 1, 2, 64), jnp.float32)
+        new, cache = jnp.zeros((1, 1, 1, 64), jnp.float32), jnp.zeros((1, BLOCK_SLOTS, 1, 64), jnp.float32)
+        jax.block_until_ready(jax.jit(decode_attention)(q, new, new, cache, cache, jnp.zeros((1, 1), jnp.int32)))
+    except Exception as error:  # noqa: BLE001 (an import, lowering or compile error: each means no kernel)
+        warnings.warn(f"the Pallas decode-attention kernel is not available here ({type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}); the models attend through XLA "
+                      "instead (transformer.attention), which is slower on GPUs", RuntimeWarning, stacklevel=2)
+        return False
+    return True

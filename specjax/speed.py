@@ -1,0 +1,178 @@
+"""Decoding speed at a released model's shapes: autoregressive against speculative decoding, on one device.
+
+    specjax speed [--shape 8b] [--batches 1,16] [--prompt-len 128] [--new-tokens 128]
+        [--acceptance-length 4] [--num-speculative-tokens 5] [--output DIR]
+
+Random weights and synthetic acceptance: the target has Llama-3.1-8B's shapes and the drafter those
+of its EAGLE-1 head, with random bfloat16 weights (speed does not depend on their values), and the
+verifier accepts a set mean of tau tokens a step (rejection_sample_method 'synthetic'). The table says
+what speculation at that acceptance buys on this device against the HBM floor of autoregressive
+decoding; it says nothing about text. The bundled models are too small for that: their steps are
+bound by kernel launches, not by reading weights. 8B shapes need a GPU; elsewhere the table is
+skipped with a line saying so (`--shape tiny` runs anywhere, for tests).
+
+scripts/bench_decode.py builds on these pieces for its batch, prompt-length and drafter sweeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import benchmarking
+from specjax.config import ModelConfig, SamplingConfig, SpecConfig
+from specjax.decoding import decode_loop, pad_request, speculative_loop
+from specjax.models.eagle import EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle
+from specjax.models.transformer import init_model, to_decoding_layout
+from specjax.proposers.base import build_proposer
+
+DRAFTERS = {"eagle": "EAGLE-1 head", "eagle_fr": "EAGLE-1 head over 32000 draft ids (FR-Spec)",
+            "eagle3": "EAGLE-3 head", "draft_model": "Llama-3.2-1B-shaped draft LM"}  # name: what it is at 8b
+GREEDY = SamplingConfig()
+
+
+def spec_method(drafter: str) -> str:
+    """The SpecConfig method of a drafter in DRAFTERS (eagle_fr is EAGLE-1 over a draft vocabulary)."""
+    return "eagle" if drafter == "eagle_fr" else drafter
+
+
+def build_target(config: ModelConfig, model_shards: int = 1):
+    """A random target of these shapes on the device, in the decoding layout (as for_decoding gives
+    large models on a GPU) for model_shards on the mesh's model axis."""
+    return to_decoding_layout(benchmarking.on_device(lambda: init_model(config, seed=0)), model_shards)
+
+
+def build_drafter(drafter: str, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1):
+    """A random drafter in DRAFTERS for the target, on the device in the decoding layout: an EAGLE-1 head
+    (eagle), the same head over a 32000-token draft vocabulary (eagle_fr, FR-Spec: a draft step reads
+    those rows of the target's LM head), an EAGLE-3 head with its own LM head over a 32000-token draft
+    vocabulary, as released for Llama-3.1-8B (eagle3), or a draft LM of draft_config (draft_model)."""
+    if drafter == "draft_model":
+        return to_decoding_layout(benchmarking.on_device(lambda: init_model(draft_config, seed=1)), model_shards)
+    layer = dataclasses.replace(target_config, num_layers=1)
+    draft_vocab = min(32000, target_config.vocab_size)
+    heads = {"eagle": EagleConfig(layer=layer, version=1),
+             # The first draft_vocab ids: speed does not depend on which.
+             "eagle_fr": EagleConfig(layer=layer, version=1, draft_vocab_size=draft_vocab),
+             "eagle3": EagleConfig(layer=layer, version=3, draft_vocab_size=draft_vocab,
+                                   fuse_layers=default_fuse_layers(target_config.num_layers))}
+    if drafter not in heads:
+        raise ValueError(f"drafter {drafter!r} is unknown: allowed {', '.join(DRAFTERS)}")
+    return head_to_decoding_layout(benchmarking.on_device(lambda: init_eagle(heads[drafter], seed=2)), model_shards)
+
+
+def cache_size_for(prompt_len: int, new_tokens: int, num_draft: int) -> int:
+    """Cache slots for a prompt, its new tokens and a last verification block, in multiples of 128."""
+    return -(-(prompt_len + new_tokens + num_draft + 1) // 128) * 128
+
+
+def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahead: int, cache_size: int):
+    """decode_loop's array arguments for `batch` random prompts of prompt_len tokens (seeded by the shape)."""
+    rng = np.random.default_rng(batch * 7919 + prompt_len)
+    prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
+    request = pad_request(model, prompts, new_tokens, 0, cache_size, lookahead)
+    return (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+
+
+def synthetic_spec(drafter: str, tau: float, num_draft: int) -> SpecConfig:
+    """K = num_draft drafts a step, of which the verifier accepts a mean of tau (synthetic acceptance)."""
+    return SpecConfig(method=spec_method(drafter), num_speculative_tokens=num_draft,
+                      rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
+
+
+def autoregressive_run(target, cache_size: int):
+    """run(args) -> the final DecodeState of greedy autoregressive decoding of generation_args."""
+    return lambda args: decode_loop(target, *args, sampling=GREEDY, eos_token_ids=(), cache_size=cache_size)
+
+
+def speculative_run(target, weights, spec: SpecConfig, cache_size: int):
+    """run(args) -> the final DecodeState of greedy speculative decoding with the drafter's weights."""
+    proposer = build_proposer(spec, GREEDY, cache_size, weights)
+    bound = proposer.bind(weights, target)
+    return lambda args: speculative_loop(target, bound, *args, proposer=proposer, eos_token_ids=()).decode
+
+
+def tokens_per_s(run, run_args, one_args) -> tuple[float, float]:
+    """(tokens a second past each row's first, seconds of the one-token run): the full run's time
+    minus that of a run of one new token a row (the same program: prefill and dispatch cancel)."""
+    t_one, t_full = benchmarking.timed(lambda: run(one_args)), benchmarking.timed(lambda: run(run_args))
+    generated = float(jnp.sum(run(run_args).num_generated))
+    return (generated - run_args[0].shape[0]) / (t_full - t_one), t_one
+
+
+def floor_tokens_per_s(target, batch: int, context: float, bandwidth: float, model_shards: int = 1) -> float:
+    """Autoregressive tokens/s at the HBM floor: a step reads the target's weights and the KV cache at
+    `context` tokens a row (each device its 1 / model_shards) at `bandwidth` bytes/s."""
+    config = target.config
+    step_bytes = (benchmarking.weight_bytes(target, config, batch) + benchmarking.kv_bytes(config, batch, context))
+    return batch * bandwidth * model_shards / step_bytes
+
+
+COLUMNS = [("B", "batch"), ("ar_tok_s", "AR tok/s"), ("floor_tok_s", "HBM floor tok/s"),
+           ("ar_of_floor", "AR / floor"), ("spec_tok_s", "speculative tok/s"), ("speedup", "speedup")]
+
+
+def speed_table(shape: str = "8b", batches=(1,), prompt_len: int = 128, new_tokens: int = 128, tau: float = 4.0,
+                num_draft: int = 5, drafter: str = "eagle") -> tuple[list[dict], dict]:
+    """(rows, meta): autoregressive and speculative tokens/s and the HBM floor at each batch size."""
+    target_config, draft_config = benchmarking.SHAPES[shape]
+    target = build_target(target_config)
+    weights = build_drafter(drafter, target_config, draft_config)
+    cache_size = cache_size_for(prompt_len, new_tokens, num_draft)
+    autoregressive = autoregressive_run(target, cache_size)
+    speculative = speculative_run(target, weights, synthetic_spec(drafter, tau, num_draft), cache_size)
+    copy_bytes = (2 << 30) if shape == "8b" else (16 << 20)  # several times the L2 of a GPU; tiny: quick
+    bandwidths = [benchmarking.copy_bandwidth(copy_bytes)]
+    rows = []
+    for batch in batches:
+        run_args, one_args = (generation_args(target, batch, prompt_len, n, num_draft + 1, cache_size)
+                              for n in (new_tokens, 1))
+        ar_tok_s, _ = tokens_per_s(autoregressive, run_args, one_args)
+        spec_tok_s, _ = tokens_per_s(speculative, run_args, one_args)
+        rows.append({"B": batch, "prompt": prompt_len, "new": new_tokens, "ar_tok_s": ar_tok_s,
+                     "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / ar_tok_s})
+    bandwidths.append(benchmarking.copy_bandwidth(copy_bytes))
+    for row in rows:  # against the higher of the bandwidths measured before and after: the lower floor
+        row["floor_tok_s"] = floor_tokens_per_s(target, row["B"], prompt_len + new_tokens / 2, max(bandwidths))
+        row["ar_of_floor"] = row["ar_tok_s"] / row["floor_tok_s"]
+    meta = {**benchmarking.environment(), "shape": shape, "weights": "random bfloat16",
+            "acceptance": f"synthetic, mean {tau:g} of K = {num_draft}", "drafter": drafter,
+            "prompt": prompt_len, "new_tokens": new_tokens, "copy_bandwidth_TBps": round(max(bandwidths) / 1e12, 3)}
+    return rows, meta
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    """The table with a heading that says what it is: random weights, synthetic acceptance."""
+    target = benchmarking.SHAPES[meta["shape"]][0]
+    lines = [f"{meta['shape']}-shaped decoding speed: RANDOM weights, SYNTHETIC acceptance (speed only, no text)",
+             f"- target: {target.num_layers} layers, hidden {target.hidden_size}, vocabulary {target.vocab_size}"
+             f"{' (Llama-3.1-8B)' if meta['shape'] == '8b' else ''}, {meta['weights']} weights; drafter: "
+             f"{DRAFTERS[meta['drafter']]}, "
+             f"{meta['acceptance']} drafts accepted a step",
+             f"- greedy, prompt {meta['prompt']}, {meta['new_tokens']} new tokens; {meta['device']}, JAX "
+             f"{meta['jax']}; HBM floor: the bytes an autoregressive step reads over the copy bandwidth "
+             f"measured here ({meta['copy_bandwidth_TBps']} TB/s)", "",
+             "| " + " | ".join(header for _, header in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row[key]:.2f}" if key in ("ar_of_floor", "speedup") else
+                                       f"{row[key]:.0f}" for key, _ in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def skip_reason(shape: str) -> str | None:
+    """Why the table is not run here (None: it is)."""
+    if shape != "tiny" and jax.default_backend() != "gpu":
+        return (f"{shape}-shaped speed table skipped: it needs a GPU (backend here: {jax.default_backend()}); "
+                "`specjax speed` on a GPU shows where speculation pays")
+    return None
+
+
+def write(rows: list[dict], meta: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    """out_dir/speed_<shape>.json and .md."""
+    return benchmarking.write_results(f"speed_{meta['shape']}", rows, [("prompt", "prompt"), ("new", "new"),
+                                                                         *COLUMNS], meta, out_dir)
