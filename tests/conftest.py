@@ -11,6 +11,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # the training tests compare runs exactly: the suite asks for XLA's deterministic ops, a GPU option
 # (the CPU is deterministic anyway). The CLI runs those tests start inherit it.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+# On the CPU the suite compiles hundreds of small programs, and compiling dominates its time: XLA's CPU
+# backend at optimization level 0 (LLVM's; the HLO passes run as always) compiles them about twice as
+# fast. XLA_FLAGS naming a level keep it (docs/testing.md).
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
