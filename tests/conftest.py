@@ -1,4 +1,6 @@
-"""Shared test helpers. Tests run on the CPU in float32 so that parity tolerances mean something."""
+"""Shared test helpers: fixtures, the exact-distribution machinery of the losslessness tests, the
+models and requests that several test files decode with, and the drafters of tests/test_lossless.py.
+Tests run on the CPU in float32 so that parity tolerances mean something."""
 
 import os
 
@@ -9,7 +11,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # the training tests compare runs exactly: the suite asks for XLA's deterministic ops, a GPU option
 # (the CPU is deterministic anyway). The CLI runs those tests start inherit it.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+# On the CPU the suite compiles hundreds of small programs, and compiling dominates its time: XLA's CPU
+# backend at optimization level 0 (LLVM's; the HLO passes run as always) compiles them about twice as
+# fast. XLA_FLAGS naming a level keep it (docs/testing.md).
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -24,6 +33,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from specjax.config import ModelConfig, SamplingConfig, SpecConfig  # noqa: E402
+from specjax.decoding import generate, pad_request  # noqa: E402
+from specjax.models import hf  # noqa: E402
+from specjax.models.eagle import EagleConfig, init_eagle, with_draft_vocabulary  # noqa: E402
+from specjax.models.medusa import MedusaConfig, init_medusa  # noqa: E402
+from specjax.models.transformer import init_model  # noqa: E402
+from specjax.proposers import build_proposer  # noqa: E402
+from specjax.verify.sampling import processed_probs  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_FIXTURES = sorted(p.name for p in (FIXTURES / "hf").iterdir() if p.is_dir())
 
@@ -77,8 +96,6 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0):
     from specjax.config import ModelConfig
     from specjax.data.tokenizer import train_bpe_tokenizer
     from specjax.models import hf
-    from specjax.models.transformer import init_model
-
     tokenizer = train_bpe_tokenizer(CODE_TEXT, vocab_size=300)
     config = ModelConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          head_dim=8, intermediate_size=64, init_std=0.3)
@@ -106,3 +123,163 @@ def lower_for_cuda(monkeypatch):
         return exported.mlir_module()
 
     return lower
+
+
+# ------------------------------------------------------------------------------------- jaxpr walks
+
+def equations(jaxpr, depth=0):
+    """(equation, nesting depth) for every equation, descending into sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield eqn, depth
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner, depth + 1)
+
+
+def primitives(jaxpr) -> list[tuple[str, int]]:
+    """(primitive name, nesting depth) for every equation, descending into sub-jaxprs."""
+    return [(eqn.primitive.name, depth) for eqn, depth in equations(jaxpr)]
+
+
+def speculative_loop_args(target, drafter, prompts, max_new_tokens, spec: SpecConfig, sampling: SamplingConfig,
+                          eos_token_ids=()):
+    """(args, static keyword arguments) of `decoding.speculative_loop` for a request, as generate builds
+    them (the proposer without drafter-specific settings)."""
+    request = pad_request(target, prompts, max_new_tokens, lookahead=spec.num_speculative_tokens + 1)
+    args = (target, drafter, jnp.asarray(request.tokens), jnp.asarray(request.lengths),
+            jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+    return args, dict(proposer=build_proposer(spec, sampling, request.cache_size),
+                      eos_token_ids=tuple(eos_token_ids))
+
+
+# ------------------------------------------------------------------- the target, drafts and requests
+
+EOS = 7
+
+
+def perturbed(model, scale: float, seed: int = 0):
+    """The model with Gaussian noise on every weight: a draft that agrees with it often, not always."""
+    leaves, treedef = jax.tree.flatten(model)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+@functools.cache
+def target_and_drafts():
+    """The llama_gqa fixture and two draft models for it: "perturbed" (close) and "unrelated"."""
+    target = hf.load(fixture_dir("llama_gqa"))
+    return target, {"perturbed": perturbed(target, 0.01), "unrelated": hf.load(fixture_dir("llama_mha_tied"))}
+
+
+@functools.cache
+def ragged_requests():
+    """56 ragged prompts of 1-20 tokens and budgets of 1-24 tokens (some rows stop at EOS)."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, rng.integers(1, 21)).tolist() for _ in range(56)]
+    budgets = rng.integers(1, 25, len(prompts)).tolist()
+    return prompts, budgets
+
+
+@functools.cache
+def repeating_requests():
+    """20 ragged requests, every other prompt a repeated block: n-gram lookup finds drafts in them."""
+    rng = np.random.default_rng(0)
+    prompts = []
+    for row in range(20):
+        if row % 2:  # repeats, so that many drafts come from the prompt
+            block = rng.integers(0, 128, rng.integers(2, 7)).tolist()
+            prompts.append((block * 8)[:rng.integers(len(block) + 1, 21)])
+        else:
+            prompts.append(rng.integers(0, 128, rng.integers(1, 21)).tolist())
+    return prompts, rng.integers(1, 33, len(prompts)).tolist()
+
+
+REQUESTS = {"ragged": ragged_requests, "ragged16": lambda: tuple(x[:16] for x in ragged_requests()),
+            "repeating": repeating_requests}
+
+
+@functools.cache
+def autoregressive_outputs(requests: str = "ragged"):
+    """The target's greedy autoregressive output for REQUESTS[requests], stopping at EOS."""
+    prompts, budgets = REQUESTS[requests]()
+    return generate(target_and_drafts()[0], prompts, max_new_tokens=budgets, eos_token_ids=[EOS])
+
+
+# ------------------------------------------------------------------------------- exact distribution
+
+TINY = ModelConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                   intermediate_size=32, init_std=0.6)
+PROMPT = [1, 5, 2]
+NUM_ROWS = 131_072  # >= 100k samples, one batch
+NUM_TOKENS = 3
+
+
+@functools.cache
+def tiny_pair():
+    """A target and a draft model over 8 token ids, whose first three tokens can be enumerated."""
+    return init_model(TINY, seed=1), init_model(TINY, seed=2)
+
+
+def exact_joint(model, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) of the target alone, from full forwards over every continuation."""
+    vocab = TINY.vocab_size
+    contexts = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+    positions = jnp.broadcast_to(jnp.arange(contexts.shape[1]), contexts.shape)
+    logits, _, _ = model(jnp.asarray(contexts), positions)
+    probs = np.asarray(processed_probs(logits, sampling), np.float64).reshape(vocab, vocab, len(prompt) + 2, vocab)
+    p1 = probs[0, 0, len(prompt) - 1]
+    p2 = probs[:, 0, len(prompt)]  # [t1, t2]
+    p3 = probs[:, :, len(prompt) + 1]  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig, drafter, prompt: list[int] = PROMPT):
+    """Counts of the first NUM_TOKENS tokens over NUM_ROWS rows (one batch) from the tiny target."""
+    result = generate(tiny_pair()[0], [prompt] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sampling,
+                      seeds=np.arange(NUM_ROWS), cache_size=32, spec=spec, drafter=drafter)
+    assert (result.num_generated == NUM_TOKENS).all()
+    codes = np.ravel_multi_index(result.tokens.T, (TINY.vocab_size,) * NUM_TOKENS)
+    return np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS), result.metrics
+
+
+# ------------------------------------------------------------------------------------------ drafters
+
+def eagle_config(target_config, version, **kwargs):
+    layer = dataclasses.replace(target_config, num_layers=1, init_std=0.1)
+    if version == 3:
+        kwargs.setdefault("fuse_layers", (0, 1, 2))
+    return EagleConfig(layer=layer, version=version, **kwargs)
+
+
+HEADS = {"eagle": dict(version=1), "eagle3": dict(version=3, draft_vocab_size=100)}
+# FR-Spec: the "eagle" head drafting from half the target's 128 ids; the target's greedy output has
+# tokens outside them too (checked in the greedy test).
+FR_IDS = np.arange(0, 128, 2)
+METHOD = {"eagle": "eagle", "eagle3": "eagle3", "eagle_fr": "eagle"}  # head name -> SpecConfig.method
+
+
+@functools.cache
+def head_for(name):
+    """An EAGLE head for target_and_drafts()'s target: "eagle", "eagle3" or "eagle_fr"."""
+    if name == "eagle_fr":
+        return with_draft_vocabulary(head_for("eagle"), FR_IDS)
+    target, _ = target_and_drafts()
+    return init_eagle(eagle_config(target.config, **HEADS[name]), seed=3)
+
+
+def with_random_blocks(heads, scale: float, seed: int = 0):
+    """The heads with Gaussian residual blocks: zero blocks plus the copied LM head make every head
+    repeat the target's next token; random ones make the heads disagree."""
+    w_key, b_key = jax.random.split(jax.random.key(seed))
+    heads.block_w.set_value(scale * jax.random.normal(w_key, heads.block_w.shape))
+    heads.block_b.set_value(scale * jax.random.normal(b_key, heads.block_b.shape))
+    return heads
+
+
+def medusa_for(model, num_heads: int, num_layers: int = 1, scale: float = 0.0, shared: bool = False):
+    config = MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=model.config.hidden_size,
+                          vocab_size=model.config.vocab_size, shared_lm_head=shared)
+    return with_random_blocks(init_medusa(config, model), scale)
+

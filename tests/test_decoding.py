@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue, fixture_dir, golden
+from conftest import chi_square_pvalue, fixture_dir, golden, primitives
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import decode_loop, generate, pad_request
@@ -76,17 +76,6 @@ def test_rows_stop_at_their_own_budget_and_eos():
     assert result.tokens.shape == (3, 12) and not result.tokens[0, first_eos[0] + 1:].any()
 
 
-def _primitives(jaxpr, depth=0):
-    """(primitive name, nesting depth) for every equation, descending into sub-jaxprs."""
-    for eqn in jaxpr.eqns:
-        yield eqn.primitive.name, depth
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _primitives(inner, depth + 1)
-
-
 def _loop_args(model, prompts, max_new_tokens):
     request = pad_request(model, prompts, max_new_tokens)
     keys = jax.vmap(jax.random.key)(jnp.asarray(request.seeds))
@@ -99,7 +88,7 @@ def test_generation_is_one_program_with_one_while_loop_and_no_host_callback():
     model = hf.load(fixture_dir("llama_gqa"))
     args, static = _loop_args(model, [[1, 2, 3], [4] * 9], 10)
     jaxpr = jax.make_jaxpr(functools.partial(decode_loop, **static))(*args)
-    prims = list(_primitives(jaxpr.jaxpr))
+    prims = primitives(jaxpr.jaxpr)
     (outer_jit,) = [name for name, depth in prims if depth == 0]  # everything inside one jitted call
     assert outer_jit in ("pjit", "jit")
     loops = [name for name, depth in prims if name == "while" and depth == 1]

@@ -5,13 +5,13 @@ and the GPU sweep config is a valid grid."""
 import json
 
 import pytest
+from conftest import REPO
 
 from specjax import cli, default_models
 from specjax.config import ConfigError, SpecConfig
 from specjax.decoding import generate
 from specjax.experiments import RunConfig, load_models, load_prompts, load_sweep
 from specjax.proposers import PROPOSERS
-from test_experiments import REPO
 
 METHODS = ["draft_model", "eagle", "eagle3", "medusa", "ngram"]
 

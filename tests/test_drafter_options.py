@@ -1,12 +1,12 @@
 """Drafter options that apply across drafters: a draft with its own tokenizer (heterogeneous
-vocabularies, vLLM's TLI) and the draft KV cache dtype."""
+vocabularies, vLLM's TLI) and the draft KV cache dtype (greedy equality and lossless sampling with a
+float8 draft cache: tests/test_lossless.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue
-from test_speculative import exact_joint, speculative_joint_counts, target_and_drafts, tiny_pair
+from conftest import target_and_drafts
 
 from specjax.config import ConfigError, ModelConfig, SamplingConfig, SpecConfig
 from specjax.data.tokenizer import train_bpe_tokenizer
@@ -102,25 +102,6 @@ def test_a_float8_draft_cache_takes_half_the_memory_of_bfloat16():
     fp8, bf16, inherited = draft_cache("float8_e4m3fn"), draft_cache("bfloat16"), draft_cache(None)
     assert fp8.k.dtype == jnp.float8_e4m3fn and bf16.k.dtype == jnp.bfloat16 and inherited.k.dtype == jnp.float32
     assert fp8.k.nbytes + fp8.v.nbytes == (bf16.k.nbytes + bf16.v.nbytes) // 2
-
-
-def test_greedy_output_is_unchanged_with_a_float8_draft_cache():
-    from test_speculative import EOS, autoregressive_outputs, ragged_requests
-
-    target, drafts = target_and_drafts()
-    prompts, budgets = ragged_requests()
-    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], drafter=drafts["perturbed"],
-                      spec=SpecConfig(num_speculative_tokens=4, kv_cache_dtype="float8_e4m3fn"))
-    assert result.sequences() == autoregressive_outputs().sequences()
-    assert result.metrics.summary()["mean_acceptance_length"] > 1.5  # the fp8 draft still drafts well
-
-
-def test_sampling_with_a_float8_draft_cache_is_lossless():
-    sampling = SamplingConfig(temperature=1.0)
-    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="block", draft_sample_method="probabilistic",
-                      kv_cache_dtype="float8_e4m3fn")
-    counts, _ = speculative_joint_counts(spec, sampling)
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-3
 
 
 def test_an_unknown_cache_dtype_is_refused():

@@ -1,20 +1,17 @@
-"""EAGLE-1 and EAGLE-3 drafting: greedy output identical to autoregressive, lossless sampling,
-drafts that are what the head computes from the committed pairs, public checkpoint layouts, and
-refusals. "eagle_fr" is the EAGLE-1 head with a reduced draft vocabulary (FR-Spec): drafts only from
-it, still lossless."""
+"""EAGLE-1 and EAGLE-3 drafting: drafts that are what the head computes from the committed pairs,
+the decoding layout, public checkpoint layouts, and refusals. "eagle_fr" is the EAGLE-1 head with a
+reduced draft vocabulary (FR-Spec): drafts only from it. Greedy equality and lossless sampling of
+every head: tests/test_lossless.py."""
 
 import dataclasses
-import functools
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue
+from conftest import FR_IDS, HEADS, METHOD, TINY, eagle_config, head_for, ragged_requests, target_and_drafts
 from safetensors.numpy import load_file
-from test_speculative import (TINY, exact_joint, ragged_requests, speculative_joint_counts,
-                              target_and_drafts, tiny_pair)
 
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
@@ -24,44 +21,6 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import init_model
 from specjax.proposers import build_proposer
 from specjax.proposers.base import Context, TargetOutput
-
-
-def eagle_config(target_config, version, **kwargs):
-    layer = dataclasses.replace(target_config, num_layers=1, init_std=0.1)
-    if version == 3:
-        kwargs.setdefault("fuse_layers", (0, 1, 2))
-    return EagleConfig(layer=layer, version=version, **kwargs)
-
-
-HEADS = {"eagle": dict(version=1), "eagle3": dict(version=3, draft_vocab_size=100)}
-# FR-Spec: the "eagle" head drafting from half the target's 128 ids; the target's greedy output has
-# tokens outside them too (checked in the greedy test).
-FR_IDS = np.arange(0, 128, 2)
-METHOD = {"eagle": "eagle", "eagle3": "eagle3", "eagle_fr": "eagle"}  # head name -> SpecConfig.method
-
-
-@functools.cache
-def head_for(name):
-    if name == "eagle_fr":
-        return with_draft_vocabulary(head_for("eagle"), FR_IDS)
-    target, _ = target_and_drafts()
-    return init_eagle(eagle_config(target.config, **HEADS[name]), seed=3)
-
-
-@pytest.mark.parametrize("num_draft", [1, 4])
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
-def test_greedy_output_is_identical_to_autoregressive(name, num_draft):
-    from test_speculative import EOS, autoregressive_outputs
-
-    target, _ = target_and_drafts()
-    prompts, budgets = ragged_requests()
-    head = head_for(name)
-    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], drafter=head,
-                      spec=SpecConfig(method=METHOD[name], num_speculative_tokens=num_draft))
-    expected = autoregressive_outputs().sequences()
-    assert result.sequences() == expected
-    if head.draft_to_target is not None:  # the target emits tokens the head can never draft
-        assert {t for row in expected for t in row} - set(np.asarray(head.draft_to_target[...]).tolist())
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
@@ -104,52 +63,6 @@ def test_first_draft_is_the_heads_output_on_every_committed_pair(method):
     out, _ = head(sequence[:, 1:], features, positions, KVCache.create(head.config.layer, 1, 16), params.embed)
     logits = proposer.logits(params, out[:, -1])
     assert int(drafts[0, 0]) == int(jnp.argmax(logits[0]))
-
-
-def tiny_head(name):
-    """A head for the tiny target of the exact-distribution tests (test_speculative.tiny_pair)."""
-    kwargs = dict(HEADS[METHOD[name]])
-    if name == "eagle3":
-        kwargs["draft_vocab_size"] = 6  # a reduced draft vocabulary: two target ids never drafted
-        kwargs["fuse_layers"] = (0, 1, 1)  # the tiny target has one layer
-    head = init_eagle(eagle_config(TINY, **kwargs), seed=4)
-    return with_draft_vocabulary(head, [1, 2, 4, 7]) if name == "eagle_fr" else head  # half the 8 ids
-
-
-SAMPLED_SPEC = SpecConfig(num_speculative_tokens=2, rejection_sample_method="block",
-                          draft_sample_method="probabilistic")
-
-
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
-def test_sampling_with_eagle_is_lossless(name):
-    target, _ = tiny_pair()
-    sampling = SamplingConfig(temperature=1.0)
-    spec = dataclasses.replace(SAMPLED_SPEC, method=METHOD[name])
-    counts, metrics = speculative_joint_counts(spec, sampling, drafter=tiny_head(name))
-    assert 0 < metrics.summary()["acceptance_rate"] < 1
-    assert chi_square_pvalue(counts, exact_joint(target, sampling)) > 1e-3
-
-
-def test_negative_control_draft_probabilities_not_zero_outside_the_draft_vocabulary_fail(monkeypatch):
-    """The same check catches a reduced-vocabulary drafter whose reported q does not match its draws:
-    tokens from the draft vocabulary, q half spread over every target id."""
-    import specjax.proposers.eagle as eagle_proposer
-
-    draw = eagle_proposer.draw_draft_tokens
-
-    def mislabelled(logits, keys, settings):
-        tokens, probs = draw(logits, keys, settings)
-        return tokens, 0.5 * probs + 0.5 / probs.shape[-1]
-
-    monkeypatch.setattr(eagle_proposer, "draw_draft_tokens", mislabelled)
-    sampling = SamplingConfig(temperature=1.0)
-    jax.clear_caches()  # the loop is traced again with the patch, and that program is not kept for other tests
-    try:
-        counts, _ = speculative_joint_counts(dataclasses.replace(SAMPLED_SPEC, method="eagle"), sampling,
-                                             drafter=tiny_head("eagle_fr"))
-    finally:
-        jax.clear_caches()
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) < 1e-6
 
 
 @pytest.mark.parametrize("tied", [False, True])

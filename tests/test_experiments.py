@@ -7,11 +7,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import write_tiny_checkpoint
+from conftest import REPO, write_tiny_checkpoint
 
 from specjax import cli
 from specjax.config import ConfigError
@@ -19,7 +18,6 @@ from specjax.experiments import TIMING_FIELDS, load_run, load_sweep
 from specjax.models import hf
 from specjax.models.eagle import EagleConfig, init_eagle, save_eagle
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["def add(", "for item in", "total +=", "def sub(a, b):", "return a"]
 
 

@@ -1,5 +1,5 @@
-"""Medusa heads: greedy output identical to autoregressive, the feature each draft reads, exact output
-distribution when sampling, checkpoints in the public Medusa layout, and refusals."""
+"""Medusa heads: the feature each draft reads, a shared LM head, checkpoints in the public Medusa
+layout, and refusals. Greedy equality and lossless sampling: tests/test_lossless.py."""
 
 import functools
 import json
@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue, fixture_dir, positions_like
+from conftest import fixture_dir, medusa_for, positions_like
 from safetensors.numpy import save_file
-from test_speculative import exact_joint, speculative_joint_counts, tiny_pair
 
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
@@ -22,40 +21,12 @@ from specjax.proposers import TargetOutput, build_proposer
 from specjax.proposers.base import Context
 
 
-def with_random_blocks(heads, scale: float, seed: int = 0):
-    """The heads with Gaussian residual blocks: zero blocks plus the copied LM head make every head
-    repeat the target's next token; random ones make the heads disagree."""
-    w_key, b_key = jax.random.split(jax.random.key(seed))
-    heads.block_w.set_value(scale * jax.random.normal(w_key, heads.block_w.shape))
-    heads.block_b.set_value(scale * jax.random.normal(b_key, heads.block_b.shape))
-    return heads
-
-
 @functools.cache
 def target():
     return hf.load(fixture_dir("llama_gqa"))
 
 
-def medusa_for(model, num_heads: int, num_layers: int = 1, scale: float = 0.0, shared: bool = False):
-    config = MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=model.config.hidden_size,
-                          vocab_size=model.config.vocab_size, shared_lm_head=shared)
-    return with_random_blocks(init_medusa(config, model), scale)
-
-
-# ------------------------------------------------------------------------------------------- greedy
-
-@pytest.mark.parametrize("num_draft", [1, 3])
-def test_greedy_medusa_output_is_identical_to_autoregressive(num_draft):
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 128, rng.integers(1, 21)).tolist() for _ in range(20)]
-    budgets = rng.integers(1, 25, len(prompts)).tolist()
-    expected = generate(target(), prompts, max_new_tokens=budgets, eos_token_ids=[7])
-    result = generate(target(), prompts, max_new_tokens=budgets, eos_token_ids=[7],
-                      spec=SpecConfig(method="medusa", num_speculative_tokens=num_draft),
-                      drafter=medusa_for(target(), num_heads=3, num_layers=2, scale=0.05))
-    assert result.sequences() == expected.sequences()
-    assert 0 < result.metrics.summary()["acceptance_rate"] < 1
-
+# ------------------------------------------------------------------------------------------- drafts
 
 @pytest.mark.parametrize("shared", [False, True], ids=["own_projection", "shared_lm_head"])
 def test_drafts_read_the_feature_that_drew_the_newest_token(shared):
@@ -95,20 +66,6 @@ def test_shared_lm_head_equals_a_copied_one(fixture):
     own, shared = medusa_for(model, 2, scale=0.3), medusa_for(model, 2, scale=0.3, shared=True)
     hidden = jax.random.normal(jax.random.key(2), (4, model.config.hidden_size))
     np.testing.assert_allclose(own(hidden), shared(hidden, LMHead.of(model)), rtol=1e-5, atol=1e-5)
-
-
-# ------------------------------------------------------------------------------ exact distribution
-
-@pytest.mark.parametrize("method", ["standard", "block"])
-def test_probabilistic_medusa_sampling_is_lossless(method):
-    tiny_target = tiny_pair()[0]
-    heads = medusa_for(tiny_target, num_heads=2, scale=0.5)
-    sampling = SamplingConfig(temperature=1.0)
-    spec = SpecConfig(method="medusa", num_speculative_tokens=2, rejection_sample_method=method,
-                      draft_sample_method="probabilistic")
-    counts, metrics = speculative_joint_counts(spec, sampling, drafter=heads)
-    assert 0 < metrics.summary()["acceptance_rate"] < 1  # both paths taken
-    assert chi_square_pvalue(counts, exact_joint(tiny_target, sampling)) > 1e-3
 
 
 # ------------------------------------------------------------------------------------- checkpoints

@@ -1,6 +1,6 @@
-"""N-gram prompt lookup (method "ngram"): the lookup on hand-made buffers, greedy output identical to
-autoregressive, high acceptance where the target's continuation is in the context, exact output
-distribution when sampling, one compiled program, and refusals."""
+"""N-gram prompt lookup (method "ngram"): the lookup on hand-made buffers, high acceptance where the
+target's continuation is in the context, one compiled program, and refusals. Greedy equality and
+lossless sampling: tests/test_lossless.py."""
 
 import functools
 
@@ -8,12 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue, fixture_dir
-from test_decoding import _primitives
-from test_speculative import NUM_ROWS, NUM_TOKENS, TINY, exact_joint, tiny_pair
+from conftest import fixture_dir, primitives, speculative_loop_args
 
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
-from specjax.decoding import generate, pad_request, speculative_loop
+from specjax.decoding import generate, speculative_loop
 from specjax.models import hf
 from specjax.proposers import Context, build_proposer
 
@@ -88,35 +86,6 @@ def test_a_draft_without_a_match_is_rejected_and_the_target_token_emitted():
     np.testing.assert_array_equal(result.metrics.accepted, 0)
 
 
-# ----------------------------------------------------------------------------- greedy = autoregressive
-
-EOS = 7
-
-
-@functools.cache
-def ragged_requests():
-    rng = np.random.default_rng(0)
-    prompts = []
-    for row in range(20):
-        if row % 2:  # repeats, so that many drafts come from the prompt
-            block = rng.integers(0, 128, rng.integers(2, 7)).tolist()
-            prompts.append((block * 8)[:rng.integers(len(block) + 1, 21)])
-        else:
-            prompts.append(rng.integers(0, 128, rng.integers(1, 21)).tolist())
-    return prompts, rng.integers(1, 33, len(prompts)).tolist()
-
-
-@pytest.mark.parametrize("num_draft, lookup_min, lookup_max", [(2, 1, 3), (5, 2, 4)])
-def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, lookup_min, lookup_max):
-    prompts, budgets = ragged_requests()
-    expected = generate(target(), prompts, max_new_tokens=budgets, eos_token_ids=[EOS])
-    result = generate(target(), prompts, max_new_tokens=budgets, eos_token_ids=[EOS],
-                      spec=ngram_spec(num_draft, lookup_min, lookup_max))
-    assert result.sequences() == expected.sequences()
-    np.testing.assert_array_equal(result.stopped_by_eos, expected.stopped_by_eos)
-    assert result.metrics.accepted.sum() > 0
-
-
 # -------------------------------------------------------------------------------------- repetition
 
 @pytest.mark.parametrize("num_draft, min_length", [(2, 2.5), (5, 4.5)])
@@ -139,34 +108,12 @@ def test_acceptance_is_high_when_the_continuation_is_in_the_context(num_draft, m
     assert result.metrics.summary()["mean_acceptance_length"] > min_length
 
 
-# --------------------------------------------------------------------------------- exact distribution
-
-REPEATING_PROMPT = [0, 0, 1] * 3  # the tiny target often continues it: a third of drafts accepted
-
-
-@pytest.mark.parametrize("method", ["standard", "block"])
-def test_ngram_sampling_is_lossless(method):
-    model, _ = tiny_pair()
-    sampling = SamplingConfig(temperature=1.0)
-    result = generate(model, [REPEATING_PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sampling,
-                      seeds=np.arange(NUM_ROWS), cache_size=32,
-                      spec=ngram_spec(2, 1, 3, rejection_sample_method=method))
-    assert (result.num_generated == NUM_TOKENS).all()
-    assert 0 < result.metrics.summary()["acceptance_rate"] < 1  # both paths taken
-    codes = np.ravel_multi_index(result.tokens.T, (TINY.vocab_size,) * NUM_TOKENS)
-    counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
-    assert chi_square_pvalue(counts, exact_joint(model, sampling, REPEATING_PROMPT)) > 1e-3
-
-
 # ------------------------------------------------------------------------------------- one program
 
 def test_ngram_generation_is_one_program_with_one_while_loop():
     spec, sampling = ngram_spec(3, 1, 3), SamplingConfig(temperature=0.8)
-    request = pad_request(target(), [[1, 2, 3], [4] * 9], 10, lookahead=4)
-    args = (target(), None, jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-            jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
-    static = dict(proposer=build_proposer(spec, sampling, request.cache_size), eos_token_ids=(2,))
-    prims = list(_primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args).jaxpr))
+    args, static = speculative_loop_args(target(), None, [[1, 2, 3], [4] * 9], 10, spec, sampling, eos_token_ids=(2,))
+    prims = primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args).jaxpr)
     assert [name for name, depth in prims if name == "while" and depth == 1] == ["while"]
     assert not [name for name, _ in prims if "callback" in name or "feed" in name]
 

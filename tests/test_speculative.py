@@ -1,167 +1,22 @@
-"""Speculative decoding in the loop: greedy output identical to autoregressive, exact output
-distribution when sampling (with a negative control), synthetic acceptance, metric identities, one
-compiled program, and refusals."""
+"""Speculative decoding in the loop: synthetic acceptance, metric identities, one compiled program,
+and refusals. Greedy equality and the exact output distribution of every drafter: tests/test_lossless.py."""
 
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue, fixture_dir
-from test_decoding import _primitives
+from conftest import (EOS, PROMPT, TINY, equations, primitives, ragged_requests, speculative_loop_args,
+                      target_and_drafts, tiny_pair)
 
-from specjax import verify as verify_registry
-from specjax.config import ConfigError, ModelConfig, SamplingConfig, SpecConfig
-from specjax.decoding import generate, pad_request, speculative_loop
-from specjax.models import hf
-from specjax.models.transformer import init_model, to_decoding_layout
-from specjax.proposers import build_proposer
-from specjax.verify import standard
-from specjax.verify.sampling import processed_probs
-
-
-def perturbed(model, scale: float, seed: int = 0):
-    """The model with Gaussian noise on every weight: a draft that agrees with it often, not always."""
-    leaves, treedef = jax.tree.flatten(model)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-
-
-@functools.cache
-def target_and_drafts():
-    target = hf.load(fixture_dir("llama_gqa"))
-    return target, {"perturbed": perturbed(target, 0.01), "unrelated": hf.load(fixture_dir("llama_mha_tied"))}
-
-
-@functools.cache
-def ragged_requests():
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 128, rng.integers(1, 21)).tolist() for _ in range(56)]
-    budgets = rng.integers(1, 25, len(prompts)).tolist()
-    return prompts, budgets
-
-
-EOS = 7
-
-
-@functools.cache
-def autoregressive_outputs():
-    target, _ = target_and_drafts()
-    prompts, budgets = ragged_requests()
-    return generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS])
-
-
-@pytest.mark.parametrize("num_draft", [1, 2, 4, 8])
-@pytest.mark.parametrize("draft_name", ["perturbed", "unrelated"])
-def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, draft_name):
-    target, drafts = target_and_drafts()
-    prompts, budgets = ragged_requests()
-    expected = autoregressive_outputs()
-    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS],
-                      spec=SpecConfig(num_speculative_tokens=num_draft), drafter=drafts[draft_name])
-    assert result.sequences() == expected.sequences()
-    np.testing.assert_array_equal(result.stopped_by_eos, expected.stopped_by_eos)
-    assert expected.stopped_by_eos.any()  # some rows end at an EOS inside a block
-    histogram = result.metrics.summary()["length_histogram"]
-    if draft_name == "perturbed":  # every acceptance length occurs, the all-accepted bonus path too
-        assert all(count > 0 for count in histogram), histogram
-
-
-def test_greedy_output_is_identical_with_the_attention_kernel():
-    """Target and draft in the decoding layout attending through the Pallas kernel (interpreted here):
-    the verification block (T = K + 1) and the decode step (T = 1) attend alike, so greedy speculative
-    output is the kernel's greedy autoregressive output."""
-    target, drafts = (to_decoding_layout(m, attention_kernel=True) for m in (target_and_drafts()[0],
-                                                                     target_and_drafts()[1]["perturbed"]))
-    prompts, budgets = (x[:16] for x in ragged_requests())
-    expected = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS])
-    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS],
-                      spec=SpecConfig(num_speculative_tokens=4), drafter=drafts)
-    assert result.sequences() == expected.sequences()
-    assert result.metrics.summary()["mean_acceptance_length"] > 1.5  # the draft agrees often: blocks are verified
-
-
-# ---------------------------------------------------------------------------------- exact distribution
-
-TINY = ModelConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                   intermediate_size=32, init_std=0.6)
-PROMPT = [1, 5, 2]
-NUM_ROWS = 131_072  # >= 100k samples, one batch
-NUM_TOKENS = 3
-
-
-@functools.cache
-def tiny_pair():
-    return init_model(TINY, seed=1), init_model(TINY, seed=2)
-
-
-def exact_joint(model, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> np.ndarray:
-    """P(t1, t2, t3 | prompt) of the target alone, from full forwards over every continuation."""
-    vocab = TINY.vocab_size
-    contexts = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-    positions = jnp.broadcast_to(jnp.arange(contexts.shape[1]), contexts.shape)
-    logits, _, _ = model(jnp.asarray(contexts), positions)
-    probs = np.asarray(processed_probs(logits, sampling), np.float64).reshape(vocab, vocab, len(prompt) + 2, vocab)
-    p1 = probs[0, 0, len(prompt) - 1]
-    p2 = probs[:, 0, len(prompt)]  # [t1, t2]
-    p3 = probs[:, :, len(prompt) + 1]  # [t1, t2, t3]
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig, drafter=None):
-    """Counts of the first NUM_TOKENS tokens over NUM_ROWS rows (one batch) from the tiny target,
-    drafted by the tiny draft model unless another drafter is given."""
-    target, draft = tiny_pair()
-    result = generate(target, [PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sampling,
-                      seeds=np.arange(NUM_ROWS), cache_size=32, spec=spec,
-                      drafter=draft if drafter is None else drafter)
-    assert (result.num_generated == NUM_TOKENS).all()
-    codes = np.ravel_multi_index(result.tokens.T, (TINY.vocab_size,) * NUM_TOKENS)
-    return np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS), result.metrics
-
-
-SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7),
-             SamplingConfig(temperature=1.0, top_k=5), SamplingConfig(temperature=1.0, top_p=0.8)]
-
-
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
-@pytest.mark.parametrize("method", ["standard", "block"])
-@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
-def test_speculative_sampling_is_lossless(method, draft_sample_method, sampling):
-    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method=method,
-                      draft_sample_method=draft_sample_method)
-    counts, metrics = speculative_joint_counts(spec, sampling)
-    assert 0 < metrics.summary()["acceptance_rate"] < 1  # both paths taken
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-3
-
-
-@pytest.mark.parametrize("sampling", SAMPLINGS[:3:2], ids=str)
-def test_speculative_sampling_is_lossless_with_the_pallas_kernel(sampling):
-    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="block",
-                      draft_sample_method="probabilistic", verify_impl="pallas")
-    counts, _ = speculative_joint_counts(spec, sampling)
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-3
-
-
-def accept_all(target_probs, draft_tokens, draft_probs, keys):
-    """Deliberately wrong: accepts every draft (then samples the bonus token from the target)."""
-    n = jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)
-    return n, standard.verify(target_probs, draft_tokens, draft_probs, keys)[1]
-
-
-def test_negative_control_a_verifier_that_accepts_everything_fails(monkeypatch):
-    monkeypatch.setitem(verify_registry.VERIFIERS, "accept_all", accept_all)
-    monkeypatch.setattr(verify_registry, "REJECTION_SAMPLE_METHODS", ("accept_all",))
-    sampling = SamplingConfig(temperature=1.0)
-    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="accept_all",
-                      draft_sample_method="probabilistic")
-    counts, _ = speculative_joint_counts(spec, sampling)
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) < 1e-6
+from specjax.config import ConfigError, SamplingConfig, SpecConfig
+from specjax.decoding import generate, speculative_loop
+from specjax.models.transformer import init_model
 
 
 # ------------------------------------------------------------------------------------------- synthetic
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [2.0, 3.3, 4.5])
 def test_synthetic_mean_acceptance_length_is_the_one_asked_for(length):
     target, draft = tiny_pair()
@@ -212,11 +67,9 @@ def test_speculative_generation_is_one_program_with_one_while_loop():
     sampling = SamplingConfig(temperature=0.8)
     spec = SpecConfig(num_speculative_tokens=3, rejection_sample_method="block",
                       draft_sample_method="probabilistic")
-    request = pad_request(target, [[1, 2, 3], [4] * 9], 10, lookahead=4)
-    args = (target, drafts["perturbed"], jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-            jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
-    static = dict(proposer=build_proposer(spec, sampling, request.cache_size), eos_token_ids=(2,))
-    prims = list(_primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args).jaxpr))
+    args, static = speculative_loop_args(target, drafts["perturbed"], [[1, 2, 3], [4] * 9], 10, spec, sampling,
+                                         eos_token_ids=(2,))
+    prims = primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args).jaxpr)
     assert [name for name, depth in prims if depth == 0] in (["pjit"], ["jit"])
     assert [name for name, depth in prims if name == "while" and depth == 1] == ["while"]
     assert not [name for name, _ in prims if "callback" in name or "feed" in name]
@@ -277,25 +130,9 @@ def _exp_output_widths(sampling: SamplingConfig) -> set[int]:
     """Last-axis sizes of every exp the speculative loop computes (softmax needs exp)."""
     target, drafts = target_and_drafts()
     spec = SpecConfig(num_speculative_tokens=3, draft_sample_method="probabilistic")
-    request = pad_request(target, [[1, 2, 3]], 10, lookahead=4)
-    args = (target, drafts["perturbed"], jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-            jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
-    loop = functools.partial(speculative_loop, proposer=build_proposer(spec, sampling, request.cache_size),
-                             eos_token_ids=())
-    widths = set()
-
-    def visit(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "exp":
-                widths.add(eqn.outvars[0].aval.shape[-1])
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (list, tuple)) else [param]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        visit(inner)
-
-    visit(jax.make_jaxpr(loop)(*args).jaxpr)
-    return widths
+    args, static = speculative_loop_args(target, drafts["perturbed"], [[1, 2, 3]], 10, spec, sampling)
+    jaxpr = jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args).jaxpr
+    return {eqn.outvars[0].aval.shape[-1] for eqn, _ in equations(jaxpr) if eqn.primitive.name == "exp"}
 
 
 def test_at_temperature_zero_nothing_over_the_vocabulary_is_exponentiated():

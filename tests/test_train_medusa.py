@@ -3,7 +3,7 @@ and draft losslessly, and they are accepted more often than the untrained heads.
 
 import numpy as np
 import pytest
-from test_training import CONFIG as LM_CONFIG
+from conftest import REPO
 
 from specjax.config import HeadTrainConfig, SpecConfig, TrainConfig, load_yaml
 from specjax.decoding import generate
@@ -14,7 +14,8 @@ from specjax.training.lm import train_lm
 from specjax.training.loop import read_metrics
 from specjax.training.medusa import train_medusa
 
-MEDUSA_CONFIG = LM_CONFIG.parent / "tiny_medusa.yaml"
+LM_CONFIG = REPO / "configs/train/tiny_lm.yaml"
+MEDUSA_CONFIG = REPO / "configs/train/tiny_medusa.yaml"
 
 
 @pytest.fixture(scope="module")

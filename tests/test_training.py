@@ -13,11 +13,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import REPO
 
 from specjax.config import ConfigError, TrainConfig, load_yaml
 from specjax.training.loop import CheckpointCorrupted, Checkpoints, read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs/train/tiny_lm.yaml"
 TOTAL_STEPS = 40
 
