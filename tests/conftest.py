@@ -2,6 +2,7 @@
 models and requests that several test files decode with, and the drafters of tests/test_lossless.py.
 Tests run on the CPU in float32 so that parity tolerances mean something."""
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -60,6 +61,26 @@ def positions_like(tokens) -> jnp.ndarray:
     """Positions 0..T-1 for every row of a [B, T] token array."""
     batch, length = tokens.shape
     return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+# One process running the whole suite (pytest without -n) compiles thousands of programs; JAX's caches
+# keep each one, and each XLA:CPU program holds a few memory mappings of its own. Past the kernel's
+# vm.max_map_count (65530 by default) the next compile segfaults inside XLA ("LLVM compilation error:
+# Cannot allocate memory"), in tests/test_train_eagle.py in a serial run. Clearing the caches after a
+# module, once the process holds half that many mappings, keeps it below; one module adds at most a
+# few thousand.
+MEMORY_MAPS, MAX_MAP_COUNT = Path("/proc/self/maps"), Path("/proc/sys/vm/max_map_count")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    yield
+    if MEMORY_MAPS.exists() and MAX_MAP_COUNT.exists():
+        with MEMORY_MAPS.open("rb") as maps:
+            count = maps.read().count(b"\n")
+        if count > int(MAX_MAP_COUNT.read_text()) // 2:
+            jax.clear_caches()
+            gc.collect()  # frees the executables held only by reference cycles now
 
 
 @pytest.fixture(params=HF_FIXTURES)
