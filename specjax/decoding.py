@@ -146,7 +146,7 @@ class SpecState:
 @functools.partial(jax.jit, static_argnames=("proposer", "eos_token_ids", "cache_dtype", "gather_logits"))
 def speculative_loop(
     model: Transformer,
-    drafter: Any,
+    draft_params: Any,
     prompt_tokens: Int[Array, "B T"],
     prompt_lengths: Int[Array, " B"],
     budgets: Int[Array, " B"],
@@ -159,7 +159,8 @@ def speculative_loop(
 ) -> SpecState:
     """Speculative prefill and decode as one program: each step proposes K drafts, scores the last
     committed token and the drafts in one target forward over K + 1 positions, verifies, commits
-    the accepted drafts plus one target token, and rolls both caches back by their lengths."""
+    the accepted drafts plus one target token, and rolls both caches back by their lengths.
+    draft_params: the drafter's weights as proposer.bind made them (the protocol's `params`)."""
     settings = proposer.settings
     sampling, num_draft = settings.sampling, settings.spec.num_speculative_tokens
     verifier = verifier_for(settings.spec, sampling)
@@ -172,7 +173,7 @@ def speculative_loop(
     rows = jnp.arange(batch)
     # The proposer sees each prompt followed by the prefill's token: tokens[b, :lengths[b]].
     committed = decode.tokens[:, :prompt_tokens.shape[1] + 1]
-    state = SpecState(decode=decode, proposer=proposer.init(drafter, committed, decode.lengths, target_out),
+    state = SpecState(decode=decode, proposer=proposer.init(draft_params, committed, decode.lengths, target_out),
                       counters=AcceptanceCounters.zeros(batch, num_draft))
 
     def step(state: SpecState) -> SpecState:
@@ -180,7 +181,7 @@ def speculative_loop(
         keys = jax.vmap(jax.random.fold_in)(step_keys, state.counters.steps)
         draft_keys, verify_keys = _split_streams(keys)
         context = Context(tokens=decode.tokens, lengths=decode.lengths)
-        draft_tokens, draft_probs, proposer_state = proposer.propose(drafter, state.proposer, context, draft_keys)
+        draft_tokens, draft_probs, proposer_state = proposer.propose(draft_params, state.proposer, context, draft_keys)
 
         last = decode.tokens[rows, decode.lengths - 1]
         block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1]
@@ -327,10 +328,10 @@ def generate(
             spec = dataclasses.replace(spec, rejection_sample_method="standard", verify_impl="auto")
         proposer = build_proposer(spec, sampling, request.cache_size, drafter)
         proposer.check(drafter, model.config)
-        drafter = proposer.bind(drafter, model)
+        draft_params = proposer.bind(drafter, model)
         if mesh is not None:
-            drafter = sharding.shard(drafter, mesh)
-        state = speculative_loop(model, drafter, *args, proposer=proposer, eos_token_ids=eos_token_ids,
+            draft_params = sharding.shard(draft_params, mesh)
+        state = speculative_loop(model, draft_params, *args, proposer=proposer, eos_token_ids=eos_token_ids,
                                  cache_dtype=cache_dtype, gather_logits=gather_logits)
     metrics = AcceptanceMetrics.from_counters(state.counters, request.batch_size)
     return dataclasses.replace(_result(state.decode, request, eos_token_ids), metrics=metrics)

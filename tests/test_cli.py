@@ -98,7 +98,7 @@ def test_a_bundled_drafter_folder_picks_its_method(autoregressive_text, capsys):
 def test_bad_methods_and_drafters_exit_with_a_message(checkpoint, capsys):
     folder, _ = checkpoint
     assert cli.main(["generate", "--method", "lookahead", "--prompt", "x"]) == 2
-    assert (f"specjax generate: error: method 'lookahead' is not a registered drafter: allowed one of "
+    assert (f"specjax generate: error: SpecConfig.method = 'lookahead' is invalid: allowed one of "
             f"{sorted(PROPOSERS)}") in capsys.readouterr().err
     assert cli.main(["generate", "--method", "ngram", "--draft", "default:draft", "--prompt", "x"]) == 2
     assert "--draft default:draft is invalid with --method ngram: that method has no weights" in capsys.readouterr().err

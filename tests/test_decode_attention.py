@@ -70,7 +70,7 @@ def test_a_rows_result_does_not_depend_on_the_tokens_beside_it(batch, num_heads,
     """The last token of a verification block gets what a decode step at its slot gets once the block's
     other tokens are in the cache, to rounding: split boundaries come from the shapes, not from the
     fill level, and a new token's key and value are the ones the cache holds. Not bit for bit: the
-    16- and 32-row blocks' products and combine may round differently (scripts/decode_attention_rounding.py
+    16- and 32-row blocks' products and combine may round differently (benchmarks/probes/decode_attention_rounding.py
     shows one float32 ulp at the 8B shape, interpreted on the CPU and compiled on the GPU)."""
     q, k_new, v_new, k_cache, v_cache, _ = _inputs(0, batch, 6, num_heads, num_kv, head_dim, num_slots)
     slots = jnp.asarray([[fill + t for t in range(6)] for fill in fills], jnp.int32)

@@ -45,7 +45,7 @@ def test_every_bundled_drafter_is_lossless_at_temperature_zero(target_and_prompt
 def test_unknown_default_names_are_refused():
     with pytest.raises(ValueError, match="default model 'eagle2' does not exist: allowed"):
         default_models.resolve("default:eagle2")
-    with pytest.raises(ConfigError, match=r"method 'lookahead' is not a registered drafter: allowed one of "
+    with pytest.raises(ConfigError, match=r"SpecConfig.method = 'lookahead' is invalid: allowed one of "
                                           r"\['draft_model', 'eagle', 'eagle3', 'medusa', 'ngram'\]"):
         load_models(default_models.TARGET, "lookahead")
 
