@@ -10,7 +10,8 @@ drafters in --methods: an EAGLE-1 head for the 8B shape (eagle), the same head d
 32000-token draft vocabulary (eagle_fr, FR-Spec: a draft step reads those 32000 rows of the target's LM
 head, gathered once per generation; method eagle), an EAGLE-3 head with its own LM head over a
 32000-token draft vocabulary, as released for Llama-3.1-8B (eagle3; a draft step then reads a quarter of
-the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model). For each batch size and prompt length
+the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model), a DFlash drafter of z-lab's 8B shape
+(dflash: 5 layers, block 16; one forward drafts all K). For each batch size and prompt length
 it reports:
 - autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
   remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
@@ -20,7 +21,8 @@ it reports:
   run, and by up to 8% between processes on the same GPU; the highest gives the lowest floor);
 - speculative tokens/s with synthetic acceptance at set mean lengths tau (K drafts), beside the
   analytic bound tau * T_AR / (T_verify(K + 1) + K * T_draft) from component times measured in the
-  same run (T_verify: one target forward over K + 1 positions; T_draft: one drafter step), and the
+  same run (T_verify: one target forward over K + 1 positions; T_draft: one drafter step; DFlash's
+  one step drafts all K, so its bound has T_draft once), and the
   speedup over autoregressive.
 With --model-parallel N the models are split over N GPUs and greedy tokens are compared with one
 GPU's; at a first difference the gap between the two tokens' logits (one GPU, full forward) says
@@ -40,6 +42,7 @@ import numpy as np
 
 from specjax import benchmarking, sharding
 from specjax.config import SamplingConfig, SpecConfig
+from specjax.models.transformer import Hidden, unembed
 from specjax.proposers.base import build_proposer
 from specjax.speed import (DRAFTERS, autoregressive_run, build_drafter, build_target, cache_size_for, generation_args,
                            spec_method, speculative_run, synthetic_spec, tokens_per_s)
@@ -67,6 +70,9 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
         if method == "draft_model":
             times["t_draft_draft_model_s"] = measure(forward, drafter, draft_cache, jnp.zeros((batch, 1), jnp.int32))
             continue
+        if method == "dflash":  # the whole block's drafts in one step: the pending features, then the block
+            times["t_draft_dflash_s"] = dflash_step(drafter, target, batch, context, num_draft)(draft_cache)
+            continue
         # One EAGLE draft step as the proposer runs it: the head's layer, then logits through the
         # target's LM head (EAGLE-1), its rows of the draft vocabulary (gathered in bind, outside the
         # timed loop, as once per generation: eagle_fr) or the head's own over its draft vocabulary (EAGLE-3).
@@ -81,6 +87,25 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
                                                jnp.zeros((batch, 1), jnp.int32),
                                                jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_dtype))
     return times
+
+
+def dflash_step(drafter, target, batch: int, context: int, num_draft: int):
+    """One DFlash propose as the proposer runs it, as a function of the drafter's cache: K + 1 pending
+    context features written, the block [anchor, K masks] through the layers, logits of the K drafts."""
+    cfg = target.config
+    hidden = Hidden(final=jnp.zeros((batch, num_draft + 1, cfg.hidden_size), cfg.jnp_dtype),
+                    layers=jnp.zeros((len(drafter.config.hidden_layers), batch, num_draft + 1, cfg.hidden_size),
+                                     cfg.jnp_dtype))
+    positions = context + jnp.broadcast_to(jnp.arange(num_draft + 1, dtype=jnp.int32), (batch, num_draft + 1))
+    embed, lm_head = target.embed[...], target.lm_head[...]
+
+    def step(drafter, cache):
+        cache = drafter.write_context(drafter.context(hidden), positions, cache).with_lengths(cache.lengths)
+        out, written = drafter(jnp.zeros((batch, num_draft + 1), jnp.int32), positions, cache, embed)
+        return unembed(out[:, 1:], embed, lm_head, cfg.jnp_dtype), (written.with_lengths(cache.lengths),)
+
+    return lambda cache: benchmarking.time_in_loop(step, drafter, cache, invariant=1, carry=True,
+                                                   iterations=10)["median_s"]
 
 
 def first_difference(model, got: np.ndarray, want: np.ndarray) -> tuple[int, float]:
@@ -155,7 +180,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--acceptance-lengths", default="4.0")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
-    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, eagle_fr, eagle3, draft_model")
+    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, eagle_fr, eagle3, draft_model, dflash")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="bench_decode")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -250,7 +275,9 @@ def main():
                     # As for autoregressive: the full run minus a one-token run (same program).
                     spec_tok_s, _ = tokens_per_s(speculative_run(target, drafters[method], synthetic_spec(
                         method, tau, num_draft), cache_size), run_args, one_args)
-                    bound_tok_s = batch * tau / (row["t_verify_s"] + num_draft * t_draft)
+                    # DFlash drafts the block in one forward; the chain drafters take K steps.
+                    draft_steps = 1 if method == "dflash" else num_draft
+                    bound_tok_s = batch * tau / (row["t_verify_s"] + draft_steps * t_draft)
                     row[f"{method}_tau{tau}_tok_s"] = spec_tok_s
                     row[f"{method}_tau{tau}_bound_tok_s"] = bound_tok_s
                     row[f"{method}_tau{tau}_of_bound"] = spec_tok_s / bound_tok_s

@@ -20,7 +20,7 @@ writes
 Needs torch, transformers, safetensors and numpy; torch is not part of the
 default specjax install, so run this from a separate virtual environment:
 
-    python scripts/make_hf_fixtures.py [--out tests/fixtures]
+    python scripts/make_hf_fixtures.py [--out tests/fixtures] [--only NAME ...]
 """
 
 import argparse
@@ -96,6 +96,12 @@ FIXTURES = {
         transformers.Qwen2Config,
         {**_LLAMA, "use_sliding_window": False},
         400,
+    ),
+    "qwen3": (
+        transformers.Qwen3ForCausalLM,
+        transformers.Qwen3Config,
+        {**_LLAMA, "head_dim": 24, "use_sliding_window": False},
+        700,
     ),
     "mistral": (
         transformers.MistralForCausalLM,
@@ -265,12 +271,17 @@ def make_fixture(name, spec, out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "tests" / "fixtures")
-    out = parser.parse_args().out
+    parser.add_argument("--only", nargs="+", choices=sorted(FIXTURES), help="make only these fixtures")
+    args = parser.parse_args()
+    out = args.out
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
     print(f"torch {torch.__version__}, transformers {transformers.__version__} -> {out}")
-    models = {name: make_fixture(name, spec, out) for name, spec in FIXTURES.items()}
+    models = {name: make_fixture(name, spec, out) for name, spec in FIXTURES.items()
+              if args.only is None or name in args.only}
     sharded, source = SHARDED
+    if source not in models:
+        return
     model, golden = models[source]
     save(sharded, model, golden, out, max_shard_size=SHARD_SIZE)
     assert (out / "hf" / sharded / "model.safetensors.index.json").exists()

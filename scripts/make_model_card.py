@@ -3,11 +3,14 @@
     PYTHONPATH=. python scripts/make_model_card.py --runs runs/default --out specjax/default_models
     PYTHONPATH=. python scripts/make_model_card.py --out specjax/default_models   # measure again only
 
+    PYTHONPATH=. python scripts/make_model_card.py --dflash-run runs/default/dflash --out specjax/default_models
+
 With --runs, copies the runs of scripts/train_default_models.sh (target/, draft/, medusa/, eagle1/,
-eagle3/) to --out, every model in bfloat16 (refusing more than --max-mb in all), the draft sharing the
-target's tokenizer. Then measures the installed models: the greedy mean acceptance length at K = 4 of
-each drafter on held-out prompts (the corpus split the target was trained with, tokenized again with
-its tokenizer), and writes MODEL_CARD.md and model_card.json there.
+eagle3/, dflash/) to --out, every model in bfloat16 (refusing more than --max-mb in all), the draft sharing
+the target's tokenizer; --dflash-run installs only a DFlash run. Then measures the installed models: the
+greedy mean acceptance length at K = 4 of each drafter, and DFlash's at K = 15 too, on held-out prompts
+(the corpus split the target was trained with, tokenized again with its tokenizer), and writes
+MODEL_CARD.md and model_card.json there.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from specjax import benchmarking
 from specjax.config import DataConfig, SpecConfig
 from specjax.data.dataset import prepare
 from specjax.models import hf
+from specjax.models.dflash import load_dflash, save_dflash
 from specjax.models.eagle import load_eagle, save_eagle
 from specjax.models.medusa import load_medusa, save_medusa
 from specjax.models.transformer import num_parameters
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
 
-HEADS = {"medusa": "medusa/heads", "eagle1": "eagle1/head", "eagle3": "eagle3/head"}  # installed name: run folder
+# installed name: run folder
+HEADS = {"medusa": "medusa/heads", "eagle1": "eagle1/head", "eagle3": "eagle3/head", "dflash": "dflash/drafter"}
 
 
 def folder_mb(path: Path) -> float:
@@ -50,7 +55,14 @@ def install(runs: Path, out: Path, max_mb: float) -> None:
     for kind in ("eagle1", "eagle3"):
         save_eagle(load_eagle(runs / HEADS[kind], target.config), out / kind)
     for name, folder in HEADS.items():
-        shutil.copy(runs / folder / "eval.json", out / name / "eval.json")
+        if name != "dflash":
+            shutil.copy(runs / folder / "eval.json", out / name / "eval.json")
+    install_dflash(runs / "dflash", out, max_mb)
+
+
+def install_dflash(run: Path, out: Path, max_mb: float) -> None:
+    save_dflash(load_dflash(run / "drafter", dtype="bfloat16"), out / "dflash")
+    shutil.copy(run / "drafter/eval.json", out / "dflash/eval.json")
     total_mb = folder_mb(out)
     if total_mb > max_mb:
         raise SystemExit(f"the default models take {total_mb:.1f} MB: allowed at most {max_mb} MB")
@@ -59,8 +71,9 @@ def install(runs: Path, out: Path, max_mb: float) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, help="install from these training runs first")
+    parser.add_argument("--dflash-run", type=Path, help="install only this DFlash training run first")
     parser.add_argument("--out", type=Path, default=Path("specjax/default_models"))
-    parser.add_argument("--max-mb", type=float, default=40.0)
+    parser.add_argument("--max-mb", type=float, default=48.0)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -69,11 +82,14 @@ def main():
     if args.runs:
         out.mkdir(parents=True, exist_ok=True)
         install(args.runs, out, args.max_mb)
+    if args.dflash_run:
+        install_dflash(args.dflash_run, out, args.max_mb)
 
     target = hf.load(out / "target")
     draft = hf.load(out / "draft")
     medusa = load_medusa(out / "medusa")
     eagle1, eagle3 = (load_eagle(out / kind, target.config) for kind in ("eagle1", "eagle3"))
+    dflash = load_dflash(out / "dflash", target.config, target.config.dtype)
     with tempfile.TemporaryDirectory() as corpus_dir:
         tokenizer, _, held_out = prepare(DataConfig(tokenizer=str(out / "target")), Path(corpus_dir))
         prompts = held_out_prompts(held_out, args.prompts, args.prompt_len)
@@ -84,6 +100,7 @@ def main():
         "medusa": (SpecConfig(method="medusa", num_speculative_tokens=4), medusa),
         "ngram": (SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=5),
                   None),
+        "dflash": (SpecConfig(method="dflash", num_speculative_tokens=4), dflash),
     }
     acceptance = {name: mean_acceptance_length(target, spec, drafter, prompts, args.new_tokens)
                   for name, (spec, drafter) in drafters.items()}
@@ -92,8 +109,10 @@ def main():
         "target": json.loads((out / "target/eval.json").read_text()),
         "draft": json.loads((out / "draft/eval.json").read_text()),
         "heads": {name: {**json.loads((out / name / "eval.json").read_text()), "parameters": num_parameters(head)}
-                  for name, head in (("medusa", medusa), ("eagle1", eagle1), ("eagle3", eagle3))},
+                  for name, head in (("medusa", medusa), ("eagle1", eagle1), ("eagle3", eagle3), ("dflash", dflash))},
         "acceptance_T0_K4": {name: summary["mean_acceptance_length"] for name, summary in acceptance.items()},
+        "acceptance_T0_K15_dflash": mean_acceptance_length(target, SpecConfig(method="dflash", num_speculative_tokens=15),
+                                                           dflash, prompts, args.new_tokens)["mean_acceptance_length"],
         "held_out_prompts": {"count": len(prompts), "tokens": args.prompt_len, "new_tokens": args.new_tokens},
         "size_MB": round(folder_mb(out), 2),
         "vocab_size": len(tokenizer),
@@ -117,7 +136,8 @@ def render(card: dict) -> str:
         f"{t['held_out_tokens'] / 1e6:.2f}M held-out tokens). Stored in bfloat16, {card['size_MB']} MB in all. "
         f"Measured on {env['device']} with JAX {env['jax']}, {env['date']}.", "",
         "Load them by name: `default:target`, `default:draft`, `default:eagle1`, `default:eagle3`, "
-        "`default:medusa` in configs and on the command line, or `specjax.default_models.path(name)`.", "",
+        "`default:medusa`, `default:dflash` in configs and on the command line, or "
+        "`specjax.default_models.path(name)`.", "",
         "| model | parameters | steps | held-out loss | held-out perplexity |", "|---|---|---|---|---|",
         f"| target | {t['parameters'] / 1e6:.1f}M | {t['steps']} | {t['held_out_loss']:.3f} | "
         f"{t['held_out_perplexity']:.1f} |",
@@ -131,13 +151,18 @@ def render(card: dict) -> str:
               ("eagle3", card["heads"]["eagle3"],
                f"fuses the inputs of layers {card['heads']['eagle3'].get('fuse_layers')}, draft vocabulary "
                f"{card['heads']['eagle3'].get('draft_vocab_size')}, training-time test"),
-              ("medusa", card["heads"]["medusa"], "4 residual heads sharing the target's LM head"))], "",
+              ("medusa", card["heads"]["medusa"], "4 residual heads sharing the target's LM head"),
+              ("dflash", card["heads"]["dflash"],
+               f"block drafter: {card['heads']['dflash'].get('block_size')}-token blocks, reads the outputs of "
+               f"layers {card['heads']['dflash'].get('target_layer_ids')}"))], "",
         f"Mean acceptance length, greedy, K = 4, {card['held_out_prompts']['count']} held-out prompts of "
         f"{card['held_out_prompts']['tokens']} tokens, {card['held_out_prompts']['new_tokens']} new tokens "
         "(n-gram with prompt_lookup_min 2, max 5):", "",
         "| drafter | mean acceptance length | project goal |", "|---|---|---|",
         *[f"| {name} | {value:.2f} | {GOALS_T0_K4.get(name, '')} |"
           for name, value in card["acceptance_T0_K4"].items()], "",
+        f"DFlash drafts a whole block in one forward: at K = 15 its mean acceptance length is "
+        f"{card['acceptance_T0_K15_dflash']:.2f} (project goal 3.5).", "",
     ]
     return "\n".join(lines)
 

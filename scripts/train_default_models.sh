@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trains the default models (target LM, draft LM, Medusa, EAGLE-1 and EAGLE-3 heads) and installs them
+# Trains the default models (target LM, draft LM, Medusa, EAGLE-1 and EAGLE-3 heads, DFlash) and installs them
 # into specjax/default_models with a model card. Meant for the GPU machine:
 #     PYTHONPATH=. scripts/train_default_models.sh [RUNS_DIR]
 # QUICK=1 runs every stage with a few steps on a few files (a CPU smoke test of the pipeline; its
@@ -38,4 +38,6 @@ for head in medusa eagle1 eagle3; do
   train "$head" "$command" --config "configs/train/default_$head.yaml" --set target="$runs/target/model" \
     --set output_dir="$runs/$head" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
 done
+train dflash train-dflash --config configs/train/default_dflash.yaml --set target="$runs/target/model" \
+  --set output_dir="$runs/dflash" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
 "$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"

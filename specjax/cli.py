@@ -57,13 +57,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _method(args: argparse.Namespace) -> str | None:
-    """--method; with only --draft, the method whose bundled drafter it names, else draft_model."""
+    """--method; with only --draft, the method whose bundled drafter it names or which recognizes its
+    folder (e.g. a DFlash drafter's config.json), else draft_model."""
     if args.method is not None or args.draft is None:
         return args.method
+    from specjax import default_models
     from specjax.proposers import PROPOSERS
 
-    return next((name for name, proposer in PROPOSERS.items() if proposer.default_drafter == args.draft),
-                "draft_model")
+    folder = default_models.resolve(args.draft)
+    return next((name for name, proposer in PROPOSERS.items()
+                 if proposer.default_drafter == args.draft or proposer.recognizes(folder)), "draft_model")
 
 
 def _drafter(method: str, args: argparse.Namespace, target, model_shards: int):
@@ -90,29 +93,28 @@ def _mesh_shape(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _train_lm(args: argparse.Namespace) -> int:
-    from specjax.config import TrainConfig, load_yaml
-    from specjax.training.lm import train_lm
-
-    summary = train_lm(load_yaml(TrainConfig, args.config, args.set))
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
-def _train_eagle(args: argparse.Namespace) -> int:
-    from specjax.config import HeadTrainConfig, load_yaml
-    from specjax.training.eagle import train_eagle
-
-    summary = train_eagle(load_yaml(HeadTrainConfig, args.config, args.set))
-    print(json.dumps(summary, indent=2))
-    return 0
+# Training commands: name -> (config class in specjax.config, trainer "module:function", help, config example).
+TRAINERS = {
+    "train-lm": ("TrainConfig", "specjax.training.lm:train_lm", "train a target or draft LM",
+                 "configs/train/tiny_lm.yaml"),
+    "train-eagle": ("HeadTrainConfig", "specjax.training.eagle:train_eagle",
+                    "train an EAGLE-1 / EAGLE-3 head on a frozen target", "configs/train/tiny_eagle.yaml"),
+    "train-medusa": ("HeadTrainConfig", "specjax.training.medusa:train_medusa",
+                     "train Medusa heads on a frozen target", "configs/train/tiny_medusa.yaml"),
+    "train-dflash": ("DFlashTrainConfig", "specjax.training.dflash:train_dflash",
+                     "train a DFlash block drafter on a frozen target", "configs/train/tiny_dflash.yaml"),
+}
 
 
-def _train_medusa(args: argparse.Namespace) -> int:
-    from specjax.config import HeadTrainConfig, load_yaml
-    from specjax.training.medusa import train_medusa
+def _train(args: argparse.Namespace) -> int:
+    import importlib
 
-    print(json.dumps(train_medusa(load_yaml(HeadTrainConfig, args.config, args.set)), indent=2))
+    from specjax import config
+
+    config_class, trainer, _, _ = TRAINERS[args.command]
+    module, function = trainer.split(":")
+    run_config = config.load_yaml(getattr(config, config_class), args.config, args.set)
+    print(json.dumps(getattr(importlib.import_module(module), function)(run_config), indent=2))
     return 0
 
 
@@ -180,21 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--rejection-sample-method", default="standard", help="standard | block | synthetic")
     spec.add_argument("--draft-sample-method", default="greedy", help="greedy | probabilistic")
     gen.set_defaults(run=_generate)
-    train = commands.add_parser("train-lm", help="train a target or draft LM (resumes a killed run)")
-    train.add_argument("--config", type=Path, required=True, help="a TrainConfig YAML, e.g. configs/train/tiny_lm.yaml")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set optimizer.lr=1e-3 (repeatable)")
-    train.set_defaults(run=_train_lm)
-    eagle = commands.add_parser("train-eagle", help="train an EAGLE-1 / EAGLE-3 head on a frozen target (resumes)")
-    eagle.add_argument("--config", type=Path, required=True,
-                       help="a HeadTrainConfig YAML, e.g. configs/train/tiny_eagle.yaml")
-    eagle.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set kind=eagle3 (repeatable)")
-    eagle.set_defaults(run=_train_eagle)
-    medusa = commands.add_parser("train-medusa", help="train Medusa heads on a frozen target")
-    medusa.add_argument("--config", type=Path, required=True, help="a HeadTrainConfig YAML (kind: medusa)")
-    medusa.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
-    medusa.set_defaults(run=_train_medusa)
+    for name, (config_class, _, help_text, example) in TRAINERS.items():
+        train = commands.add_parser(name, help=f"{help_text} (resumes a killed run)")
+        train.add_argument("--config", type=Path, required=True, help=f"a {config_class} YAML, e.g. {example}")
+        train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a config field, e.g. --set optimizer.lr=1e-3 (repeatable)")
+        train.set_defaults(run=_train)
     for name, function, help_text in (("run", _run, "one experiment: autoregressive baseline and speculative decoding"),
                                       ("sweep", _sweep, "a grid of runs; resumable; tables and plots")):
         command = commands.add_parser(name, help=help_text)

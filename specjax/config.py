@@ -73,7 +73,7 @@ class RopeScaling:
 class ModelConfig:
     """Shape and flavour of a decoder-only LM.
 
-    One dataclass covers the Llama / Qwen2 / Mistral family (RMSNorm, RoPE, gated SiLU MLP) and GPT-2
+    One dataclass covers the Llama / Qwen2 / Qwen3 / Mistral family (RMSNorm, RoPE, gated SiLU MLP) and GPT-2
     (LayerNorm, learned positions, GELU MLP); `specjax.models.hf` maps Hugging Face config.json files
     onto it.
     """
@@ -93,6 +93,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     mlp: Literal["gated_silu", "gelu_tanh"] = "gated_silu"
     qkv_bias: bool = False
+    # Qwen3: an RMSNorm over each query and key head (head_dim wide, its own scale) before RoPE.
+    qk_norm: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = False
@@ -482,3 +484,55 @@ class HeadTrainConfig(TrainingRun):
         require(self.draft_vocab_size is None or (isinstance(self.draft_vocab_size, int)
                                                   and self.draft_vocab_size >= 1),
                 "HeadTrainConfig", "draft_vocab_size", self.draft_vocab_size, "None or an integer >= 1")
+
+
+# The recipe's loss decay for a block size (DFlash, SpecForge): gamma 7 for 16, 5 for 10, 4 for 8.
+DFLASH_LOSS_DECAY = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashTrainConfig(TrainingRun):
+    """Training a DFlash block drafter on a frozen target (specjax.training.dflash)."""
+
+    # The target's Hugging Face folder or default:target (its tokenizer tokenizes the corpus).
+    target: str
+    # Drafter layers: Qwen3 layers of the target's width, heads, head size and MLP width.
+    num_layers: int = 1
+    # Target layers whose outputs make the context feature (None: spread from 1 to L - 3, as z-lab's).
+    target_layer_ids: tuple[int, ...] | None = None
+    # The block: the anchor and block_size - 1 masked slots, each predicting the token at its position.
+    block_size: int = 16
+    causal: bool = False
+    # The token that fills the masked slots (None: the target's pad_token_id, else its last id).
+    mask_token_id: int | None = None
+    # Blocks per training sequence, at distinct random anchors whose whole block lies inside it.
+    num_anchors: int = 32
+    # Weight of block slot k >= 1: exp(-(k - 1) / loss_decay_gamma) (None: DFLASH_LOSS_DECAY, else 7).
+    loss_decay_gamma: float | None = None
+    # 0: cross-entropy against the corpus tokens (the recipe's); 1: against the target's distribution
+    # at the same positions (distillation); between: the mix.
+    distill_weight: float = 0.0
+    # The closing acceptance eval: held-out prompts, greedy, K = eval_num_speculative_tokens
+    # (None: block_size - 1).
+    eval_prompts: int = 32
+    eval_prompt_len: int = 64
+    eval_new_tokens: int = 64
+    eval_num_speculative_tokens: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        require_positive_ints(self, "num_layers", "num_anchors", "eval_prompts", "eval_prompt_len", "eval_new_tokens")
+        require(self.block_size >= 2, "DFlashTrainConfig", "block_size", self.block_size, "an integer >= 2")
+        require(self.data.seq_len >= self.block_size, "DFlashTrainConfig", "data.seq_len", self.data.seq_len,
+                f"an integer >= block_size ({self.block_size}): every block lies inside its sequence")
+        require(self.loss_decay_gamma is None or self.loss_decay_gamma > 0, "DFlashTrainConfig", "loss_decay_gamma",
+                self.loss_decay_gamma, "None or a float > 0")
+        require(0.0 <= self.distill_weight <= 1.0, "DFlashTrainConfig", "distill_weight", self.distill_weight,
+                "a float in [0, 1]")
+        k = self.eval_num_speculative_tokens
+        require(k is None or 1 <= k <= self.block_size - 1, "DFlashTrainConfig", "eval_num_speculative_tokens", k,
+                f"None or an integer in [1, block_size - 1 = {self.block_size - 1}]")
+
+    @property
+    def decay_gamma(self) -> float:
+        return self.loss_decay_gamma or DFLASH_LOSS_DECAY.get(self.block_size, 7.0)

@@ -26,12 +26,15 @@ import numpy as np
 from specjax import benchmarking
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, pad_request, speculative_loop
+from specjax.models.dflash import DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, init_dflash
 from specjax.models.eagle import EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle
 from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers.base import build_proposer
 
 DRAFTERS = {"eagle": "EAGLE-1 head", "eagle_fr": "EAGLE-1 head over 32000 draft ids (FR-Spec)",
-            "eagle3": "EAGLE-3 head", "draft_model": "Llama-3.2-1B-shaped draft LM"}  # name: what it is at 8b
+            "eagle3": "EAGLE-3 head", "draft_model": "Llama-3.2-1B-shaped draft LM",
+            "dflash": "DFlash drafter (5 layers, block 16, as z-lab's for 8B targets)"}  # name: what it is at 8b
+DFLASH_LAYERS, DFLASH_BLOCK = 5, 16
 GREEDY = SamplingConfig()
 
 
@@ -50,9 +53,17 @@ def build_drafter(drafter: str, target_config: ModelConfig, draft_config: ModelC
     """A random drafter in DRAFTERS for the target, on the device in the decoding layout: an EAGLE-1 head
     (eagle), the same head over a 32000-token draft vocabulary (eagle_fr, FR-Spec: a draft step reads
     those rows of the target's LM head), an EAGLE-3 head with its own LM head over a 32000-token draft
-    vocabulary, as released for Llama-3.1-8B (eagle3), or a draft LM of draft_config (draft_model)."""
+    vocabulary, as released for Llama-3.1-8B (eagle3), a draft LM of draft_config (draft_model), or a
+    DFlash drafter of z-lab's 8B shape: 5 layers as wide as the target's, block 16 (dflash)."""
     if drafter == "draft_model":
         return to_decoding_layout(benchmarking.on_device(lambda: init_model(draft_config, seed=1)), model_shards)
+    if drafter == "dflash":
+        layers = min(DFLASH_LAYERS, target_config.num_layers)
+        config = DFlashConfig(
+            layer=dataclasses.replace(target_config, num_layers=layers, qk_norm=True, architecture="Qwen3ForCausalLM"),
+            target_layer_ids=default_target_layer_ids(target_config.num_layers, layers),
+            mask_token_id=target_config.vocab_size - 1, block_size=DFLASH_BLOCK, num_target_layers=target_config.num_layers)
+        return drafter_to_decoding_layout(benchmarking.on_device(lambda: init_dflash(config, seed=3)), model_shards)
     layer = dataclasses.replace(target_config, num_layers=1)
     draft_vocab = min(32000, target_config.vocab_size)
     heads = {"eagle": EagleConfig(layer=layer, version=1),

@@ -45,6 +45,7 @@ import pytest  # noqa: E402
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig  # noqa: E402
 from specjax.decoding import generate, pad_request  # noqa: E402
 from specjax.models import hf  # noqa: E402
+from specjax.models.dflash import DFlashConfig, DFlashDrafter, init_dflash  # noqa: E402
 from specjax.models.eagle import EagleConfig, init_eagle, with_draft_vocabulary  # noqa: E402
 from specjax.models.medusa import MedusaConfig, init_medusa  # noqa: E402
 from specjax.models.transformer import init_model  # noqa: E402
@@ -89,6 +90,20 @@ def release_compiled_programs():
         if count > int(MAX_MAP_COUNT.read_text()) // 2:
             jax.clear_caches()
             gc.collect()  # frees the executables held only by reference cycles now
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_target(tmp_path_factory) -> Path:
+    """configs/train/tiny_lm.yaml trained longer, the target the draft-training tests train for: at its
+    40 steps its greedy output is one repeated token (any drafter drafts it perfectly); 800 steps of
+    batch 8 (about 10 s) give one with varied output."""
+    from specjax.config import TrainConfig, load_yaml
+    from specjax.training.lm import train_lm
+
+    output_dir = tmp_path_factory.mktemp("target")
+    overrides = ["optimizer.total_steps=800", "data.batch_size=8", "checkpoint_every=800", "log_every=100"]
+    train_lm(load_yaml(TrainConfig, REPO / "configs/train/tiny_lm.yaml", [*overrides, f"output_dir={output_dir}"]))
+    return output_dir / "model"
 
 
 @pytest.fixture(params=HF_FIXTURES)
@@ -200,6 +215,51 @@ def target_and_drafts():
     """The llama_gqa fixture and two draft models for it: "perturbed" (close) and "unrelated"."""
     target = hf.load(fixture_dir("llama_gqa"))
     return target, {"perturbed": perturbed(target, 0.01), "unrelated": hf.load(fixture_dir("llama_mha_tied"))}
+
+
+def dflash_config(target_config: ModelConfig, target_layer_ids: tuple[int, ...], block_size: int,
+                  **layer_changes) -> DFlashConfig:
+    """A DFlash drafter's shape for a target: one Qwen3 layer as wide as the target's (layer_changes
+    change it), the target's last id as mask."""
+    layer = dataclasses.replace(target_config, num_layers=1, qk_norm=True, architecture="Qwen3ForCausalLM",
+                                **layer_changes)
+    return DFlashConfig(layer=layer, target_layer_ids=target_layer_ids, mask_token_id=target_config.vocab_size - 1,
+                        block_size=block_size, num_target_layers=target_config.num_layers)
+
+
+@functools.cache
+def trained_dflash() -> DFlashDrafter:
+    """A DFlash drafter (block 16, reading both layers) for target_and_drafts()'s target, trained for
+    300 steps on the target's greedy continuations of random prompts, distilling its distribution. The
+    target is random, so little of that generalises: its drafts are accepted now and then (a mean
+    acceptance length of about 1.03 at K 8), enough for greedy tests to verify accepted drafts."""
+    import optax
+    from flax import nnx
+
+    from specjax.training.dflash import dflash_loss, sample_anchors
+
+    target, _ = target_and_drafts()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, 4).tolist() for _ in range(64)]
+    text = np.asarray(generate(target, prompts, max_new_tokens=60).tokens)  # [64, 60]: greedy
+    tokens = np.concatenate([np.asarray(prompts), text], axis=1)
+    drafter = init_dflash(dflash_config(target.config, (0, 1), block_size=16), seed=0)
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+    optimizer = optax.adam(3e-3)
+
+    @jax.jit
+    def train_step(params, opt_state, batch, anchors):
+        loss = lambda p: dflash_loss(nnx.merge(graphdef, p, rest), target, batch, anchors, 7.0, 1.0)[0]  # noqa: E731
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = optimizer.init(params)
+    for step in range(300):
+        rows = rng.choice(len(tokens), 16, replace=False)
+        anchors = sample_anchors(rng, 16, tokens.shape[1], 16, 8)
+        params, opt_state = train_step(params, opt_state, jnp.asarray(tokens[rows]), jnp.asarray(anchors))
+    return nnx.merge(graphdef, params, rest)
 
 
 @functools.cache

@@ -33,30 +33,31 @@ def _config(num_heads, num_kv, head_dim, sliding_window=None):
                        num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=8, sliding_window=sliding_window)
 
 
-def _reference(q, k_new, v_new, k_cache, v_cache, slots, config):
+def _reference(q, k_new, v_new, k_cache, v_cache, slots, config, causal=True):
     rows = jnp.arange(q.shape[0])[:, None]
     k_cache, v_cache = k_cache.at[rows, slots].set(k_new), v_cache.at[rows, slots].set(v_new)
-    return attention(q, k_cache, v_cache, slots, config), k_cache, v_cache
+    return attention(q, k_cache, v_cache, slots, config, causal=causal), k_cache, v_cache
 
 
-@pytest.mark.parametrize("batch, num_new, num_heads, num_kv, num_slots, sliding_window, num_splits, block", [
-    (1, 1, 8, 2, 100, None, None, 64),  # a decode step; the last block moved back to end at slot 99
-    (2, 6, 8, 2, 100, None, 3, 64),  # a verification block over three splits
-    (3, 3, 4, 4, 37, None, None, 16),  # no grouping, many short blocks
-    (2, 6, 8, 2, 200, 20, None, 64),  # sliding window: blocks below it skipped
-    (2, 6, 4, 2, 128, None, 1, 16),  # one split: the normalised output written by the kernel
+@pytest.mark.parametrize("batch, num_new, num_heads, num_kv, num_slots, sliding_window, num_splits, block, causal", [
+    (1, 1, 8, 2, 100, None, None, 64, True),  # a decode step; the last block moved back to end at slot 99
+    (2, 6, 8, 2, 100, None, 3, 64, True),  # a verification block over three splits
+    (3, 3, 4, 4, 37, None, None, 16, True),  # no grouping, many short blocks
+    (2, 6, 8, 2, 200, 20, None, 64, True),  # sliding window: blocks below it skipped
+    (2, 6, 4, 2, 128, None, 1, 16, True),  # one split: the normalised output written by the kernel
+    (2, 8, 8, 2, 100, None, 3, 16, False),  # a DFlash block: the new tokens see one another
 ])
 def test_the_kernel_writes_the_cache_and_computes_attention(batch, num_new, num_heads, num_kv, num_slots,
-                                                            sliding_window, num_splits, block):
+                                                            sliding_window, num_splits, block, causal):
     q, k_new, v_new, k_cache, v_cache, rng = _inputs(num_slots, batch, num_new, num_heads, num_kv, 16, num_slots)
     lengths = rng.integers(0, num_slots - num_new + 1, batch)
     lengths[0] = num_slots - num_new  # a full row next to ragged ones
     if batch > 1:
         lengths[1] = block - num_new // 2  # new tokens across a block boundary
     slots = jnp.asarray(lengths[:, None] + np.arange(num_new)[None], jnp.int32)
-    want = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(num_heads, num_kv, 16, sliding_window))
+    want = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(num_heads, num_kv, 16, sliding_window), causal)
     got = decode_attention(q, k_new, v_new, k_cache, v_cache, slots, sliding_window=sliding_window,
-                           num_splits=num_splits, block=block)
+                           num_splits=num_splits, block=block, causal=causal)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=0)
     for got_cache, want_cache in zip(got[1:], want[1:]):  # every other slot kept
         np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
@@ -102,13 +103,14 @@ def test_bad_inputs_are_refused():
         decode_attention(q, k_new, v_new, k_cache.astype(jnp.bfloat16), v_cache, jnp.zeros((1, 1), jnp.int32))
 
 
-@pytest.mark.parametrize("num_new, num_splits", [(1, None), (6, None), (6, 1)])
-def test_the_kernel_lowers_through_triton_for_cuda(lower_for_cuda, num_new, num_splits):
+@pytest.mark.parametrize("num_new, num_splits, causal", [(1, None, True), (6, None, True), (6, 1, True),
+                                                         (16, None, False)])
+def test_the_kernel_lowers_through_triton_for_cuda(lower_for_cuda, num_new, num_splits, causal):
     batch, heads, kv, head_dim, slots = 2, 32, 8, 128, 512
     shapes = [(batch, num_new, heads, head_dim), (batch, num_new, kv, head_dim), (batch, num_new, kv, head_dim),
               (batch, slots, kv, head_dim), (batch, slots, kv, head_dim)]
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
-    kernel = functools.partial(decode_attention, interpret=False, num_splits=num_splits)
+    kernel = functools.partial(decode_attention, interpret=False, num_splits=num_splits, causal=causal)
     module = lower_for_cuda(kernel, *args, jax.ShapeDtypeStruct((batch, num_new), jnp.int32))
     assert "__gpu$xla.gpu.triton" in module
 

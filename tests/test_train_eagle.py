@@ -12,30 +12,23 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.config import HeadTrainConfig, SpecConfig, TrainConfig, load_yaml
+from specjax.config import HeadTrainConfig, SpecConfig, load_yaml
 from specjax.decoding import generate
 from specjax.models import hf
 from specjax.models.eagle import load_eagle
 from specjax.training.eagle import EAGLE_KINDS, build_head, closing_eval, train_eagle
 from specjax.training.evaluation import held_out_prompts
-from specjax.training.lm import train_lm
 from specjax.training.loop import Checkpoints, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-LM_CONFIG = REPO / "configs/train/tiny_lm.yaml"
 EAGLE_CONFIG = REPO / "configs/train/tiny_eagle.yaml"
-# tiny_lm's 40 steps leave a target whose greedy output is one repeated token (any head drafts it
-# perfectly); 800 steps of batch 8 (about 10 s) give one with varied output.
-TARGET_OVERRIDES = ["optimizer.total_steps=800", "data.batch_size=8", "checkpoint_every=800", "log_every=100"]
 REDUCED_VOCAB_OVERRIDES = {"eagle1": ["draft_vocab_size=200"],
                            "eagle3": ["kind=eagle3", "fuse_layers=[0,1,2]", "draft_vocab_size=200", "unroll_steps=2"]}
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    output_dir = tmp_path_factory.mktemp("target")
-    train_lm(load_yaml(TrainConfig, LM_CONFIG, [*TARGET_OVERRIDES, f"output_dir={output_dir}"]))
-    return output_dir / "model"
+def target_dir(trained_tiny_target):
+    return trained_tiny_target
 
 
 def eagle_config(target_dir, output_dir, *overrides):

@@ -1,6 +1,6 @@
 """Hugging Face checkpoint folders (config.json + safetensors) <-> specjax models, both directions.
 
-Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and GPT2LMHeadModel. Each
+Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and GPT2LMHeadModel. Each
 architecture is a table of `Rule`s mapping Hugging Face tensors of one layer (or of the whole model) to
 specjax parameters and back; `load` and `save` run the same table in opposite directions, so the two
 cannot drift apart. Every problem with a checkpoint (unsupported architecture, missing config field,
@@ -27,7 +27,8 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
 SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "GPT2LMHeadModel")
 # Buffers some checkpoints carry that are recomputed, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
@@ -97,8 +98,8 @@ def _llama_family_config(hf: dict, field: Callable, path: Path, architecture: st
     sliding_window = None
     if family == "mistral":
         sliding_window = field("sliding_window", None)
-    if family == "qwen2" and field("use_sliding_window", False):
-        raise CheckpointError(f"{path}: use_sliding_window=true is not supported for Qwen2: allowed false")
+    if family in ("qwen2", "qwen3") and field("use_sliding_window", False):
+        raise CheckpointError(f"{path}: use_sliding_window=true is not supported for {architecture}: allowed false")
     attention_bias = bool(field("attention_bias", False))
     return ModelConfig(
         architecture=architecture,
@@ -117,6 +118,7 @@ def _llama_family_config(hf: dict, field: Callable, path: Path, architecture: st
         rope_scaling=scaling,
         mlp="gated_silu",
         qkv_bias=attention_bias or family == "qwen2",
+        qk_norm=family == "qwen3",
         out_bias=attention_bias,
         mlp_bias=bool(field("mlp_bias", False)),
         tie_word_embeddings=bool(field("tie_word_embeddings", False)),
@@ -183,6 +185,8 @@ def config_to_hf(config: ModelConfig) -> dict:
     family = LLAMA_FAMILY[c.architecture]
     if family == "llama":
         hf["attention_bias"], hf["mlp_bias"] = c.qkv_bias, c.mlp_bias
+    elif family == "qwen3":
+        hf["attention_bias"], hf["use_sliding_window"] = c.qkv_bias, False
     elif family == "mistral":
         hf["sliding_window"] = c.sliding_window
     elif family == "qwen2":
@@ -235,34 +239,47 @@ def reshaped(ours: str, key: str, *our_shape: int) -> Rule:
     return Rule((ours,), (key,), lambda b: (b.reshape(our_shape),), lambda b: (b.reshape(-1),))
 
 
-def _llama_rules(c: ModelConfig) -> list[Rule]:
+def decoder_layer_rules(c: ModelConfig, prefix: str) -> list[Rule]:
+    """The Llama family's decoder-layer tensors (Qwen3's q / k norms included), named `prefix` + the
+    transformers name (prefix holds `{i}`), to the StackedLayers at `layers`."""
     D, H, K, E = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    layer = "model.layers.{i}."
     rules = [
-        same("embed", "model.embed_tokens.weight"),
-        same("final_norm", "model.norm.weight"),
-        same("layers.attn_norm", layer + "input_layernorm.weight"),
-        same("layers.mlp_norm", layer + "post_attention_layernorm.weight"),
-        in_proj("layers.wq", layer + "self_attn.q_proj.weight", D, H, E),
-        in_proj("layers.wk", layer + "self_attn.k_proj.weight", D, K, E),
-        in_proj("layers.wv", layer + "self_attn.v_proj.weight", D, K, E),
-        out_proj("layers.wo", layer + "self_attn.o_proj.weight", D, H, E),
-        in_proj("layers.w_gate", layer + "mlp.gate_proj.weight", D, c.intermediate_size),
-        in_proj("layers.w_up", layer + "mlp.up_proj.weight", D, c.intermediate_size),
-        out_proj("layers.w_down", layer + "mlp.down_proj.weight", D, c.intermediate_size),
+        same("layers.attn_norm", prefix + "input_layernorm.weight"),
+        same("layers.mlp_norm", prefix + "post_attention_layernorm.weight"),
+        in_proj("layers.wq", prefix + "self_attn.q_proj.weight", D, H, E),
+        in_proj("layers.wk", prefix + "self_attn.k_proj.weight", D, K, E),
+        in_proj("layers.wv", prefix + "self_attn.v_proj.weight", D, K, E),
+        out_proj("layers.wo", prefix + "self_attn.o_proj.weight", D, H, E),
+        in_proj("layers.w_gate", prefix + "mlp.gate_proj.weight", D, c.intermediate_size),
+        in_proj("layers.w_up", prefix + "mlp.up_proj.weight", D, c.intermediate_size),
+        out_proj("layers.w_down", prefix + "mlp.down_proj.weight", D, c.intermediate_size),
     ]
+    if c.qk_norm:
+        rules += [same("layers.q_norm", prefix + "self_attn.q_norm.weight"),
+                  same("layers.k_norm", prefix + "self_attn.k_norm.weight")]
     if c.qkv_bias:
-        rules += [reshaped("layers.bq", layer + "self_attn.q_proj.bias", H, E),
-                  reshaped("layers.bk", layer + "self_attn.k_proj.bias", K, E),
-                  reshaped("layers.bv", layer + "self_attn.v_proj.bias", K, E)]
+        rules += [reshaped("layers.bq", prefix + "self_attn.q_proj.bias", H, E),
+                  reshaped("layers.bk", prefix + "self_attn.k_proj.bias", K, E),
+                  reshaped("layers.bv", prefix + "self_attn.v_proj.bias", K, E)]
     if c.out_bias:
-        rules.append(same("layers.bo", layer + "self_attn.o_proj.bias"))
+        rules.append(same("layers.bo", prefix + "self_attn.o_proj.bias"))
     if c.mlp_bias:
-        rules += [same("layers.b_gate", layer + "mlp.gate_proj.bias"),
-                  same("layers.b_up", layer + "mlp.up_proj.bias"),
-                  same("layers.b_down", layer + "mlp.down_proj.bias")]
+        rules += [same("layers.b_gate", prefix + "mlp.gate_proj.bias"),
+                  same("layers.b_up", prefix + "mlp.up_proj.bias"),
+                  same("layers.b_down", prefix + "mlp.down_proj.bias")]
+    return rules
+
+
+def transposed(ours: str, key: str) -> Rule:
+    """A torch Linear's [out, in] weight stored [in, out] here (an LM head, a projection)."""
+    return Rule((ours,), (key,), lambda w: (w.T,), lambda w: (w.T,))
+
+
+def _llama_rules(c: ModelConfig) -> list[Rule]:
+    rules = [same("embed", "model.embed_tokens.weight"), same("final_norm", "model.norm.weight"),
+             *decoder_layer_rules(c, "model.layers.{i}.")]
     if not c.tie_word_embeddings:
-        rules.append(Rule(("lm_head",), ("lm_head.weight",), lambda w: (w.T,), lambda w: (w.T,)))
+        rules.append(transposed("lm_head", "lm_head.weight"))
     return rules
 
 
@@ -295,7 +312,7 @@ def _gpt2_rules(c: ModelConfig) -> list[Rule]:
         same("layers.b_down", layer + "mlp.c_proj.bias"),
     ]
     if not c.tie_word_embeddings:
-        rules.append(Rule(("lm_head",), ("lm_head.weight",), lambda w: (w.T,), lambda w: (w.T,)))
+        rules.append(transposed("lm_head", "lm_head.weight"))
     return rules
 
 

@@ -1,4 +1,4 @@
-"""Decoder-only transformer LM in functional Flax NNX: the Llama / Qwen2 / Mistral family and GPT-2.
+"""Decoder-only transformer LM in functional Flax NNX: the Llama / Qwen2 / Qwen3 / Mistral family and GPT-2.
 
 The call is pure: `model(tokens, positions, cache) -> (logits, hidden, new_cache)` mutates nothing and
 returns a new cache, so the model (an NNX module, hence a pytree) goes straight into `jax.jit` and a
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from specjax.config import ModelConfig
 from specjax.models.kv_cache import KVCache
@@ -104,8 +104,11 @@ def normalize(x: Float[Array, "... D"], scale, bias, config: ModelConfig):
 
 
 def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[Array, "B S K E"],
-              query_slots: Int[Array, "B T"], config: ModelConfig) -> Float[Array, "B T H E"]:
-    """Causal (optionally sliding-window) GQA attention by cache slot: query at slot t sees slots <= t.
+              query_slots: Int[Array, "B T"], config: ModelConfig, *, causal: bool = True,
+              visible: Bool[Array, "B T S"] | None = None) -> Float[Array, "B T H E"]:
+    """GQA attention by cache slot: the query at slot t sees slots <= t (optionally within the sliding
+    window), or with causal=False every slot up to its row's last query slot (the new tokens see one
+    another: a DFlash draft block); `visible`, when given, is the mask itself.
 
     Slots past a row's fill level are never visible: every query slot is below lengths + T, and slots
     between are exactly the ones written by this call.
@@ -114,10 +117,12 @@ def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[A
     q = q.reshape(batch, num_new, config.num_kv_heads, config.num_query_groups, head_dim)
     scores = einsum_f32("btkge,bske->bkgts", q, k)
     scores = scores / math.sqrt(head_dim)
-    key_slots = jnp.arange(k.shape[1])[None, None, :]
-    visible = key_slots <= query_slots[:, :, None]  # [B, T, S]
-    if config.sliding_window is not None:
-        visible &= key_slots > query_slots[:, :, None] - config.sliding_window
+    if visible is None:
+        key_slots = jnp.arange(k.shape[1])[None, None, :]
+        limits = query_slots if causal else jnp.broadcast_to(query_slots.max(axis=1, keepdims=True), query_slots.shape)
+        visible = key_slots <= limits[:, :, None]  # [B, T, S]
+        if config.sliding_window is not None:
+            visible &= key_slots > query_slots[:, :, None] - config.sliding_window
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bske->btkge", probs, v)
@@ -135,7 +140,7 @@ def init_param(rngs: nnx.Rngs, shape, config: ModelConfig, kind: str = "normal")
 
 class StackedLayers(nnx.Module):
     """Every decoder layer's weights, stacked on a leading L axis. Absent weights (biases, the gate of
-    a GELU MLP, LayerNorm shifts) are None."""
+    a GELU MLP, LayerNorm shifts, the per-head q / k norms of all but Qwen3) are None."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, attn_input_size: int | None = None):
         c = config
@@ -154,6 +159,8 @@ class StackedLayers(nnx.Module):
         self.attn_norm_bias = bias(layer_norm, D)
         self.wq, self.wk, self.wv = weight(D_in, H, E), weight(D_in, K, E), weight(D_in, K, E)
         self.bq, self.bk, self.bv = bias(c.qkv_bias, H, E), bias(c.qkv_bias, K, E), bias(c.qkv_bias, K, E)
+        self.q_norm, self.k_norm = ((init_param(rngs, (L, E), c, "ones"), init_param(rngs, (L, E), c, "ones"))
+                                    if c.qk_norm else (None, None))
         self.wo, self.bo = weight(H, E, D), bias(c.out_bias, D)
         self.mlp_norm = init_param(rngs, (L, D), c, "ones")
         self.mlp_norm_bias = bias(layer_norm, D)
@@ -203,17 +210,11 @@ def query_slots_for(batch: int, num_new: int, cache: KVCache | None) -> Int[Arra
     return offsets[:, None] + jnp.arange(num_new, dtype=jnp.int32)[None, :]
 
 
-def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer, index, positions: Int[Array, "B T"],
-                  query_slots: Int[Array, "B T"], cache: KVCache | None, config: ModelConfig, *,
-                  attn_input: Float[Array, "B T D2"] | None = None) -> tuple[Float[Array, "B T D"], KVCache | None]:
-    """One pre-norm decoder layer (`layer` holds one layer's weights, `index` its cache layer).
-
-    attn_input, when given, replaces the normalised residual stream as what q, k and v are projected
-    from (EAGLE heads feed their own inputs there); x stays the residual stream.
-    """
+def project_qkv(h: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer, positions: Int[Array, "B T"],
+                config: ModelConfig) -> tuple[Float[Array, "B T H E"], Float[Array, "B T K E"], Float[Array, "B T K E"]]:
+    """One layer's queries, keys and values of its (normalised) input h: projected, per-head normed
+    (Qwen3) and rotated to `positions`, as the attention and the KV cache take them."""
     c, dtype = config, config.jnp_dtype
-    h = attn_input if attn_input is not None else normalize(
-        x, layer.attn_norm[...], _value(layer.attn_norm_bias, dtype), c)
     if getattr(layer, "wqkv", None) is not None:  # DecodingLayer: one product, shard-major [M, H/M + 2K/M, E]
         qkv = _project(h, layer.wqkv, layer.bqkv, "btd,dmne->btmne", dtype)
         q_heads, kv_heads = c.num_heads // qkv.shape[2], c.num_kv_heads // qkv.shape[2]  # per shard
@@ -223,24 +224,56 @@ def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer
         q = _project(h, layer.wq, layer.bq, "btd,dhe->bthe", dtype)
         k = _project(h, layer.wk, layer.bk, "btd,dke->btke", dtype)
         v = _project(h, layer.wv, layer.bv, "btd,dke->btke", dtype)
+    if layer.q_norm is not None:  # Qwen3
+        q, k = normalize(q, layer.q_norm[...], None, c), normalize(k, layer.k_norm[...], None, c)
     if c.position == "rope":
         inv_freq = rope_inverse_frequencies(c)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    return q, k, v
+
+
+def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer, index, positions: Int[Array, "B T"],
+                  query_slots: Int[Array, "B T"], cache: KVCache | None, config: ModelConfig, *,
+                  attn_input: Float[Array, "B T D2"] | None = None, causal: bool = True,
+                  visible: Bool[Array, "B T S"] | None = None) -> tuple[Float[Array, "B T D"], KVCache | None]:
+    """One pre-norm decoder layer (`layer` holds one layer's weights, `index` its cache layer).
+
+    attn_input, when given, replaces the normalised residual stream as what q, k and v are projected
+    from (EAGLE heads feed their own inputs there); x stays the residual stream. causal and visible:
+    which slots a new token sees (see `attention`).
+    """
+    c, dtype = config, config.jnp_dtype
+    h = attn_input if attn_input is not None else normalize(
+        x, layer.attn_norm[...], _value(layer.attn_norm_bias, dtype), c)
+    q, k, v = project_qkv(h, layer, positions, c)
     # A cache in another dtype (kv_cache_dtype) stays with XLA, which fuses its conversion into the
     # attention; the kernel would read a converted copy of the whole cache.
-    if (cache is not None and getattr(layer, "attention_kernel", False) and cache.dtype == q.dtype
+    if (cache is not None and visible is None and getattr(layer, "attention_kernel", False) and cache.dtype == q.dtype
             and decode_attention.fits(q.shape[1], c.num_query_groups) and _on_one_device()):
         attn, k_layer, v_layer = decode_attention.decode_attention(
-            q, k, v, *cache.layer(index), query_slots, sliding_window=c.sliding_window)
+            q, k, v, *cache.layer(index), query_slots, sliding_window=c.sliding_window, causal=causal)
         cache = cache.with_layer(index, k_layer, v_layer)
     else:
         if cache is not None:
             cache = cache.write(index, k, v)
             k, v = cache.layer(index)
-        attn = attention(q, k.astype(dtype), v.astype(dtype), query_slots, c)
+        attn = attention(q, k.astype(dtype), v.astype(dtype), query_slots, c, causal=causal, visible=visible)
     x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
     h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
     return x + _mlp(h, layer, c), cache
+
+
+def scan_layers(step, carry, layers: StackedLayers | nnx.List, num_layers: int):
+    """Runs `step(carry, layer, index) -> (carry, out)` over every layer: one lax.scan over stacked
+    layers (index traced), a Python loop over the decoding layout's (index an int). Returns the carry
+    and the outs, which index by layer either way (stacked by the scan, a list from the loop)."""
+    if isinstance(layers, StackedLayers):
+        return jax.lax.scan(lambda carry, scanned: step(carry, *scanned), carry, (layers, jnp.arange(num_layers)))
+    outs = []
+    for index, layer in enumerate(layers):
+        carry, out = step(carry, layer, index)
+        outs.append(out)
+    return carry, outs
 
 
 class Transformer(nnx.Module):
@@ -265,13 +298,17 @@ class Transformer(nnx.Module):
         *,
         hidden_layers: tuple[int, ...] = (),
         compute_logits: bool = True,
+        causal: bool = True,
+        attention_mask: Bool[Array, "B T S"] | None = None,
     ) -> tuple[Float[Array, "B T V"] | None, Hidden, KVCache | None]:
         """Runs T new tokens per row.
 
         With a cache, row b's tokens go to slots lengths[b] .. lengths[b] + T - 1 and attend to every
         earlier slot; the returned cache has lengths + T (callers lower it for padding or rejected
         drafts). Without one, the T tokens attend causally among themselves (a full forward).
-        Logits are float32; with compute_logits=False they are None (see `unembed`).
+        causal=False: the new tokens see one another (a DFlash draft block); attention_mask: which
+        slots (of the cache after the write, or of the T tokens without one) each new token sees,
+        in place of both rules. Logits are float32; with compute_logits=False they are None (see `unembed`).
         """
         c = self.config
         dtype = c.jnp_dtype
@@ -285,26 +322,16 @@ class Transformer(nnx.Module):
         num_new = tokens.shape[1]
         query_slots = query_slots_for(tokens.shape[0], num_new, cache)
 
-        def layer_step(carry, scanned):
+        def layer_step(carry, layer, index):
             x, cache = carry
-            layer, index = scanned
-            out, cache = decoder_layer(x, layer, index, positions, query_slots, cache, c)
+            out, cache = decoder_layer(x, layer, index, positions, query_slots, cache, c, causal=causal,
+                                       visible=attention_mask)
             return (out, cache), (x if hidden_layers else None)
 
+        (x, cache), layer_inputs = scan_layers(layer_step, (x, cache), self.layers, c.num_layers)
         layers = None
-        if isinstance(self.layers, StackedLayers):
-            (x, cache), layer_inputs = jax.lax.scan(
-                layer_step, (x, cache), (self.layers, jnp.arange(c.num_layers)))
-            if hidden_layers:
-                stream = jnp.concatenate([layer_inputs, x[None]], axis=0)  # [L + 1, B, T, D]
-                layers = stream[jnp.asarray(hidden_layers)]
-        else:  # to_decoding_layout: one set of arrays per layer
-            stream = []
-            for index, layer in enumerate(self.layers):
-                stream.append(x)
-                x, cache = decoder_layer(x, layer, index, positions, query_slots, cache, c)
-            if hidden_layers:
-                layers = jnp.stack([(stream + [x])[i] for i in hidden_layers])
+        if hidden_layers:  # layer_inputs[i] is the input of layer i; index L is the last layer's output
+            layers = jnp.stack([layer_inputs[i] if i < c.num_layers else x for i in hidden_layers])
         final = normalize(x, self.final_norm[...], _value(self.final_norm_bias, dtype), c)
         if cache is not None:
             cache = cache.with_lengths(cache.lengths + num_new)
@@ -361,6 +388,7 @@ class DecodingLayer(nnx.Module):
         self.attn_norm, self.attn_norm_bias = _optional(take(layers.attn_norm)), _optional(take(layers.attn_norm_bias))
         self.mlp_norm, self.mlp_norm_bias = nnx.Param(take(layers.mlp_norm)), _optional(take(layers.mlp_norm_bias))
         self.wo, self.bo = nnx.Param(take(layers.wo)), _optional(take(layers.bo))
+        self.q_norm, self.k_norm = _optional(take(layers.q_norm)), _optional(take(layers.k_norm))
         self.w_down, self.b_down = nnx.Param(take(layers.w_down)), _optional(take(layers.b_down))
 
         def by_shard(*parts, lead: int):  # [lead..., N_i, ...] each -> [lead..., M, sum N_i / M, ...]

@@ -58,7 +58,8 @@ def fits(num_new: int, num_query_groups: int) -> bool:
 
 
 def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest, block: int,
-            blocks_per_split: int, num_slots: int, num_new: int, sliding_window: int | None, scale: float):
+            blocks_per_split: int, num_slots: int, num_new: int, sliding_window: int | None, causal: bool,
+            scale: float):
     """One (row, KV head, split) program: online softmax over the split's visible cache blocks, with
     the new tokens' keys and values taken from new_k_ref / new_v_ref and written to the cache.
     rest: the running max and sum refs when there are several splits (out_ref is then partial), then
@@ -68,6 +69,8 @@ def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest
     q = q_ref[...]  # [M, E]
     new_k, new_v = new_k_ref[...], new_v_ref[...]  # [M, E]: row t is new token t, rows >= T zero
     slots = slots_ref[...]  # [M]; padding rows hold -1 and see nothing
+    # Non-causal (a DFlash draft block): every new token sees up to the row's last new slot.
+    limits = slots if causal else jnp.where(slots >= 0, jnp.max(slots), -1)
     first_new = jnp.min(jnp.where(slots >= 0, slots, num_slots))  # the row's fill level: its lowest slot
     first = pl.program_id(2) * blocks_per_split
     # Blocks past the last query slot hold no visible key: the loop stops at the filled part.
@@ -113,7 +116,7 @@ def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest
         scores = jax.lax.dot_general(q, k, contract_last, precision=precision,
                                      preferred_element_type=jnp.float32) * scale  # [M, block]
         keys = offset + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-        visible = (keys >= nominal) & (keys <= slots[:, None])
+        visible = (keys >= nominal) & (keys <= limits[:, None])
         if sliding_window is not None:
             visible &= keys > slots[:, None] - sliding_window
         scores = jnp.where(visible, scores, _MASKED)
@@ -137,13 +140,14 @@ def _kernel(q_ref, new_k_ref, new_v_ref, slots_ref, k_ref, v_ref, out_ref, *rest
 
 def decode_attention(q: Float[Array, "B T H E"], k_new: Float[Array, "B T K E"], v_new: Float[Array, "B T K E"],
                      k_cache: Float[Array, "B S K E"], v_cache: Float[Array, "B S K E"],
-                     query_slots: Int[Array, "B T"], *, sliding_window: int | None = None,
+                     query_slots: Int[Array, "B T"], *, sliding_window: int | None = None, causal: bool = True,
                      num_splits: int | None = None, block: int = BLOCK_SLOTS, interpret: bool | None = None,
                      ) -> tuple[Float[Array, "B T H E"], Float[Array, "B S K E"], Float[Array, "B S K E"]]:
     """KVCache.write then transformer.attention, for T * G <= MAX_ROWS new tokens, in one kernel.
 
     query_slots: the new tokens' slots, consecutive from each row's fill level (query_slots_for).
-    Returns the attention output (the query at slot t sees slots <= t, and > t - sliding_window) and
+    Returns the attention output (the query at slot t sees slots <= t, and > t - sliding_window; with
+    causal=False every slot up to the row's last new one, as transformer.attention) and
     the caches with the new keys and values written at query_slots; the caches' buffers are updated in
     place where XLA can (they are donated, or dead after the call), else copied first. num_splits: slot
     splits per (row, KV head); by default enough for TARGET_PROGRAMS programs and at most MAX_BLOCKS
@@ -183,7 +187,8 @@ def decode_attention(q: Float[Array, "B T H E"], k_new: Float[Array, "B T K E"],
     compiler_params = None if interpret else importlib.import_module(TRITON).CompilerParams(
         num_warps=NUM_WARPS, num_stages=2)
     kernel = functools.partial(_kernel, block=block, blocks_per_split=blocks_per_split, num_slots=num_slots,
-                               num_new=num_new, sliding_window=sliding_window, scale=1.0 / math.sqrt(head_dim))
+                               num_new=num_new, sliding_window=sliding_window, causal=causal,
+                               scale=1.0 / math.sqrt(head_dim))
     row_block = pl.BlockSpec((None, None, None, padded), lambda b, h, j: (b, h, j, 0))
     out_block = pl.BlockSpec((None, None, None, padded, head_dim), lambda b, h, j: (b, h, j, 0, 0))
     cache_block = pl.BlockSpec((None, num_slots, None, head_dim), lambda b, h, j: (b, 0, h, 0))

@@ -1,6 +1,7 @@
 """Drafters behind one protocol (see base.py). The registry: importing a drafter's module registers it,
 so each drafter is one line here."""
 
+from specjax.proposers import dflash  # noqa: F401  (registers "dflash")
 from specjax.proposers import draft_model  # noqa: F401  (registers "draft_model")
 from specjax.proposers import eagle  # noqa: F401  (registers "eagle", "eagle3")
 from specjax.proposers import medusa  # noqa: F401  (registers "medusa")

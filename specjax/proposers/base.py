@@ -95,6 +95,12 @@ class Proposer:
         dtype (None: the checkpoint's); modules come in transformer.for_decoding(..., model_shards)."""
         raise NotImplementedError(f"{cls.__name__} defines no load: pass its weights to generate() directly")
 
+    @classmethod
+    def recognizes(cls, folder: Path) -> bool:
+        """Whether a drafter folder is this method's by its own files (`specjax generate --draft FOLDER`
+        without --method takes the method that recognizes it); by default no folder is recognized."""
+        return False
+
     def check(self, params: Any, target_config: ModelConfig) -> None:
         """Raises ValueError (host side, before tracing) if params cannot draft for this target."""
         raise NotImplementedError

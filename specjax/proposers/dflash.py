@@ -1,0 +1,124 @@
+"""DFlash block drafting (`method: dflash`): one drafter forward drafts all K tokens.
+
+The drafter's cache holds one context feature per committed token but the last (its keys and values
+in every layer: specjax.models.dflash). After a verify step the features of the verify block's
+positions 0..n (the last committed token and the n accepted drafts) are pending; the next propose
+writes them as a fixed window of K + 1 at the row's fill level, of which the first n + 1 count, then
+runs the block [last committed token, K mask tokens] at the slots after them, non-causally, which
+also overwrites the window's unused part. The block's own keys and values are dropped by resetting
+the fill level. The block's slot i (i >= 1) gives draft i; the drafts are drawn independently, each
+from its slot's distribution, which is what the verifier's draft_probs are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from specjax.models.dflash import ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash
+from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
+from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
+                                    register)
+from specjax.proposers.draft_model import draw_draft_tokens
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("drafter", "embed", "lm_head"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class DFlashParams:
+    """The drafter with the target's embedding and LM head (None when tied), which it uses."""
+
+    drafter: DFlashDrafter
+    embed: Float[Array, "V D"]
+    lm_head: Float[Array, "D V"] | None
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "pending", "num_pending"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class DFlashState:
+    cache: KVCache  # context features' keys and values of the committed tokens but the pending ones
+    pending: Hidden  # the target's hidden states of the pending window of W = K + 1 positions
+    num_pending: Int[Array, " B"]  # how many of the window's positions are committed tokens
+
+
+@register("dflash")
+@dataclasses.dataclass(frozen=True)
+class DFlashProposer(Proposer):
+    default_drafter: ClassVar[str | None] = None
+
+    @classmethod
+    def build(cls, settings: ProposerSettings, params: Any) -> DFlashProposer:
+        # hidden_layers: the target layers whose outputs make the context features.
+        return cls(settings, params.config.hidden_layers if isinstance(params, DFlashDrafter) else ())
+
+    @classmethod
+    def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> DFlashDrafter:
+        """The drafter computes in the target's dtype (dtype is not used)."""
+        drafter = load_dflash(folder, target.config, target.config.dtype)
+        return for_decoding(drafter, model_shards, convert=drafter_to_decoding_layout)
+
+    @classmethod
+    def recognizes(cls, folder: Path) -> bool:
+        config = Path(folder) / "config.json"
+        return config.exists() and json.loads(config.read_text()).get("architectures") == [ARCHITECTURE]
+
+    def check(self, params: Any, target_config) -> None:
+        if not isinstance(params, DFlashDrafter):
+            raise ValueError(f"method 'dflash' needs a DFlashDrafter as drafter, got {type(params).__name__}")
+        check_target(params.config, target_config)
+        num_draft, block_size = self.settings.spec.num_speculative_tokens, params.config.block_size
+        if num_draft > block_size - 1:
+            raise UnsupportedSpeculation(
+                f"SpecConfig.num_speculative_tokens = {num_draft} is more than this DFlash drafter's block holds: "
+                f"allowed 1..{block_size - 1} (block_size - 1)")
+
+    def bind(self, params: DFlashDrafter, target: Transformer) -> DFlashParams:
+        return DFlashParams(drafter=params, embed=target.embed[...],
+                            lm_head=None if target.lm_head is None else target.lm_head[...])
+
+    def init(self, params: DFlashParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
+             target_out: TargetOutput) -> DFlashState:
+        """The prompt's features go to the cache (lengths - 1 of them: the prefill's token is the first
+        anchor); nothing is pending."""
+        drafter, width = params.drafter, self.settings.spec.num_speculative_tokens + 1
+        hidden = target_out.hidden  # over the padded prompt
+        batch, num_positions = hidden.final.shape[:2]
+        cache = drafter.create_cache(batch, self.settings.cache_size + width, self.settings.cache_dtype)
+        positions = jnp.broadcast_to(jnp.arange(num_positions, dtype=jnp.int32), (batch, num_positions))
+        cache = drafter.write_context(drafter.context(hidden), positions, cache)
+        pending = jax.tree.map(lambda x: jnp.zeros((*x.shape[:-2], width, x.shape[-1]), x.dtype), hidden)
+        return DFlashState(cache=cache.with_lengths(lengths - 1), pending=pending, num_pending=jnp.zeros_like(lengths))
+
+    def propose(self, params: DFlashParams, state: DFlashState, context: Context, keys: PRNGKeyArray):
+        drafter, settings = params.drafter, self.settings
+        num_draft = settings.spec.num_speculative_tokens
+        rows = jnp.arange(context.lengths.shape[0])
+        anchor_slot = context.lengths - 1  # the last committed token's position; its feature is not known yet
+        # Rows that finished keep their committed length, so their cache stays inside its slots.
+        cache = state.cache.with_lengths(anchor_slot - state.num_pending)
+        offsets = jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
+        cache = drafter.write_context(drafter.context(state.pending), cache.lengths[:, None] + offsets, cache)
+        cache = cache.with_lengths(anchor_slot)  # the window's unused part is overwritten by the block
+        block = jnp.full((rows.shape[0], num_draft + 1), drafter.config.mask_token_id, jnp.int32)
+        block = block.at[:, 0].set(context.tokens[rows, anchor_slot])
+        hidden, cache = drafter(block, anchor_slot[:, None] + offsets, cache, params.embed)
+        logits = unembed(hidden[:, 1:], params.embed, params.lm_head, drafter.config.layer.jnp_dtype)  # [B, K, V]
+        slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
+        drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings), in_axes=(1, 1),
+                                       out_axes=(1, 1))(logits, slot_keys)
+        state = dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),  # the block's entries dropped
+                                    num_pending=jnp.zeros_like(state.num_pending))
+        return drafts, draft_probs, state
+
+    def accept(self, state: DFlashState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
+               target_out: TargetOutput) -> DFlashState:
+        """The verify block's positions 0..n (the last committed token and the accepted drafts) are pending."""
+        return dataclasses.replace(state, pending=target_out.hidden, num_pending=num_accepted + 1)

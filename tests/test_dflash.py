@@ -1,0 +1,166 @@
+"""DFlash: z-lab's layout against z-lab's own model code (golden files from scripts/make_dflash_fixtures.py:
+a tiny Qwen3 target and DFlash drafter, their first-block and in-generation draft logits and greedy
+output), the drafter's own checkpoint round trip and errors, the proposer's cache against a forward from
+scratch, and training (loss falls, a stopped run resumes exactly, a corrupt checkpoint is refused).
+Greedy equality and losslessness for DFlash are in test_lossless.py with every other drafter."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES, REPO
+from safetensors.numpy import load_file, save_file
+
+from specjax.config import DFlashTrainConfig, SamplingConfig, SpecConfig, load_yaml
+from specjax.decoding import generate
+from specjax.models import hf
+from specjax.models.dflash import (DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, load_dflash,
+                                   save_dflash)
+from specjax.models.transformer import unembed
+from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer
+
+TARGET, DRAFTER = FIXTURES / "dflash" / "target", FIXTURES / "dflash" / "drafter"
+
+
+@pytest.fixture(scope="module")
+def zlab():
+    target = hf.load(TARGET)
+    return target, load_dflash(DRAFTER, target.config), dict(np.load(FIXTURES / "golden" / "dflash.npz"))
+
+
+def block_logits(target, drafter, committed: list[int], block_size: int | None = None):
+    """Draft logits of the block anchored at committed[-1] (block_size tokens, by default the drafter's:
+    the block's tokens see one another, so its size matters), from a forward from scratch: the context
+    features of committed[:-1] written to an empty cache, then the block."""
+    config = drafter.config
+    block_size = block_size or config.block_size
+    tokens = jnp.asarray([committed[:-1]])
+    positions = jnp.arange(tokens.shape[1])[None]
+    _, hidden, _ = target(tokens, positions, hidden_layers=config.hidden_layers)
+    cache = drafter.write_context(drafter.context(hidden), positions,
+                                  drafter.create_cache(1, len(committed) + block_size))
+    block = jnp.asarray([[committed[-1]] + [config.mask_token_id] * (block_size - 1)])
+    out, _ = drafter(block, len(committed) - 1 + jnp.arange(block_size)[None], cache, target.embed[...])
+    return np.asarray(unembed(out[0, 1:], target.embed[...], target.lm_head[...], target.config.jnp_dtype))
+
+
+def test_the_first_block_gives_zlabs_draft_logits(zlab):
+    target, drafter, golden = zlab
+    assert drafter.config.target_layer_ids == (0, 2) and drafter.config.block_size == 8
+    committed = golden["prompt"].tolist() + [int(golden["first_token"])]
+    np.testing.assert_allclose(block_logits(target, drafter, committed), golden["first_block_logits"], atol=1e-4, rtol=0)
+
+
+def test_every_block_of_zlabs_generation_gives_its_draft_logits(zlab):
+    """The blocks z-lab's dflash_generate drafted (after verify steps, on its cropped draft cache), each
+    anchored where its acceptance left it, from the greedy output's committed tokens."""
+    target, drafter, golden = zlab
+    prompt, greedy = golden["prompt"].tolist(), golden["greedy"].tolist()
+    emitted = 0
+    for logits in golden["block_logits"]:
+        committed = prompt + greedy[:emitted + 1]
+        np.testing.assert_allclose(block_logits(target, drafter, committed), logits, atol=1e-4, rtol=0)
+        drafts = logits.argmax(-1).tolist()
+        accepted = next((i for i, d in enumerate(drafts) if d != greedy[emitted + 1 + i]), len(drafts)) \
+            if emitted + 1 + len(drafts) <= len(greedy) else 0
+        emitted += accepted + 1
+        if emitted >= len(greedy) - 1:
+            break
+
+
+def test_greedy_speculative_output_is_zlabs(zlab):
+    target, drafter, golden = zlab
+    spec = SpecConfig(method="dflash", num_speculative_tokens=7)
+    result = generate(target, [golden["prompt"].tolist()], max_new_tokens=len(golden["greedy"]), spec=spec,
+                      drafter=drafter)
+    assert result.sequences()[0] == golden["greedy"].tolist()
+
+
+def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab):
+    """Draft probabilities inside the loop's bookkeeping (prefill, propose, accept n, propose) equal the
+    ones of a drafter forward from scratch over the same committed tokens, in both layouts."""
+    target, stacked, golden = zlab
+    prompt = golden["prompt"].tolist()
+    for drafter in (stacked, drafter_to_decoding_layout(stacked)):
+        spec = SpecConfig(method="dflash", num_speculative_tokens=4, draft_sample_method="probabilistic")
+        proposer = build_proposer(spec, SamplingConfig(temperature=1.0), 64, drafter)
+        params = proposer.bind(drafter, target)
+        positions = jnp.arange(len(prompt))[None]
+        cache = target.create_cache(1, 64)
+        logits, hidden, cache = target(jnp.asarray([prompt]), positions, cache, hidden_layers=proposer.hidden_layers)
+        committed = prompt + [int(jnp.argmax(logits[0, -1]))]
+        state = proposer.init(params, jnp.asarray([committed]), jnp.asarray([len(committed)]),
+                              TargetOutput(logits=logits, hidden=hidden))
+        for num_accepted in (2, 0, 4):
+            padded = jnp.asarray([committed + [0] * 8])
+            drafts, probs, state = proposer.propose(params, state, Context(padded, jnp.asarray([len(committed)])),
+                                                    jax.random.split(jax.random.key(0), 1))
+            expected = jax.nn.softmax(block_logits(target, stacked, committed, block_size=5), -1)
+            np.testing.assert_allclose(np.asarray(probs[0]), expected, atol=1e-5, rtol=0)
+            block = [committed[-1]] + np.asarray(drafts[0]).tolist()
+            start = len(committed) - 1
+            logits, hidden, cache = target(jnp.asarray([block]), start + jnp.arange(5)[None],
+                                           cache.with_lengths(jnp.asarray([start])), hidden_layers=proposer.hidden_layers)
+            next_token = int(jnp.argmax(logits[0, num_accepted]))
+            committed = committed + block[1:num_accepted + 1] + [next_token]
+            state = proposer.accept(state, jnp.asarray([num_accepted]), jnp.asarray([next_token]),
+                                    TargetOutput(logits=logits, hidden=hidden))
+
+
+def test_save_writes_the_tensors_zlab_wrote(zlab, tmp_path):
+    _, drafter, _ = zlab
+    save_dflash(drafter, tmp_path)
+    original, exported = load_file(DRAFTER / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert exported.keys() == original.keys()
+    for key in original:
+        np.testing.assert_array_equal(exported[key], original[key], err_msg=key)
+    assert load_dflash(tmp_path).config == drafter.config
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["dflash_config"]["target_layer_ids"] == [0, 2] and raw["architectures"] == ["DFlashDraftModel"]
+
+
+def test_a_misshaped_tensor_is_named(tmp_path):
+    folder = tmp_path / "drafter"
+    shutil.copytree(DRAFTER, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["fc.weight"] = tensors["fc.weight"][:, :64]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(hf.CheckpointError, match=r"tensor 'fc.weight' has shape \(64, 64\); expected \(64, 128\)"):
+        load_dflash(folder)
+
+
+def test_bad_drafters_and_settings_are_refused(zlab, tmp_path):
+    target, drafter, golden = zlab
+    with pytest.raises(UnsupportedSpeculation, match=r"num_speculative_tokens = 8 .*allowed 1..7"):
+        generate(target, [[3, 4]], max_new_tokens=4, spec=SpecConfig(method="dflash", num_speculative_tokens=8),
+                 drafter=drafter)
+    with pytest.raises(ValueError, match=r"DFlashConfig.target_layer_ids = \(0, 4\) is invalid: allowed layers 0..3"):
+        dataclasses.replace(drafter.config, target_layer_ids=(0, 4))
+    with pytest.raises(ValueError, match=r"DFlashConfig.mask_token_id = 128 is invalid"):
+        dataclasses.replace(drafter.config, mask_token_id=128)
+    folder = tmp_path / "drafter"
+    shutil.copytree(DRAFTER, folder)
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["dflash_config"]["mask_token_id"]
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(hf.CheckpointError, match=r"field dflash_config.mask_token_id is missing"):
+        load_dflash(folder)
+
+
+def test_default_target_layers_are_zlabs_choice():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B-DFlash-b16's
+    assert default_target_layer_ids(24, 1) == (12,)
+    assert default_target_layer_ids(64, 4)[::3] == (1, 61)
+
+
+# ------------------------------------------------------------------------------------------ training
+
+DFLASH_CONFIG = REPO / "configs/train/tiny_dflash.yaml"
+
+
+def dflash_run_config(target_dir, output_dir, *overrides) -> DFlashTrainConfig:
+    return load_yaml(DFlashTrainConfig, DFLASH_CONFIG, [f"target={target_dir}", f"output_dir={output_dir}", *overrides])

@@ -1,0 +1,104 @@
+"""Training a DFlash drafter on a tiny trained target (`specjax train-dflash`): the loss falls, the
+saved drafter (z-lab's layout) loads and drafts losslessly and accepts more than an untrained one,
+a run stopped mid-way resumes to the uninterrupted result, and a corrupt checkpoint is refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO
+
+from specjax.config import DFlashTrainConfig, SpecConfig, load_yaml
+from specjax.decoding import generate
+from specjax.models import hf
+from specjax.models.dflash import init_dflash, load_dflash
+from specjax.training import dflash as dflash_training
+from specjax.training.evaluation import held_out_prompts
+from specjax.training.loop import CheckpointCorrupted, Checkpoints, read_metrics
+
+CONFIG = REPO / "configs/train/tiny_dflash.yaml"
+TOTAL_STEPS = 40  # the config's; it checkpoints every 20
+
+
+def run_config(target_dir, output_dir, *overrides) -> DFlashTrainConfig:
+    return load_yaml(DFlashTrainConfig, CONFIG, [f"target={target_dir}", f"output_dir={output_dir}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def dflash_run(trained_tiny_target, tmp_path_factory):
+    """Trained through the CLI, as a user would."""
+    output_dir = tmp_path_factory.mktemp("dflash")
+    subprocess.run([sys.executable, "-m", "specjax.cli", "train-dflash", "--config", str(CONFIG),
+                    "--set", f"target={trained_tiny_target}", "--set", f"output_dir={output_dir}"],
+                   check=True, cwd=REPO, capture_output=True, text=True)
+    return output_dir
+
+
+def test_the_drafter_trains_loads_drafts_losslessly_and_beats_an_untrained_one(trained_tiny_target, dflash_run):
+    losses = [record["loss"] for record in read_metrics(dflash_run / "metrics.jsonl")]
+    assert len(losses) == TOTAL_STEPS and np.mean(losses[-5:]) < np.mean(losses[:5])
+    target = hf.load(trained_tiny_target)
+    drafter = load_dflash(dflash_run / "drafter", target.config)
+    assert drafter.config.block_size == 8 and drafter.config.target_layer_ids == (0,)
+
+    held_out = np.memmap(dflash_run / "tokens_held_out.bin", np.uint32, "r")
+    prompts = held_out_prompts(held_out, 3, 24, seed=1)
+    spec = SpecConfig(method="dflash", num_speculative_tokens=7)
+    assert generate(target, prompts, max_new_tokens=20, spec=spec, drafter=drafter).sequences() == \
+        generate(target, prompts, max_new_tokens=20).sequences()
+
+    evaluation = json.loads((dflash_run / "drafter/eval.json").read_text())
+    assert evaluation["final_loss"] == losses[-1] and evaluation["num_speculative_tokens"] == 7
+    config = run_config(trained_tiny_target, dflash_run)
+    assert dflash_training.closing_eval(config, target, drafter, held_out)["mean_acceptance_length"] == \
+        evaluation["mean_acceptance_length"]
+    untrained = init_dflash(drafter.config, seed=1)
+    baseline = dflash_training.closing_eval(config, target, untrained, held_out)["mean_acceptance_length"]
+    print(f"DFlash mean acceptance length: trained {evaluation['mean_acceptance_length']:.3f}, untrained {baseline:.3f}")
+    assert evaluation["mean_acceptance_length"] > baseline
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, dflash_run, tmp_path, monkeypatch):
+    """Stopped at step 27 (an exception in the batch pipeline), the run restarts from its step-20
+    checkpoint and ends where the uninterrupted one did: the same losses step by step, the same weights."""
+    draw = dflash_training.sample_anchors
+    calls = []
+
+    def stops_at_27(*args):
+        calls.append(1)
+        if len(calls) == 27:
+            raise KeyboardInterrupt("stopped")
+        return draw(*args)
+
+    monkeypatch.setattr(dflash_training, "sample_anchors", stops_at_27)
+    config = run_config(trained_tiny_target, tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        dflash_training.train_dflash(config)
+    assert Checkpoints(tmp_path / "checkpoints").latest_step() == 20
+    monkeypatch.setattr(dflash_training, "sample_anchors", draw)
+    dflash_training.train_dflash(config)
+
+    resumed, reference = read_metrics(tmp_path / "metrics.jsonl"), read_metrics(dflash_run / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+    ours, theirs = load_dflash(tmp_path / "drafter"), load_dflash(dflash_run / "drafter")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_corrupt_checkpoint_is_refused(trained_tiny_target, dflash_run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(dflash_run, copy)
+    state = copy / "checkpoints" / str(TOTAL_STEPS) / "state"
+    victim = sorted(p for p in state.rglob("*") if p.is_file() and p.stat().st_size > 1000)[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorrupted, match=rf"checkpoint .*{TOTAL_STEPS}"):
+        dflash_training.train_dflash(run_config(trained_tiny_target, copy, f"optimizer.total_steps={TOTAL_STEPS + 1}"))
