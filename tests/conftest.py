@@ -106,6 +106,24 @@ def trained_tiny_target(tmp_path_factory) -> Path:
     return output_dir / "model"
 
 
+def drafter_run_config(config_class, path: Path, target_dir, output_dir, *overrides):
+    """A drafter-training config from its YAML, for the target folder and the output folder."""
+    from specjax.config import load_yaml
+
+    return load_yaml(config_class, path, [f"target={target_dir}", f"output_dir={output_dir}", *overrides])
+
+
+def train_through_cli(command: str, config: Path, target_dir, output_dir: Path) -> Path:
+    """`specjax COMMAND --config CONFIG` for the target, in a subprocess, as a user would run it."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "specjax.cli", command, "--config", str(config), "--set",
+                    f"target={target_dir}", "--set", f"output_dir={output_dir}"],
+                   check=True, cwd=REPO, capture_output=True, text=True)
+    return output_dir
+
+
 @pytest.fixture(params=HF_FIXTURES)
 def hf_fixture(request) -> str:
     return request.param

@@ -18,8 +18,7 @@ from safetensors.numpy import load_file, save_file
 from specjax.config import DFlashTrainConfig, SamplingConfig, SpecConfig, load_yaml
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.dflash import (DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, load_dflash,
-                                   save_dflash)
+from specjax.models.dflash import default_target_layer_ids, drafter_to_decoding_layout, load_dflash, save_dflash
 from specjax.models.transformer import unembed
 from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer
 

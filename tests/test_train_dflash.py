@@ -3,16 +3,13 @@ saved drafter (z-lab's layout) loads and drafts losslessly and accepts more than
 a run stopped mid-way resumes to the uninterrupted result, and a corrupt checkpoint is refused."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, drafter_run_config, train_through_cli
 
-from specjax.config import DFlashTrainConfig, SpecConfig, load_yaml
+from specjax.config import DFlashTrainConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
 from specjax.models.dflash import init_dflash, load_dflash
@@ -25,17 +22,13 @@ TOTAL_STEPS = 40  # the config's; it checkpoints every 20
 
 
 def run_config(target_dir, output_dir, *overrides) -> DFlashTrainConfig:
-    return load_yaml(DFlashTrainConfig, CONFIG, [f"target={target_dir}", f"output_dir={output_dir}", *overrides])
+    return drafter_run_config(DFlashTrainConfig, CONFIG, target_dir, output_dir, *overrides)
 
 
 @pytest.fixture(scope="module")
 def dflash_run(trained_tiny_target, tmp_path_factory):
     """Trained through the CLI, as a user would."""
-    output_dir = tmp_path_factory.mktemp("dflash")
-    subprocess.run([sys.executable, "-m", "specjax.cli", "train-dflash", "--config", str(CONFIG),
-                    "--set", f"target={trained_tiny_target}", "--set", f"output_dir={output_dir}"],
-                   check=True, cwd=REPO, capture_output=True, text=True)
-    return output_dir
+    return train_through_cli("train-dflash", CONFIG, trained_tiny_target, tmp_path_factory.mktemp("dflash"))
 
 
 def test_the_drafter_trains_loads_drafts_losslessly_and_beats_an_untrained_one(trained_tiny_target, dflash_run):

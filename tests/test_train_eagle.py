@@ -4,15 +4,14 @@ draft vocabulary is the most frequent training ids (EAGLE-3, and EAGLE-1 under F
 without one), and a finished run called again resumes at its last step."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from conftest import REPO, drafter_run_config, train_through_cli
 
-from specjax.config import HeadTrainConfig, SpecConfig, load_yaml
+from specjax.config import HeadTrainConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
 from specjax.models.eagle import load_eagle
@@ -20,7 +19,6 @@ from specjax.training.eagle import EAGLE_KINDS, build_head, closing_eval, train_
 from specjax.training.evaluation import held_out_prompts
 from specjax.training.loop import Checkpoints, read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
 EAGLE_CONFIG = REPO / "configs/train/tiny_eagle.yaml"
 REDUCED_VOCAB_OVERRIDES = {"eagle1": ["draft_vocab_size=200"],
                            "eagle3": ["kind=eagle3", "fuse_layers=[0,1,2]", "draft_vocab_size=200", "unroll_steps=2"]}
@@ -32,17 +30,13 @@ def target_dir(trained_tiny_target):
 
 
 def eagle_config(target_dir, output_dir, *overrides):
-    return load_yaml(HeadTrainConfig, EAGLE_CONFIG, [f"target={target_dir}", f"output_dir={output_dir}", *overrides])
+    return drafter_run_config(HeadTrainConfig, EAGLE_CONFIG, target_dir, output_dir, *overrides)
 
 
 @pytest.fixture(scope="module")
 def eagle1_run(target_dir, tmp_path_factory):
     """EAGLE-1 trained through the CLI, as a user would."""
-    output_dir = tmp_path_factory.mktemp("eagle1")
-    subprocess.run([sys.executable, "-m", "specjax.cli", "train-eagle", "--config", str(EAGLE_CONFIG),
-                    "--set", f"target={target_dir}", "--set", f"output_dir={output_dir}"],
-                   check=True, cwd=REPO, capture_output=True, text=True)
-    return output_dir
+    return train_through_cli("train-eagle", EAGLE_CONFIG, target_dir, tmp_path_factory.mktemp("eagle1"))
 
 
 def losses(output_dir):
