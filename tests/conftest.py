@@ -208,12 +208,12 @@ def primitives(jaxpr) -> list[tuple[str, int]]:
 def speculative_loop_args(target, drafter, prompts, max_new_tokens, spec: SpecConfig, sampling: SamplingConfig,
                           eos_token_ids=()):
     """(args, static keyword arguments) of `decoding.speculative_loop` for a request, as generate builds
-    them (the proposer without drafter-specific settings)."""
+    them (the proposer built for the drafter, its weights bound to the target)."""
     request = pad_request(target, prompts, max_new_tokens, lookahead=spec.num_speculative_tokens + 1)
-    args = (target, drafter, jnp.asarray(request.tokens), jnp.asarray(request.lengths),
+    proposer = build_proposer(spec, sampling, request.cache_size, drafter)
+    args = (target, proposer.bind(drafter, target), jnp.asarray(request.tokens), jnp.asarray(request.lengths),
             jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
-    return args, dict(proposer=build_proposer(spec, sampling, request.cache_size),
-                      eos_token_ids=tuple(eos_token_ids))
+    return args, dict(proposer=proposer, eos_token_ids=tuple(eos_token_ids))
 
 
 # ------------------------------------------------------------------- the target, drafts and requests

@@ -6,11 +6,12 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import (EOS, PROMPT, TINY, equations, primitives, ragged_requests, speculative_loop_args,
+from conftest import (EOS, PROMPT, TINY, dflash_config, equations, primitives, ragged_requests, speculative_loop_args,
                       target_and_drafts, tiny_pair)
 
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
+from specjax.models.dflash import init_dflash
 from specjax.models.transformer import init_model
 
 
@@ -62,12 +63,14 @@ def test_metric_identities():
 
 # ------------------------------------------------------------------------------------ one program
 
-def test_speculative_generation_is_one_program_with_one_while_loop():
+@pytest.mark.parametrize("method", ["draft_model", "dflash"])
+def test_speculative_generation_is_one_program_with_one_while_loop(method):
     target, drafts = target_and_drafts()
+    drafter = drafts["perturbed"] if method == "draft_model" else init_dflash(dflash_config(target.config, (0, 1), 8))
     sampling = SamplingConfig(temperature=0.8)
-    spec = SpecConfig(num_speculative_tokens=3, rejection_sample_method="block",
+    spec = SpecConfig(method=method, num_speculative_tokens=3, rejection_sample_method="block",
                       draft_sample_method="probabilistic")
-    args, static = speculative_loop_args(target, drafts["perturbed"], [[1, 2, 3], [4] * 9], 10, spec, sampling,
+    args, static = speculative_loop_args(target, drafter, [[1, 2, 3], [4] * 9], 10, spec, sampling,
                                          eos_token_ids=(2,))
     prims = primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args).jaxpr)
     assert [name for name, depth in prims if depth == 0] in (["pjit"], ["jit"])
