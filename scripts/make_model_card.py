@@ -111,8 +111,9 @@ def main():
         "heads": {name: {**json.loads((out / name / "eval.json").read_text()), "parameters": num_parameters(head)}
                   for name, head in (("medusa", medusa), ("eagle1", eagle1), ("eagle3", eagle3), ("dflash", dflash))},
         "acceptance_T0_K4": {name: summary["mean_acceptance_length"] for name, summary in acceptance.items()},
-        "acceptance_T0_K15_dflash": mean_acceptance_length(target, SpecConfig(method="dflash", num_speculative_tokens=15),
-                                                           dflash, prompts, args.new_tokens)["mean_acceptance_length"],
+        "acceptance_T0_K15_dflash": mean_acceptance_length(
+            target, SpecConfig(method="dflash", num_speculative_tokens=15), dflash, prompts,
+            args.new_tokens)["mean_acceptance_length"],
         "held_out_prompts": {"count": len(prompts), "tokens": args.prompt_len, "new_tokens": args.new_tokens},
         "size_MB": round(folder_mb(out), 2),
         "vocab_size": len(tokenizer),

@@ -103,7 +103,8 @@ class DFlashDrafter(nnx.Module):
     def context(self, target_hidden: Hidden) -> Float[Array, "B T D"]:
         """Context features from the target's hidden states (a forward run with config.hidden_layers)."""
         c = self.config.layer
-        fused = jnp.concatenate(self.config.target_features(target_hidden), axis=-1).astype(c.jnp_dtype)  # [B, T, N * D]
+        fused = jnp.concatenate(self.config.target_features(target_hidden), axis=-1)  # [B, T, N * D]
+        fused = fused.astype(c.jnp_dtype)
         projected = jnp.einsum("btf,fd->btd", fused, self.fc[...].astype(c.jnp_dtype))
         return normalize(projected, self.hidden_norm[...], None, c)
 

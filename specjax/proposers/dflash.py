@@ -52,7 +52,7 @@ class DFlashState:
 @register("dflash")
 @dataclasses.dataclass(frozen=True)
 class DFlashProposer(Proposer):
-    default_drafter: ClassVar[str | None] = None
+    default_drafter: ClassVar[str | None] = "default:dflash"
 
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> DFlashProposer:
