@@ -105,7 +105,7 @@ def test_bad_spec_configs_are_refused(kwargs, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(rejection_sample_method="typical"), r"rejection_sample_method = 'typical' is invalid: allowed one of"),
-    (dict(method="lookahead"), r"SpecConfig.method = 'lookahead' is invalid: allowed one of \['draft_model'"),
+    (dict(method="lookahead"), r"SpecConfig.method = 'lookahead' is invalid: allowed one of \['dflash', 'draft_model'"),
 ])
 def test_unregistered_names_are_refused_when_generating(kwargs, message):
     target, drafts = target_and_drafts()
