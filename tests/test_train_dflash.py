@@ -55,6 +55,20 @@ def test_the_drafter_trains_loads_drafts_losslessly_and_beats_an_untrained_one(t
     assert evaluation["mean_acceptance_length"] > baseline
 
 
+def test_the_training_sequences_are_the_targets_own_greedy_continuations(trained_tiny_target, dflash_run):
+    """regenerated.npy: each row is an 8-token corpus prompt continued by the target's argmax; a full forward
+    over a row picks every continuation token (up to a near-tie between the two top logits)."""
+    sequences = np.load(dflash_run / "regenerated.npy")
+    assert sequences.shape == (64, 33)
+    target = hf.load(trained_tiny_target)
+    positions = np.broadcast_to(np.arange(32), (64, 32))
+    logits = np.asarray(target(sequences[:, :32], positions)[0], np.float32)
+    chosen = np.take_along_axis(logits, sequences[:, 1:, None], -1)[..., 0]
+    gap = logits.max(-1) - chosen  # [B, 32]; position p - 1 predicts token p
+    assert np.all(gap[:, 7:] <= 1e-4), gap[:, 7:].max()
+    assert np.mean(gap[:, :7] > 1e-4) > 0.2  # the corpus prompts are not the target's argmax
+
+
 def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, dflash_run, tmp_path, monkeypatch):
     """Stopped at step 27 (an exception in the batch pipeline), the run restarts from its step-20
     checkpoint and ends where the uninterrupted one did: the same losses step by step, the same weights."""

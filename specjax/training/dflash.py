@@ -15,8 +15,10 @@ What is implemented, after the paper (arXiv 2602.06036) and SpecForge's recipe (
   cross-entropy against the target's distribution at that position when distill_weight > 0, with
   weights exp(-(k - 1) / gamma) (gamma 7 for block 16, the recipe's). The embedding and LM head are
   the target's and stay frozen.
+- The sequences are corpus windows or, with regenerate_sequences, continuations the target writes
+  itself from corpus prompts (the recipe's regenerated data; specjax.data.regenerate).
 
-Writes under output_dir: tokenizer/ and token files (data), checkpoints/, metrics.jsonl, and drafter/
+Writes under output_dir: tokenizer/ and token files (data), regenerated.npy, checkpoints/, metrics.jsonl, and drafter/
 (z-lab's layout, which load_dflash reads) with eval.json: the greedy mean acceptance length of the
 closing held-out eval at K = eval_num_speculative_tokens and the final logged loss.
 """
@@ -34,6 +36,7 @@ import numpy as np
 from specjax import default_models
 from specjax.config import DFlashTrainConfig, ModelConfig, SpecConfig
 from specjax.data.dataset import batch_at, prepare
+from specjax.data.regenerate import regenerate, regenerated
 from specjax.models import hf
 from specjax.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids, init_dflash, save_dflash
 from specjax.models.transformer import Transformer, num_parameters, unembed
@@ -146,9 +149,18 @@ def train_dflash(config: DFlashTrainConfig) -> dict:
                                     config.distill_weight)
         return loss, {"loss": loss, **metrics}
 
+    sequences = None
+    if config.regenerate_sequences:
+        sequences = regenerated(output_dir / "regenerated.npy", (config.regenerate_sequences, data.seq_len + 1), lambda: regenerate(
+            target, train_tokens, num_sequences=config.regenerate_sequences, prompt_len=config.regenerate_prompt_len,
+            seq_len=data.seq_len, temperature=config.regenerate_temperature, seed=config.seed))
+
     def batch_fn(step):  # a function of (seed, step), as the windows are: a resumed run sees the same blocks
-        tokens = batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)[:, :data.seq_len]
         rng = np.random.default_rng([config.seed, step, 2])
+        if sequences is None:
+            tokens = batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)[:, :data.seq_len]
+        else:
+            tokens = sequences[rng.integers(0, len(sequences), data.batch_size), :data.seq_len]
         anchors = sample_anchors(rng, data.batch_size, data.seq_len, config.block_size, config.num_anchors)
         return {"tokens": tokens, "anchors": anchors.astype(np.int32)}
 
