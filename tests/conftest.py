@@ -28,11 +28,12 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 # Many programs are compiled by several tests, by both pytest-xdist workers, and again after
 # release_compiled_programs (below) clears the in-memory caches: JAX's persistent compilation cache
-# keeps every one on disk (a quarter of a cold run's time; docs/testing.md). Keyed by the program, the
-# backend and the flags, so a stale entry is never used; kept to 2 GB, least recently used first.
+# keeps those that took 1 s or more to compile on disk (writing every small program cost more than it
+# saved on a fresh clone; docs/testing.md). Keyed by the program, the backend and the flags, so a stale
+# entry is never used; kept to 2 GB, least recently used first.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     jax.config.update("jax_compilation_cache_dir", str(Path(__file__).parent.parent / ".pytest_cache" / "jax"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 jax.config.update("jax_compilation_cache_max_size", 2 << 30)
 # Float32 products in float32 where the suite is run on a GPU too (JAX_PLATFORMS=cuda), whose default
 # is TF32 (the CPU's is float32 already): the float32 tolerances assume it.
@@ -90,6 +91,41 @@ def release_compiled_programs():
         if count > int(MAX_MAP_COUNT.read_text()) // 2:
             jax.clear_caches()
             gc.collect()  # frees the executables held only by reference cycles now
+
+
+# SPECJAX_COMPILE_REPORT=FILE: each test's compile count and seconds (tracing, lowering, XLA), setup and
+# teardown included, appended to FILE as JSON lines by every worker (scripts/compile_report.py sums them).
+# Set JAX_COMPILATION_CACHE_DIR to an empty folder for a cold run's figures: cache hits compile nothing.
+COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                  "/jax/core/compile/backend_compile_duration": "compile_s"}
+COMPILE_REPORT = os.environ.get("SPECJAX_COMPILE_REPORT")
+compile_totals: dict = {}
+
+
+def record_compile_event(event: str, duration: float, **_) -> None:
+    if event in COMPILE_EVENTS:
+        totals = compile_totals.setdefault(COMPILE_EVENTS[event], [0, 0.0])
+        totals[0] += 1
+        totals[1] += duration
+
+
+if COMPILE_REPORT:
+    jax.monitoring.register_event_duration_secs_listener(record_compile_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        import json
+        import time
+
+        compile_totals.clear()
+        start = time.perf_counter()
+        yield
+        record = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3),
+                  "programs": compile_totals.get("compile_s", [0, 0.0])[0],
+                  **{name: round(total, 3) for name, (_, total) in compile_totals.items()}}
+        with open(COMPILE_REPORT, "a") as out:
+            out.write(json.dumps(record) + "\n")
 
 
 @pytest.fixture(scope="session")

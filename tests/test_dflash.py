@@ -31,17 +31,21 @@ def zlab():
     return target, load_dflash(DRAFTER, target.config), dict(np.load(FIXTURES / "golden" / "dflash.npz"))
 
 
-def block_logits(target, drafter, committed: list[int], block_size: int | None = None):
+def block_logits(target, drafter, committed: list[int], block_size: int | None = None, pad_to: int | None = None):
     """Draft logits of the block anchored at committed[-1] (block_size tokens, by default the drafter's:
     the block's tokens see one another, so its size matters), from a forward from scratch: the context
-    features of committed[:-1] written to an empty cache, then the block."""
+    features of committed[:-1] written to an empty cache, then the block. pad_to: the context padded to
+    that many tokens and the cache cut back to the real ones (the target is causal), so that calls for
+    different lengths share their programs."""
     config = drafter.config
     block_size = block_size or config.block_size
-    tokens = jnp.asarray([committed[:-1]])
-    positions = jnp.arange(tokens.shape[1])[None]
+    context_len = len(committed) - 1
+    width = pad_to or context_len
+    tokens = jnp.asarray([committed[:-1] + [0] * (width - context_len)])
+    positions = jnp.arange(width)[None]
     _, hidden, _ = target(tokens, positions, hidden_layers=config.hidden_layers)
-    cache = drafter.write_context(drafter.context(hidden), positions,
-                                  drafter.create_cache(1, len(committed) + block_size))
+    cache = drafter.write_context(drafter.context(hidden), positions, drafter.create_cache(1, width + 1 + block_size))
+    cache = cache.with_lengths(jnp.asarray([context_len]))
     block = jnp.asarray([[committed[-1]] + [config.mask_token_id] * (block_size - 1)])
     out, _ = drafter(block, len(committed) - 1 + jnp.arange(block_size)[None], cache, target.embed[...])
     return np.asarray(unembed(out[0, 1:], target.embed[...], target.lm_head[...], target.config.jnp_dtype))
@@ -62,7 +66,8 @@ def test_every_block_of_zlabs_generation_gives_its_draft_logits(zlab):
     emitted = 0
     for logits in golden["block_logits"]:
         committed = prompt + greedy[:emitted + 1]
-        np.testing.assert_allclose(block_logits(target, drafter, committed), logits, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(block_logits(target, drafter, committed, pad_to=len(prompt) + len(greedy)), logits,
+                                   atol=1e-4, rtol=0)
         drafts = logits.argmax(-1).tolist()
         accepted = next((i for i, d in enumerate(drafts) if d != greedy[emitted + 1 + i]), len(drafts)) \
             if emitted + 1 + len(drafts) <= len(greedy) else 0

@@ -1,0 +1,42 @@
+"""Where the test suite's time goes: sums the JSON lines tests/conftest.py writes with
+SPECJAX_COMPILE_REPORT=FILE, by test file and by test, the most expensive first.
+
+    rm -rf /tmp/cold && SPECJAX_COMPILE_REPORT=/tmp/report.jsonl JAX_COMPILATION_CACHE_DIR=/tmp/cold \\
+        .venv/bin/python -m pytest -n 2 -q tests
+    python scripts/compile_report.py /tmp/report.jsonl [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    records = [json.loads(line) for line in open(args.report)]
+    keys = ("wall_s", "programs", "trace_s", "lower_s", "compile_s")
+    by_file = collections.defaultdict(lambda: dict.fromkeys(keys, 0.0))
+    for record in records:
+        for key in keys:
+            by_file[record["test"].split("::")[0]][key] += record.get(key, 0)
+    total = {key: sum(row[key] for row in by_file.values()) for key in keys}
+    header = "| {} | wall s | programs | trace s | lower s | XLA compile s |\n|---|---|---|---|---|---|"
+    line = "| {} | {:.0f} | {:.0f} | {:.0f} | {:.0f} | {:.0f} |"
+    print(f"{len(records)} tests; compiling (trace + lower + XLA) is "
+          f"{(total['trace_s'] + total['lower_s'] + total['compile_s']) / max(total['wall_s'], 1e-9):.0%} of their wall time\n")
+    print(header.format("file"))
+    for name, row in sorted(by_file.items(), key=lambda kv: -kv[1]["wall_s"]):
+        print(line.format(name, *(row[key] for key in keys)))
+    print(line.format("**all**", *(total[key] for key in keys)), "\n")
+    print(header.format("test"))
+    for record in sorted(records, key=lambda r: -r["wall_s"])[:args.top]:
+        print(line.format(record["test"], *(record.get(key, 0) for key in keys)))
+
+
+if __name__ == "__main__":
+    main()
