@@ -89,3 +89,17 @@ class KVCache:
                                    v.at[rows, slots].set(v_new.astype(self.dtype)))
         return dataclasses.replace(self, k=self.k.at[layer, rows, slots].set(k_new.astype(self.dtype)),
                                    v=self.v.at[layer, rows, slots].set(v_new.astype(self.dtype)))
+
+    def move(self, start: Int[Array, " B"], sources: Int[Array, "B P"], count: Int[Array, " B"]) -> KVCache:
+        """Every layer's entries at slots sources[b, j] moved to slot start[b] + j, for j < count[b]
+        (a tree's accepted path into contiguous slots); lengths unchanged. Needs sources[b, j] >= start[b] + j,
+        which a path of a tree whose parents come before their children has: all reads precede the writes."""
+        rows = jnp.arange(sources.shape[0])[:, None]
+        index = jnp.arange(sources.shape[1])[None, :]
+        targets = jnp.where(index < count[:, None], start[:, None] + index, self.max_length)  # past the end: dropped
+        sources = jnp.clip(sources, 0, self.max_length - 1)
+        if isinstance(self.k, tuple):
+            move = lambda x: x.at[rows, targets].set(x[rows, sources])  # noqa: E731
+            return dataclasses.replace(self, k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
+        move = lambda x: x.at[:, rows, targets].set(x[:, rows, sources])  # noqa: E731
+        return dataclasses.replace(self, k=move(self.k), v=move(self.v))

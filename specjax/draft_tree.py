@@ -1,0 +1,68 @@
+"""The structure of a draft tree, shared by the target's tree forward and the verifiers (DESIGN.md, wave 2).
+
+A row's tree is `parents[N]`: node i's parent index, -1 for a child of the root (the last committed
+token), parents before children. The target scores [root, nodes] as one block written at the row's
+cache fill level L (the root at slot L, node i at slot L + 1 + i), each query seeing the committed
+cache, and within the block only its ancestors and itself; its position is L + depth (the root's
+depth is 0). After verification the accepted path's entries move to the contiguous slots after the
+root (`KVCache.move`), so that rolling back by lengths holds as for a chain. A chain is the tree
+parents = [-1, 0, 1, ...]: its mask is the causal one and its path needs no move.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from specjax.models.kv_cache import KVCache
+
+
+def chain_parents(batch: int, num_nodes: int) -> Int[Array, "B N"]:
+    return jnp.broadcast_to(jnp.arange(-1, num_nodes - 1, dtype=jnp.int32), (batch, num_nodes))
+
+
+def ancestors(parents: Int[Array, "B N"]) -> Bool[Array, "B N N"]:
+    """[b, i, a]: node a is node i or one of its ancestors."""
+    batch, num_nodes = parents.shape
+    rows = jnp.arange(batch)
+
+    def add(i, mask):  # node i's row: itself and its parent's row (already complete: parents come first)
+        parent = parents[:, i]
+        inherited = jnp.where((parent >= 0)[:, None], mask[rows, jnp.maximum(parent, 0)], False)
+        return mask.at[:, i].set(inherited | (jnp.arange(num_nodes) == i)[None, :])
+
+    return jax.lax.fori_loop(0, num_nodes, add, jnp.zeros((batch, num_nodes, num_nodes), bool))
+
+
+def depths(parents: Int[Array, "B N"]) -> Int[Array, "B N"]:
+    """Node i's depth: 1 for a child of the root."""
+    return ancestors(parents).sum(-1).astype(jnp.int32)
+
+
+def block_positions(parents: Int[Array, "B N"], root_positions: Int[Array, " B"]) -> Int[Array, "B N1"]:
+    """Positions of [root, nodes]: the root's position plus each node's depth."""
+    offsets = jnp.concatenate([jnp.zeros_like(parents[:, :1]), depths(parents)], axis=1)
+    return root_positions[:, None] + offsets
+
+
+def attention_mask(parents: Int[Array, "B N"], fill_levels: Int[Array, " B"], cache_size: int) -> Bool[Array, "B N1 S"]:
+    """Which cache slots each of [root, nodes] sees when the block is written at slot fill_levels[b]:
+    every committed slot, the root, and the query's own ancestors and itself."""
+    batch, num_nodes = parents.shape
+    in_block = jnp.concatenate([jnp.zeros((batch, num_nodes, 1), bool), ancestors(parents)], axis=2)  # [B, N, N1]
+    in_block = jnp.concatenate([jnp.eye(1, num_nodes + 1, dtype=bool)[None].repeat(batch, 0), in_block], axis=1)
+    in_block = in_block.at[:, :, 0].set(True)  # every query sees the root
+    slots = jnp.arange(cache_size)[None, :]
+    offset = slots - fill_levels[:, None]  # [B, S]: the slot's index in the block
+    committed = offset < 0
+    block_index = jnp.clip(offset, 0, num_nodes)
+    sees_block = jnp.take_along_axis(in_block, jnp.broadcast_to(block_index[:, None, :], (batch, num_nodes + 1,
+                                                                                         cache_size)), axis=2)
+    return committed[:, None, :] | (sees_block & (offset <= num_nodes)[:, None, :])
+
+
+def move_path(cache: KVCache, fill_levels: Int[Array, " B"], path: Int[Array, "B N"], length: Int[Array, " B"]):
+    """The accepted path's entries (node path[b, j] at slot fill_levels[b] + 1 + path[b, j]) moved to slots
+    fill_levels[b] + 1 + j; the root stays at fill_levels[b]. Lengths unchanged."""
+    return cache.move(fill_levels + 1, fill_levels[:, None] + 1 + jnp.maximum(path, 0), length)

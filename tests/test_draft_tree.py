@@ -1,0 +1,107 @@
+"""Draft-tree structure (specjax.draft_tree): ancestors and depths against a brute force; one target
+forward over [root, nodes] with the tree's mask and positions gives every node the logits of a plain
+forward over its own path; after the accepted path is moved into contiguous slots the cache equals
+the one a plain forward over the committed tokens builds (keys, values, lengths), in both layouts."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import fixture_dir, positions_like
+
+from specjax import draft_tree
+from specjax.models import hf
+from specjax.models.transformer import to_decoding_layout
+
+ROWS, NODES, CACHE = 3, 9, 32
+PROMPT_LENGTHS = (6, 9, 4)
+
+
+def random_trees(rng, rows=ROWS, nodes=NODES):
+    return np.stack([[-1] + [int(rng.integers(-1, i)) for i in range(1, nodes)] for _ in range(rows)]).astype(np.int32)
+
+
+def path_to(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_ancestors_and_depths_match_a_brute_force_and_a_chain_is_causal():
+    parents = random_trees(np.random.default_rng(0), rows=16, nodes=12)
+    got, depth = np.asarray(draft_tree.ancestors(jnp.asarray(parents))), np.asarray(draft_tree.depths(jnp.asarray(parents)))
+    for b in range(16):
+        for i in range(12):
+            assert set(np.flatnonzero(got[b, i])) == set(path_to(parents[b], i)) and depth[b, i] == len(path_to(parents[b], i))
+    chain = draft_tree.chain_parents(2, 5)
+    mask = np.asarray(draft_tree.attention_mask(chain, jnp.asarray([3, 7]), 16))
+    slots = np.arange(16)
+    for b, level in enumerate((3, 7)):
+        np.testing.assert_array_equal(mask[b], slots[None, :] <= level + np.arange(6)[:, None])
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The llama_gqa fixture, ragged prompts prefilled up to their last token (the root), and random trees."""
+    model = hf.load(fixture_dir("llama_gqa"))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+    parents = random_trees(rng)
+    tokens = rng.integers(0, model.config.vocab_size, (ROWS, NODES)).astype(np.int32)
+    return model, prompts, parents, tokens
+
+
+def padded_forward(model, sequences, cache=None, width=CACHE - 8):
+    """Logits [R, width, V] and cache of one forward over the sequences right-padded to width."""
+    padded = np.zeros((len(sequences), width), np.int32)
+    for b, sequence in enumerate(sequences):
+        padded[b, :len(sequence)] = sequence
+    logits, _, cache = model(jnp.asarray(padded), positions_like(padded), cache)
+    return logits, cache
+
+
+def prefilled(model, prompts):
+    """A cache holding each prompt but its last token (the root, which the tree forward writes)."""
+    width = max(len(p) for p in prompts)
+    padded = np.zeros((len(prompts), width), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, :len(p)] = p
+    _, _, cache = model(jnp.asarray(padded), positions_like(padded), model.create_cache(len(prompts), CACHE))
+    return cache.with_lengths(jnp.asarray([len(p) - 1 for p in prompts])), padded
+
+
+@pytest.mark.parametrize("layout", ["stacked", "decoding"])
+def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_is_a_plain_cache(setup, layout):
+    model, prompts, parents, tokens = setup
+    if layout == "decoding":
+        model = to_decoding_layout(model)
+    cache, padded = prefilled(model, prompts)
+    fill = cache.lengths
+    roots = jnp.asarray([p[-1] for p in prompts])
+    block = jnp.concatenate([roots[:, None], jnp.asarray(tokens)], axis=1)
+    mask = draft_tree.attention_mask(jnp.asarray(parents), fill, CACHE)
+    logits, _, tree_cache = model(block, draft_tree.block_positions(jnp.asarray(parents), fill), cache,
+                                  attention_mask=mask)
+    # References: one batched forward over every node's own path, right-padded (the model is causal).
+    sequences = [(b, i, prompt + [int(tokens[b, j]) for j in path_to(parents[b], i)])
+                 for b, prompt in enumerate(prompts) for i in range(-1, NODES)]
+    alone, _ = padded_forward(model, [sequence for _, _, sequence in sequences])
+    for row, (b, i, sequence) in enumerate(sequences):
+        np.testing.assert_allclose(np.asarray(logits[b, i + 1]), np.asarray(alone[row, len(sequence) - 1]), atol=1e-5,
+                                   rtol=0, err_msg=f"row {b} node {i}")
+
+    # Accept the path to each row's deepest node, move it, and compare with a plain prefill of the result.
+    leaves = np.asarray(draft_tree.depths(jnp.asarray(parents))).argmax(1)
+    paths = [path_to(parents[b], int(leaves[b])) for b in range(ROWS)]
+    length = jnp.asarray([len(p) for p in paths])
+    path = jnp.asarray([p + [-1] * (NODES - len(p)) for p in paths])
+    moved = draft_tree.move_path(tree_cache, fill, path, length).with_lengths(fill + 1 + length)
+    sequences = [prompt + [int(tokens[b, j]) for j in paths[b]] for b, prompt in enumerate(prompts)]
+    _, plain = padded_forward(model, sequences, model.create_cache(ROWS, CACHE))
+    np.testing.assert_array_equal(moved.lengths, fill + 1 + length)
+    for b, sequence in enumerate(sequences):
+        n = len(sequence)
+        for layer in range(model.config.num_layers):
+            for got, want in zip(moved.layer(layer), plain.layer(layer)):
+                np.testing.assert_allclose(np.asarray(got[b, :n]), np.asarray(want[b, :n]), atol=1e-5, rtol=0)
