@@ -167,6 +167,29 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 VERIFY_IMPLS = ("auto", "pallas", "xla")
 
 
+def check_token_tree(tree, depth: int) -> tuple[tuple[int, ...], ...]:
+    """speculative_token_tree as tuples, or a ConfigError naming what is wrong with it."""
+    def invalid(allowed: str):
+        raise ConfigError(f"SpecConfig.speculative_token_tree = {tree!r} is invalid: allowed {allowed}")
+
+    if not isinstance(tree, (list, tuple)) or not tree:
+        invalid("a non-empty list of paths of top-k ranks, e.g. [[0], [1], [0, 0]]")
+    paths = []
+    for path in tree:
+        if (not isinstance(path, (list, tuple)) or not path
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
+            invalid(f"paths of integers >= 0, got {path!r}")
+        path = tuple(path)
+        if path in paths:
+            invalid(f"each path once, got {path!r} twice")
+        if len(path) > 1 and path[:-1] not in paths:
+            invalid(f"every path after its parent, got {path!r} before {path[:-1]!r}")
+        paths.append(path)
+    if max(map(len, paths)) != depth:
+        invalid(f"a deepest path of num_speculative_tokens = {depth} ranks, got {max(map(len, paths))}")
+    return tuple(paths)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, with vLLM's `SpeculativeConfig` names and meanings.
@@ -193,6 +216,12 @@ class SpecConfig:
       lowering, the jnp reference runs instead, with a warning), 'xla' the jnp reference; 'auto'
       takes whichever is faster on the backend (specjax.verify.AUTO_PALLAS_BACKENDS; today jnp
       everywhere). Both give the same tokens from the same draws.
+    speculative_token_tree: a static draft tree as vLLM's former option wrote it, one tuple of top-k
+      ranks per node, e.g. ((0,), (1,), (0, 0), (0, 1)): node (0, 1) is the second-ranked candidate of
+      depth 2 under the first-ranked one of depth 1. Every node's parent (its path less the last rank)
+      comes before it; the deepest path is num_speculative_tokens long. The target scores the whole
+      tree in one forward (specjax.draft_tree) and recursive rejection sampling verifies it
+      (specjax.verify.tree; rejection_sample_method 'standard'). Drafters that draft trees: 'medusa'.
     """
 
     method: str = "draft_model"
@@ -206,10 +235,21 @@ class SpecConfig:
     use_heterogeneous_vocab: bool = False
     kv_cache_dtype: str | None = None
     verify_impl: str = "auto"
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def num_draft_nodes(self) -> int:
+        """Drafts scored per step: the tree's nodes, or K for a chain."""
+        return self.num_speculative_tokens if self.speculative_token_tree is None else len(self.speculative_token_tree)
 
     def __post_init__(self):
         require_positive_ints(self, "num_speculative_tokens", "prompt_lookup_min")
         k = self.num_speculative_tokens
+        if self.speculative_token_tree is not None:
+            object.__setattr__(self, "speculative_token_tree", check_token_tree(self.speculative_token_tree, k))
+            require(self.rejection_sample_method == "standard", "SpecConfig", "rejection_sample_method",
+                    self.rejection_sample_method, "'standard' with speculative_token_tree (recursive rejection "
+                    "sampling; block and synthetic verification of trees are not built yet)")
         require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
                 self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
         require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,

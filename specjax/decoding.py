@@ -27,9 +27,9 @@ from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
-from specjax import sharding
+from specjax import draft_tree, sharding
 from specjax.sharding import BATCH, constrain
-from specjax.verify import verifier_for, verifier_name
+from specjax.verify import tree_verifier_for, verifier_for, verifier_name
 from specjax.verify.sampling import processed_probs, sample
 
 MIN_PROMPT_BUCKET = 16
@@ -164,6 +164,10 @@ def speculative_loop(
     settings = proposer.settings
     sampling, num_draft = settings.sampling, settings.spec.num_speculative_tokens
     verifier = verifier_for(settings.spec, sampling)
+    # A static draft tree (specjax.draft_tree): its parents, and its verifier; None for a chain.
+    tree = settings.spec.speculative_token_tree
+    parents = None if tree is None else jnp.asarray(draft_tree.token_tree_parents(tree), jnp.int32)
+    tree_verifier = None if tree is None else tree_verifier_for(settings.spec, sampling)
     scores_are_logits = verifier_name(settings.spec, sampling) == "greedy"
     token_keys, step_keys = _split_streams(keys)
     decode, target_out = _prefill(model, prompt_tokens, prompt_lengths, budgets, token_keys, sampling=sampling,
@@ -184,13 +188,26 @@ def speculative_loop(
         draft_tokens, draft_probs, proposer_state = proposer.propose(draft_params, state.proposer, context, draft_keys)
 
         last = decode.tokens[rows, decode.lengths - 1]
-        block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1]
-        positions = (decode.lengths - 1)[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
-        logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers)
+        block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1], or [B, N + 1] for a tree
+        fill = decode.cache.lengths  # the block's first slot: the last committed token is not cached yet
+        if parents is None:
+            positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
+        else:  # each node sees the cache, the root and its ancestors, at position fill + depth
+            row_parents = jnp.broadcast_to(parents, draft_tokens.shape)
+            positions = draft_tree.block_positions(row_parents, fill)
+            mask = draft_tree.attention_mask(row_parents, fill, decode.cache.max_length)
+        logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
+                                      attention_mask=mask)
         if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
             logits = constrain(logits, BATCH)
         scores = logits if scores_are_logits else processed_probs(logits, sampling)
-        num_accepted, next_token = verifier(scores, draft_tokens, draft_probs, verify_keys)
+        if parents is None:
+            num_accepted, next_token = verifier(scores, draft_tokens, draft_probs, verify_keys)
+        else:  # the accepted path into contiguous slots; from here on it reads as a chain
+            path, num_accepted, next_token = tree_verifier(scores, draft_tokens, row_parents, draft_probs, verify_keys)
+            cache = draft_tree.move_path(cache, fill, path, num_accepted)
+            draft_tokens = jnp.take_along_axis(draft_tokens, jnp.maximum(path, 0), axis=1)
+            logits, hidden = draft_tree.along_path((logits, hidden), path)
 
         # The target cache keeps the last committed token and the accepted drafts: rollback is lengths.
         cache = cache.with_lengths(jnp.where(active, decode.lengths + num_accepted, decode.cache.lengths))
@@ -312,7 +329,7 @@ def generate(
     if cache_dtype is not None:
         dtype_from_name(cache_dtype, "cache_dtype")
     eos_token_ids = tuple(int(t) for t in eos_token_ids)
-    lookahead = 0 if spec is None else spec.num_speculative_tokens + 1
+    lookahead = 0 if spec is None else spec.num_draft_nodes + 1
     request = pad_request(model, prompts, max_new_tokens, seeds, cache_size, lookahead,
                           batch_multiple=1 if mesh is None else mesh.shape[sharding.DATA])
     args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),

@@ -66,3 +66,22 @@ def move_path(cache: KVCache, fill_levels: Int[Array, " B"], path: Int[Array, "B
     """The accepted path's entries (node path[b, j] at slot fill_levels[b] + 1 + path[b, j]) moved to slots
     fill_levels[b] + 1 + j; the root stays at fill_levels[b]. Lengths unchanged."""
     return cache.move(fill_levels + 1, fill_levels[:, None] + 1 + jnp.maximum(path, 0), length)
+
+
+def token_tree_parents(tree: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Parent indices of a speculative_token_tree (SpecConfig): node i's path less its last rank."""
+    index = {path: i for i, path in enumerate(tree)}
+    return tuple(index[path[:-1]] if len(path) > 1 else -1 for path in tree)
+
+
+def along_path(tree, path: Int[Array, "B N"]):
+    """Every leaf [..., B, N + 1, X] (the forward over [root, nodes]: logits, hidden states) taken at
+    [root, path...]: position j of the result is the j-th token of the accepted path, as after a chain.
+    Entries past a row's path length repeat the root's and are not read."""
+    order = jnp.concatenate([jnp.zeros_like(path[:, :1]), 1 + jnp.maximum(path, 0)], axis=1)  # [B, N + 1]
+
+    def take(x):
+        index = order.reshape((1,) * (x.ndim - 3) + order.shape + (1,))
+        return jnp.take_along_axis(x, index, axis=x.ndim - 2)
+
+    return jax.tree.map(take, tree)

@@ -245,7 +245,7 @@ def speculative_loop_args(target, drafter, prompts, max_new_tokens, spec: SpecCo
                           eos_token_ids=()):
     """(args, static keyword arguments) of `decoding.speculative_loop` for a request, as generate builds
     them (the proposer built for the drafter, its weights bound to the target)."""
-    request = pad_request(target, prompts, max_new_tokens, lookahead=spec.num_speculative_tokens + 1)
+    request = pad_request(target, prompts, max_new_tokens, lookahead=spec.num_draft_nodes + 1)
     proposer = build_proposer(spec, sampling, request.cache_size, drafter)
     args = (target, proposer.bind(drafter, target), jnp.asarray(request.tokens), jnp.asarray(request.lengths),
             jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))

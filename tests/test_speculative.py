@@ -6,7 +6,8 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import (EOS, PROMPT, TINY, dflash_config, equations, primitives, ragged_requests, speculative_loop_args,
+from conftest import (EOS, PROMPT, TINY, dflash_config, equations, medusa_for, primitives, ragged_requests,
+                      speculative_loop_args,
                       target_and_drafts, tiny_pair)
 
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
@@ -63,13 +64,20 @@ def test_metric_identities():
 
 # ------------------------------------------------------------------------------------ one program
 
-@pytest.mark.parametrize("method", ["draft_model", "dflash"])
+@pytest.mark.parametrize("method", ["draft_model", "dflash", "medusa_tree"])
 def test_speculative_generation_is_one_program_with_one_while_loop(method):
     target, drafts = target_and_drafts()
-    drafter = drafts["perturbed"] if method == "draft_model" else init_dflash(dflash_config(target.config, (0, 1), 8))
     sampling = SamplingConfig(temperature=0.8)
     spec = SpecConfig(method=method, num_speculative_tokens=3, rejection_sample_method="block",
                       draft_sample_method="probabilistic")
+    if method == "draft_model":
+        drafter = drafts["perturbed"]
+    elif method == "dflash":
+        drafter = init_dflash(dflash_config(target.config, (0, 1), 8))
+    else:  # a static draft tree, verified by recursive rejection sampling
+        drafter = medusa_for(target, num_heads=3, scale=0.05)
+        spec = SpecConfig(method="medusa", num_speculative_tokens=3,
+                          speculative_token_tree=((0,), (1,), (0, 0), (0, 1), (0, 0, 0)))
     args, static = speculative_loop_args(target, drafter, [[1, 2, 3], [4] * 9], 10, spec, sampling,
                                          eos_token_ids=(2,))
     prims = primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args).jaxpr)

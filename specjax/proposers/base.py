@@ -14,7 +14,9 @@ What the loop passes:
   target_out.hidden.final[b, lengths[b] - 2] is the feature that drew that token.
 - propose: context.tokens[b, :context.lengths[b]] are the committed tokens.
 - accept: target_out is the verify forward over [last committed token, d_1 .. d_K] (K + 1
-  positions); the row kept d_1 .. d_n and next_token, which position n's logits drew.
+  positions); the row kept d_1 .. d_n and next_token, which position n's logits drew. After a tree
+  (drafts_trees), the loop passes the forward's positions along the accepted path, [root, path...], so
+  that accept reads it as a chain.
 
 The class also says everything else about its drafter: how `load` reads its weights from a folder,
 which bundled drafter the method uses (`default_drafter`), whether it takes weights at all
@@ -88,6 +90,9 @@ class Proposer:
     default_drafter: ClassVar[str | None] = None
     # False for a method without weights (n-gram lookup): it takes no drafter folder.
     needs_drafter: ClassVar[bool] = True
+    # True where propose can draft spec.speculative_token_tree: its K are then the tree's nodes, in the
+    # tree's order (DESIGN.md's trees; specjax.draft_tree). Others refuse the option when built.
+    drafts_trees: ClassVar[bool] = False
 
     @classmethod
     def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
@@ -174,6 +179,9 @@ def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int, 
     """The proposer of spec.method. A proposer class whose static settings depend on its weights
     (EAGLE-3 reads the target layers its head fuses) defines `build(settings, drafter)`."""
     cls = proposer_class(spec.method)
+    if spec.speculative_token_tree is not None and not cls.drafts_trees:
+        raise UnsupportedSpeculation(f"method {spec.method!r} drafts chains only: speculative_token_tree is allowed "
+                                     f"with {sorted(name for name, c in PROPOSERS.items() if c.drafts_trees)}")
     settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)
     build = getattr(cls, "build", None)
     return build(settings, drafter) if build is not None else cls(settings)

@@ -2,7 +2,8 @@
 
 h_t is the target's final-norm feature at the position whose logits drew the newest committed
 token x_{t+1}; head k predicts x_{t+k+1} from it, so the draft is [head_1(h_t), .., head_K(h_t)]
-(one chain, top-1 or one sample per head; Medusa's tree of top-k candidates is not used). The heads
+(one chain, top-1 or one sample per head), or, with spec.speculative_token_tree, Medusa's sparse tree:
+node (r_1, .., r_d) is head d's r_d-th ranked token (deterministic: q one-hot to the verifier). The heads
 are conditionally independent given h_t, so head i's distribution is q(x_i | x_<i) for the
 verifiers, and the state is h_t alone: it needs no cache and no work but picking h_t in `accept`.
 """
@@ -44,6 +45,7 @@ class MedusaState:
 @dataclasses.dataclass(frozen=True)
 class MedusaProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:medusa"
+    drafts_trees: ClassVar[bool] = True
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> MedusaHeads:
@@ -57,6 +59,9 @@ class MedusaProposer(Proposer):
         if c.num_heads < num_draft:
             raise UnsupportedSpeculation(f"Medusa has {c.num_heads} heads but num_speculative_tokens is {num_draft}: "
                              f"allowed K <= {c.num_heads}")
+        if self.settings.spec.speculative_token_tree is not None and self.settings.spec.draft_sample_method != "greedy":
+            raise UnsupportedSpeculation("Medusa drafts its tree of top-k candidates deterministically: "
+                                         "speculative_token_tree is allowed with draft_sample_method 'greedy'")
 
     def bind(self, params: MedusaHeads, target: Transformer) -> BoundMedusa:
         return BoundMedusa(heads=params, lm_head=LMHead.of(target) if params.config.shared_lm_head else None)
@@ -68,8 +73,12 @@ class MedusaProposer(Proposer):
         return MedusaState(feature=target_out.hidden.final[rows, lengths - 2])
 
     def propose(self, params: BoundMedusa, state: MedusaState, context: Context, keys: PRNGKeyArray):
-        num_draft = self.settings.spec.num_speculative_tokens
+        num_draft, tree = self.settings.spec.num_speculative_tokens, self.settings.spec.speculative_token_tree
         logits = params.heads(state.feature, params.lm_head, num_heads=num_draft)  # [B, K, V]
+        if tree is not None:  # node (r_1 .. r_d): head d's r_d-th ranked token
+            ranked = jax.lax.top_k(logits, 1 + max(path[-1] for path in tree))[1]  # [B, K, R]
+            heads, ranks = (jnp.asarray([len(p) - 1 for p in tree]), jnp.asarray([p[-1] for p in tree]))
+            return ranked[:, heads, ranks].astype(jnp.int32), None, state
         head_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
         # Each head drafts on its own, as draft_model's steps do one at a time.
         draw = jax.vmap(functools.partial(draw_draft_tokens, settings=self.settings), in_axes=1, out_axes=1)

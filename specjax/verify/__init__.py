@@ -13,9 +13,10 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from specjax.config import SamplingConfig, SpecConfig, require
-from specjax.verify import block, greedy, standard, synthetic
+from specjax.verify import block, greedy, standard, synthetic, tree
 from specjax.verify.common import from_draws
 
 VERIFIERS: dict[str, Callable] = {
@@ -64,3 +65,13 @@ def verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
         if block_verify.kernel_available(jax.default_backend()):
             return block_verify.verify
     return VERIFIERS[name]
+
+
+def tree_verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
+    """The verifier of draft trees (specjax.verify.tree), with the signature
+    `verify(scores[B,N+1,V], tokens[B,N], parents[B,N], draft_probs | None, keys[B]) -> (path, length, next_token)`;
+    scores are logits where the greedy verifier runs, processed probabilities otherwise."""
+    if verifier_name(spec, sampling) == "greedy":
+        return lambda logits, tokens, parents, draft_probs, keys: tree.verify_tree_greedy(
+            jnp.argmax(logits, axis=-1), tokens, parents)
+    return tree.verify_tree

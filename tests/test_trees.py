@@ -1,0 +1,75 @@
+"""Draft trees in the speculative loop (SpecConfig.speculative_token_tree; Medusa's sparse trees): greedy
+output identical to autoregressive on a ragged batch of 16 rows with EOS inside accepted paths (one
+while_loop: tests/test_speculative.py); at T > 0 the first three tokens follow the target exactly (chi-square), with the negative
+control that a verifier accepting the first-ranked path fails the same test."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, exact_joint, medusa_for,
+                      speculative_joint_counts, target_and_drafts, tiny_pair)
+
+from specjax import verify as verify_registry
+from specjax.config import ConfigError, SamplingConfig, SpecConfig
+from specjax.decoding import generate
+from specjax.proposers import UnsupportedSpeculation
+from specjax.verify import tree as tree_verify
+
+# Medusa-style sparse trees: 2 candidates at depth 1, 2 + 1 under them, one more level under the best.
+TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
+SMALL_TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0))
+
+
+def tree_spec(tree=TREE, **options):
+    return SpecConfig(method="medusa", num_speculative_tokens=max(map(len, tree)), speculative_token_tree=tree, **options)
+
+
+def test_greedy_tree_output_is_identical_to_autoregressive():
+    target, _ = target_and_drafts()
+    heads = medusa_for(target, num_heads=3, num_layers=2, scale=0.05)
+    prompts, budgets = REQUESTS["ragged16"]()
+    expected = autoregressive_outputs("ragged16")
+    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], spec=tree_spec(), drafter=heads)
+    assert result.sequences() == expected.sequences()
+    assert (result.stopped_by_eos == expected.stopped_by_eos).all() and expected.stopped_by_eos.any()
+    histogram = result.metrics.summary()["length_histogram"]
+    assert sum(histogram[2:]) > 0, histogram  # paths of depth >= 2 were accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7),
+                                      SamplingConfig(temperature=1.0, top_k=5)], ids=["T1", "T0.7", "top_k5"])
+def test_tree_sampling_is_lossless(sampling):
+    heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
+    counts, metrics = speculative_joint_counts(tree_spec(SMALL_TREE), sampling, heads)
+    assert 0 < metrics.summary()["acceptance_rate"] < 1
+    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
+
+
+def first_ranked(target_probs, tokens, parents, draft_probs, keys):
+    """Deliberately wrong: accepts the first child at every depth, then samples from the target there."""
+    path, length, _ = tree_verify.verify_tree_greedy(jnp.zeros(target_probs.shape[:2], jnp.int32), tokens * 0, parents)
+    last = jnp.take_along_axis(target_probs, (1 + jnp.maximum(path, 0))[:, :, None], 1)[jnp.arange(tokens.shape[0]),
+                                                                                         jnp.maximum(length - 1, 0)]
+    return path, length, jax.vmap(jax.random.categorical)(keys, jnp.log(last))
+
+
+@pytest.mark.slow
+def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
+    monkeypatch.setattr(verify_registry.tree, "verify_tree", first_ranked)
+    jax.clear_caches()
+    try:
+        heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
+        counts, _ = speculative_joint_counts(tree_spec(SMALL_TREE), SamplingConfig(temperature=1.0), heads)
+    finally:
+        jax.clear_caches()
+    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], SamplingConfig(temperature=1.0))) < 1e-6
+
+
+def test_trees_are_refused_where_they_are_not_built():
+    with pytest.raises(ConfigError, match="rejection_sample_method"):
+        tree_spec(rejection_sample_method="block")
+    target, drafts = target_and_drafts()
+    with pytest.raises(UnsupportedSpeculation, match="drafts chains only"):
+        generate(target, [[1, 2]], max_new_tokens=4, drafter=drafts["perturbed"],
+                 spec=SpecConfig(method="draft_model", num_speculative_tokens=1, speculative_token_tree=((0,), (1,))))
