@@ -235,13 +235,14 @@ def point_fields(config: RunConfig) -> dict:
     return {"method": config.spec.method, "K": config.spec.num_speculative_tokens,
             "rejection_sample_method": config.spec.rejection_sample_method,
             "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature,
-            "draft_vocab_size": config.draft_vocab_size}
+            "draft_vocab_size": config.draft_vocab_size,
+            "tree_nodes": None if config.spec.speculative_token_tree is None else config.spec.num_draft_nodes}
 
 
 def drafter_name(row: dict) -> str:
-    """The method, with its draft vocabulary's size when one is set (FR-Spec)."""
-    size = row.get("draft_vocab_size")
-    return row["method"] if size is None else f"{row['method']} ({size} ids)"
+    """The method, with its draft vocabulary's size (FR-Spec) and its draft tree's nodes when set."""
+    size, nodes = row.get("draft_vocab_size"), row.get("tree_nodes")
+    return "".join([row["method"], "" if size is None else f" ({size} ids)", "" if nodes is None else f" ({nodes}-node tree)"])
 
 
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")

@@ -73,3 +73,11 @@ def test_trees_are_refused_where_they_are_not_built():
     with pytest.raises(UnsupportedSpeculation, match="drafts chains only"):
         generate(target, [[1, 2]], max_new_tokens=4, drafter=drafts["perturbed"],
                  spec=SpecConfig(method="draft_model", num_speculative_tokens=1, speculative_token_tree=((0,), (1,))))
+
+
+@pytest.mark.parametrize("tree, message", [
+    ([[0, 0]], "every path after its parent"), ([[0], [0]], "each path once"), ([[0], [1]], "deepest path of"),
+    ([[0], [-1]], "integers >= 0"), ([], "non-empty list")])
+def test_a_malformed_tree_is_a_config_error_naming_the_problem(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        SpecConfig(method="medusa", num_speculative_tokens=2, speculative_token_tree=tree)
