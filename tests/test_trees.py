@@ -17,7 +17,7 @@ from specjax.verify import tree as tree_verify
 
 # Medusa-style sparse trees: 2 candidates at depth 1, 2 + 1 under them, one more level under the best.
 TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
-SMALL_TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0))
+SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
 
 
 def tree_spec(tree=TREE, **options):
@@ -37,11 +37,14 @@ def test_greedy_tree_output_is_identical_to_autoregressive():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7),
-                                      SamplingConfig(temperature=1.0, top_k=5)], ids=["T1", "T0.7", "top_k5"])
-def test_tree_sampling_is_lossless(sampling):
+                                      SamplingConfig(temperature=1.0, top_k=2)], ids=["T1", "T0.7", "top_k2"])
+def test_tree_sampling_is_lossless(sampling, drafting):
+    """Greedy drafting: each head's top-k (q one-hot); probabilistic: draws without replacement (with top-k 2,
+    a third sibling's draw has no probability left and is fixed)."""
     heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
-    counts, metrics = speculative_joint_counts(tree_spec(SMALL_TREE), sampling, heads)
+    counts, metrics = speculative_joint_counts(tree_spec(SMALL_TREE, draft_sample_method=drafting), sampling, heads)
     assert 0 < metrics.summary()["acceptance_rate"] < 1
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
 

@@ -3,7 +3,9 @@
 h_t is the target's final-norm feature at the position whose logits drew the newest committed
 token x_{t+1}; head k predicts x_{t+k+1} from it, so the draft is [head_1(h_t), .., head_K(h_t)]
 (one chain, top-1 or one sample per head), or, with spec.speculative_token_tree, Medusa's sparse tree:
-node (r_1, .., r_d) is head d's r_d-th ranked token (deterministic: q one-hot to the verifier). The heads
+node (r_1, .., r_d) is head d's r_d-th ranked token (greedy drafting: q one-hot to the verifier) or, with
+probabilistic drafting, the r_d-th draw without replacement from head d's distribution in a race of its
+own parent's (Gumbel top-k), q being that distribution less the parent's earlier draws. The heads
 are conditionally independent given h_t, so head i's distribution is q(x_i | x_<i) for the
 verifiers, and the state is h_t alone: it needs no cache and no work but picking h_t in `accept`.
 """
@@ -24,6 +26,7 @@ from specjax.models.transformer import Transformer
 from specjax.proposers.base import (Context, Proposer, TargetOutput, UnsupportedSpeculation, register,
                                     require_target_sizes)
 from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.verify.sampling import processed_probs
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("heads", "lm_head"), meta_fields=())
@@ -59,9 +62,14 @@ class MedusaProposer(Proposer):
         if c.num_heads < num_draft:
             raise UnsupportedSpeculation(f"Medusa has {c.num_heads} heads but num_speculative_tokens is {num_draft}: "
                              f"allowed K <= {c.num_heads}")
-        if self.settings.spec.speculative_token_tree is not None and self.settings.spec.draft_sample_method != "greedy":
-            raise UnsupportedSpeculation("Medusa drafts its tree of top-k candidates deterministically: "
-                                         "speculative_token_tree is allowed with draft_sample_method 'greedy'")
+        tree = self.settings.spec.speculative_token_tree
+        if tree is not None and self.settings.spec.draft_sample_method == "probabilistic":
+            for parent in {path[:-1] for path in tree}:  # the verifier tries siblings in the order they were drawn
+                ranks = [path[-1] for path in tree if path[:-1] == parent]
+                if ranks != list(range(len(ranks))):
+                    raise UnsupportedSpeculation(
+                        f"speculative_token_tree with draft_sample_method 'probabilistic' needs each node's children "
+                        f"to be ranks 0, 1, .. in order (draws without replacement); under {parent} they are {ranks}")
 
     def bind(self, params: MedusaHeads, target: Transformer) -> BoundMedusa:
         return BoundMedusa(heads=params, lm_head=LMHead.of(target) if params.config.shared_lm_head else None)
@@ -75,15 +83,39 @@ class MedusaProposer(Proposer):
     def propose(self, params: BoundMedusa, state: MedusaState, context: Context, keys: PRNGKeyArray):
         num_draft, tree = self.settings.spec.num_speculative_tokens, self.settings.spec.speculative_token_tree
         logits = params.heads(state.feature, params.lm_head, num_heads=num_draft)  # [B, K, V]
-        if tree is not None:  # node (r_1 .. r_d): head d's r_d-th ranked token
-            ranked = jax.lax.top_k(logits, 1 + max(path[-1] for path in tree))[1]  # [B, K, R]
-            heads, ranks = (jnp.asarray([len(p) - 1 for p in tree]), jnp.asarray([p[-1] for p in tree]))
-            return ranked[:, heads, ranks].astype(jnp.int32), None, state
+        if tree is not None:
+            return (*self.draft_tree(logits, tree, keys), state)
         head_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
         # Each head drafts on its own, as draft_model's steps do one at a time.
         draw = jax.vmap(functools.partial(draw_draft_tokens, settings=self.settings), in_axes=1, out_axes=1)
         draft_tokens, draft_probs = draw(logits, head_keys)  # [B, K], [B, K, V] or None
         return draft_tokens, draft_probs, state
+
+    def draft_tree(self, logits: Float[Array, "B K V"], tree, keys: PRNGKeyArray):
+        """Node (r_1 .. r_d) of the tree: head d's r_d-th ranked token, or its r_d-th draw without replacement
+        in its parent's race; (tokens [B, N], q [B, N, V] or None)."""
+        heads = [len(path) - 1 for path in tree]
+        ranks = [path[-1] for path in tree]
+        width = 1 + max(ranks)
+        if self.settings.sampling.is_greedy or self.settings.spec.draft_sample_method == "greedy":
+            ranked = jax.lax.top_k(logits, width)[1]  # [B, K, R]
+            return ranked[:, jnp.asarray(heads), jnp.asarray(ranks)].astype(jnp.int32), None
+        probs = processed_probs(logits, self.settings.sampling)  # [B, K, V]
+        parents = sorted({path[:-1] for path in tree}, key=len)
+        race_of = [parents.index(path[:-1]) for path in tree]
+        head_of_race = jnp.asarray([len(parent) for parent in parents])
+        gumbels = jax.vmap(lambda key: jax.random.gumbel(key, (len(parents), probs.shape[-1])))(keys)
+        order = jax.lax.top_k(jnp.log(probs[:, head_of_race]) + gumbels, width)[1]  # [B, races, R]: the draws
+        tokens, qs = [], []
+        for head, rank, race in zip(heads, ranks, race_of):
+            earlier = jax.nn.one_hot(order[:, race, :rank], probs.shape[-1]).sum(1)  # [B, V]
+            q = probs[:, head] * (1 - earlier)
+            total = q.sum(-1, keepdims=True)
+            token = order[:, race, rank]
+            # With fewer tokens of nonzero probability than siblings, the draw is fixed: q one-hot.
+            qs.append(jnp.where(total > 0, q / jnp.maximum(total, 1e-30), jax.nn.one_hot(token, q.shape[-1])))
+            tokens.append(token)
+        return jnp.stack(tokens, 1).astype(jnp.int32), jnp.stack(qs, 1)
 
     def accept(self, state: MedusaState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> MedusaState:
