@@ -11,7 +11,7 @@ from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, 
 
 from specjax import verify as verify_registry
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
-from specjax.decoding import generate
+from specjax.decoding import generate, speculative_loop
 from specjax.proposers import UnsupportedSpeculation
 from specjax.verify import tree as tree_verify
 
@@ -84,3 +84,13 @@ def test_trees_are_refused_where_they_are_not_built():
 def test_a_malformed_tree_is_a_config_error_naming_the_problem(tree, message):
     with pytest.raises(ConfigError, match=message):
         SpecConfig(method="medusa", num_speculative_tokens=2, speculative_token_tree=tree)
+
+
+def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
+    target, _ = target_and_drafts()
+    heads = medusa_for(target, num_heads=3, scale=0.05)
+    first = generate(target, [[3, 9, 27, 4, 1], [5, 1]], max_new_tokens=6, spec=tree_spec(), drafter=heads)
+    compiled = speculative_loop._cache_size()
+    second = generate(target, [[3, 9, 27, 4, 1, 8, 2], [6]], max_new_tokens=6, spec=tree_spec(), drafter=heads)
+    assert speculative_loop._cache_size() == compiled
+    assert first.sequences() != second.sequences()
