@@ -391,6 +391,31 @@ def plot(rows: list[dict], out: Path) -> None:
         ax.plot(range(1, widest["K"] + 1), widest["per_position_acceptance"], **style)
         ax.set_xlabel("draft position (at the largest K)")
     figure("fraction of steps accepting it", "per_position_acceptance.png", per_position)
+    if any(row.get("tree_nodes") for row in rows):
+        plot_tree_sizes(rows, temperatures, out, plt)
+
+
+def plot_tree_sizes(rows: list[dict], temperatures: list[float], out: Path, plt) -> None:
+    """Mean acceptance length against the drafts scored a step (a chain's K, a tree's nodes), a line per
+    (method, verifier, depth K): trees against the chain of their depth."""
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures), 4.2), squeeze=False, sharey=True)
+    for ax, temperature in zip(axes[0], temperatures):
+        lines: dict[tuple, list[dict]] = {}
+        for row in rows:
+            if row["temperature"] == temperature:
+                lines.setdefault((row["method"], row["rejection_sample_method"], row["K"]), []).append(row)
+        for (method, verifier, k), points in sorted(lines.items()):
+            points = sorted(points, key=lambda r: r.get("tree_nodes") or r["K"])
+            ax.plot([p.get("tree_nodes") or p["K"] for p in points], [p["mean_acceptance_length"] for p in points],
+                    marker="o", label=f"{method}, {verifier}, depth {k}")
+        ax.set_title(f"T = {temperature:g}")
+        ax.set_xlabel("drafts scored a step (chain: K; tree: nodes)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean acceptance length")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_vs_tree_size.png", dpi=120)
+    plt.close(fig)
 
 
 def load_run(path, overrides=()) -> RunConfig:

@@ -94,3 +94,17 @@ def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     second = generate(target, [[3, 9, 27, 4, 1, 8, 2], [6]], max_new_tokens=6, spec=tree_spec(), drafter=heads)
     assert speculative_loop._cache_size() == compiled
     assert first.sequences() != second.sequences()
+
+
+def test_a_sweep_over_trees_plots_acceptance_against_tree_size(tmp_path):
+    from specjax.experiments import plot
+
+    rows = [dict(method="medusa", K=3, rejection_sample_method="standard", draft_sample_method="greedy", temperature=t,
+                 tree_nodes=nodes, mean_acceptance_length=1 + 0.1 * (nodes or 3), speedup=1.0,
+                 per_position_acceptance=[0.5, 0.3, 0.1]) for t in (0.0, 1.0) for nodes in (None, 6, 15)]
+    trees, chains = tmp_path / "trees", tmp_path / "chains"
+    trees.mkdir(), chains.mkdir()
+    plot(rows, trees)
+    assert (trees / "acceptance_vs_tree_size.png").stat().st_size > 10_000
+    plot([row for row in rows if row["tree_nodes"] is None], chains)
+    assert not (chains / "acceptance_vs_tree_size.png").exists()  # chains only: no tree plot
