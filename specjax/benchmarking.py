@@ -8,7 +8,9 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -138,6 +140,8 @@ def environment() -> dict:
         "jax": jax.__version__,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # The command that made the results, as typed (a script's path and its arguments).
+        "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
     }
 
 
@@ -149,7 +153,10 @@ def write_results(name: str, rows: list[dict], columns: list[tuple[str, str]], m
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [f"# {name}", "", ", ".join(f"{k}: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))), ""]
+    lines = [f"# {name}", "", ", ".join(f"{k}: {v}" for k, v in meta.items()
+                                        if k != "command" and not isinstance(v, (dict, list))), ""]
+    if "command" in meta:
+        lines += [f"Command: `{meta['command']}`", ""]
     if notes:
         lines += [notes, ""]
     lines += ["| " + " | ".join(header for _, header in columns) + " |",
