@@ -221,7 +221,7 @@ class SpecConfig:
       depth 2 under the first-ranked one of depth 1. Every node's parent (its path less the last rank)
       comes before it; the deepest path is num_speculative_tokens long. The target scores the whole
       tree in one forward (specjax.draft_tree) and recursive rejection sampling verifies it
-      (specjax.verify.tree; rejection_sample_method 'standard'). Drafters that draft trees: 'medusa'.
+      (specjax.verify.tree; rejection_sample_method 'standard'). Drafters that draft trees: 'medusa', 'draft_model'.
     """
 
     method: str = "draft_model"

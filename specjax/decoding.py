@@ -215,7 +215,7 @@ def speculative_loop(
         emitted = emitted.at[rows, num_accepted].set(next_token)
         decode, kept = _commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, budgets,
                                eos_token_ids)
-        target_out = TargetOutput(logits=logits, hidden=hidden)
+        target_out = TargetOutput(logits=logits, hidden=hidden, path=None if parents is None else path)
         return SpecState(decode=decode,
                          proposer=proposer.accept(proposer_state, num_accepted, next_token, target_out),
                          counters=state.counters.update(active, num_accepted, kept))

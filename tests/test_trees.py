@@ -5,6 +5,7 @@ control that a verifier accepting the first-ranked path fails the same test."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, exact_joint, medusa_for,
                       speculative_joint_counts, target_and_drafts, tiny_pair)
@@ -20,16 +21,18 @@ TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
 SMALL_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
 
 
-def tree_spec(tree=TREE, **options):
-    return SpecConfig(method="medusa", num_speculative_tokens=max(map(len, tree)), speculative_token_tree=tree, **options)
+def tree_spec(tree=TREE, method="medusa", **options):
+    return SpecConfig(method=method, num_speculative_tokens=max(map(len, tree)), speculative_token_tree=tree, **options)
 
 
-def test_greedy_tree_output_is_identical_to_autoregressive():
-    target, _ = target_and_drafts()
-    heads = medusa_for(target, num_heads=3, num_layers=2, scale=0.05)
+@pytest.mark.parametrize("method", ["medusa", "draft_model"])
+def test_greedy_tree_output_is_identical_to_autoregressive(method):
+    target, drafts = target_and_drafts()
+    drafter = medusa_for(target, num_heads=3, num_layers=2, scale=0.05) if method == "medusa" else drafts["perturbed"]
     prompts, budgets = REQUESTS["ragged16"]()
     expected = autoregressive_outputs("ragged16")
-    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], spec=tree_spec(), drafter=heads)
+    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], spec=tree_spec(method=method),
+                      drafter=drafter)
     assert result.sequences() == expected.sequences()
     assert (result.stopped_by_eos == expected.stopped_by_eos).all() and expected.stopped_by_eos.any()
     histogram = result.metrics.summary()["length_histogram"]
@@ -45,6 +48,16 @@ def test_tree_sampling_is_lossless(sampling, drafting):
     a third sibling's draw has no probability left and is fixed)."""
     heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
     counts, metrics = speculative_joint_counts(tree_spec(SMALL_TREE, draft_sample_method=drafting), sampling, heads)
+    assert 0 < metrics.summary()["acceptance_rate"] < 1
+    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)],
+                         ids=["T1", "T0.7-top_k5"])
+def test_draft_model_tree_sampling_is_lossless(sampling):
+    """A draft model's tree (its top-k at each node, written into its own cache and moved after acceptance)."""
+    counts, metrics = speculative_joint_counts(tree_spec(SMALL_TREE, method="draft_model"), sampling, tiny_pair()[1])
     assert 0 < metrics.summary()["acceptance_rate"] < 1
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
 
@@ -72,10 +85,10 @@ def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
 def test_trees_are_refused_where_they_are_not_built():
     with pytest.raises(ConfigError, match="rejection_sample_method"):
         tree_spec(rejection_sample_method="block")
-    target, drafts = target_and_drafts()
+    target, _ = target_and_drafts()
     with pytest.raises(UnsupportedSpeculation, match="drafts chains only"):
-        generate(target, [[1, 2]], max_new_tokens=4, drafter=drafts["perturbed"],
-                 spec=SpecConfig(method="draft_model", num_speculative_tokens=1, speculative_token_tree=((0,), (1,))))
+        generate(target, [[1, 2]], max_new_tokens=4,
+                 spec=SpecConfig(method="ngram", num_speculative_tokens=1, speculative_token_tree=((0,), (1,))))
 
 
 @pytest.mark.parametrize("tree, message", [
@@ -108,3 +121,41 @@ def test_a_sweep_over_trees_plots_acceptance_against_tree_size(tmp_path):
     assert (trees / "acceptance_vs_tree_size.png").stat().st_size > 10_000
     plot([row for row in rows if row["tree_nodes"] is None], chains)
     assert not (chains / "acceptance_vs_tree_size.png").exists()  # chains only: no tree plot
+
+
+def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill():
+    """propose writes the tree into the draft's cache at tree slots; accept with a path moves it: the entries
+    then equal those of a plain forward over the committed tokens and the path (keys, values), up to the
+    path's last node, which (as the last committed token of a chain) the next propose writes again."""
+    from specjax.draft_tree import token_tree_parents
+    from specjax.proposers import Context, TargetOutput, build_proposer
+
+    target, drafts = target_and_drafts()
+    draft = drafts["perturbed"]
+    spec = tree_spec(method="draft_model")
+    proposer = build_proposer(spec, SamplingConfig(), 32, draft)
+    committed = jnp.asarray([[5, 9, 2, 7, 1, 3]])
+    hidden = target(committed[:, :-1], jnp.arange(5)[None])[1]
+    state = proposer.init(draft, committed, jnp.asarray([6]), TargetOutput(None, hidden))
+    tokens, _, state = proposer.propose(draft, state, Context(committed, jnp.asarray([6])), jax.random.key(0)[None])
+    parents = token_tree_parents(TREE)
+    leaf = max(range(len(TREE)), key=lambda i: len(TREE[i]))
+    path = [leaf]
+    while parents[path[0]] >= 0:
+        path.insert(0, parents[path[0]])
+    padded = jnp.asarray([path + [-1] * (len(TREE) - len(path))])
+    state = proposer.accept(state, jnp.asarray([len(path)]), jnp.asarray([0]),
+                            TargetOutput(None, hidden, path=padded))
+    sequence = jnp.concatenate([committed, tokens[:, jnp.asarray(path)]], axis=1)  # [1, 6 + depth]
+    _, _, plain = draft(sequence, jnp.arange(sequence.shape[1])[None], draft.create_cache(1, 32))
+    n = sequence.shape[1] - 1
+    for layer in range(draft.config.num_layers):
+        for got, want in zip(state.cache.layer(layer), plain.layer(layer)):
+            np.testing.assert_allclose(np.asarray(got[0, :n]), np.asarray(want[0, :n]), atol=1e-5, rtol=0)
+
+
+def test_a_draft_model_tree_must_be_listed_by_depth():
+    target, drafts = target_and_drafts()
+    with pytest.raises(UnsupportedSpeculation, match="by depth"):
+        generate(target, [[1, 2]], max_new_tokens=4, drafter=drafts["perturbed"],
+                 spec=tree_spec(((0,), (0, 0), (1,)), method="draft_model"))

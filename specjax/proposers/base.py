@@ -54,13 +54,17 @@ class Context:
     lengths: Int[Array, " B"]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("logits", "hidden"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("logits", "hidden", "path"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class TargetOutput:
     """The target's last forward (prefill or verify) over T positions, for drafters that read it."""
 
     logits: Float[Array, "B T V"] | None
     hidden: Hidden
+    # After a draft tree: the accepted path's node indices (-1 past its length), along which logits and
+    # hidden were taken; a drafter that wrote the tree into a cache of its own moves that path with it
+    # (specjax.draft_tree.move_path). None after a chain or the prefill.
+    path: Int[Array, "B N"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax import draft_tree
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer, for_decoding
-from specjax.proposers.base import Context, Proposer, ProposerSettings, TargetOutput, register
+from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
+                                    register)
 from specjax.proposers.heterogeneous import HeterogeneousDraft
 from specjax.verify.sampling import processed_logits, processed_probs
 
@@ -45,12 +47,21 @@ def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings:
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:draft"
+    drafts_trees: ClassVar[bool] = True
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> Transformer:
         return for_decoding(hf.load(folder, dtype=dtype), model_shards)
 
     def check(self, params, target_config) -> None:
+        tree, spec = self.settings.spec.speculative_token_tree, self.settings.spec
+        if tree is not None:
+            if spec.use_heterogeneous_vocab or spec.draft_sample_method != "greedy":
+                raise UnsupportedSpeculation("a draft model drafts speculative_token_tree with draft_sample_method "
+                                             "'greedy' and one vocabulary")
+            if [len(path) for path in tree] != sorted(len(path) for path in tree):
+                raise UnsupportedSpeculation(f"speculative_token_tree = {tree} for a draft model must list its paths by "
+                                             "depth (each depth's nodes run as one block)")
         if self.settings.spec.use_heterogeneous_vocab:
             if not isinstance(params, HeterogeneousDraft):
                 raise ValueError("use_heterogeneous_vocab needs a HeterogeneousDraft (draft model + vocabulary "
@@ -85,6 +96,8 @@ class DraftModelProposer(Proposer):
         return DraftModelState(cache=cache.with_lengths(lengths))
 
     def propose(self, params, state: DraftModelState, context: Context, keys: PRNGKeyArray):
+        if self.settings.spec.speculative_token_tree is not None:
+            return self.propose_tree(params, state, context)
         draft, bridge = self._split(params)
         num_draft = self.settings.spec.num_speculative_tokens
         rows = jnp.arange(context.tokens.shape[0])
@@ -115,5 +128,42 @@ class DraftModelProposer(Proposer):
             draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
         return draft_tokens, draft_probs, DraftModelState(cache=cache)
 
+    def propose_tree(self, params, state: DraftModelState, context: Context):
+        """The static tree, depth by depth: the root's logits rank its children; each depth's nodes then
+        run as one block over the draft's cache, at their tree slots (the root's + 1 + index) and under the
+        tree's mask, and their logits rank their children. Greedy drafting: node (.., r) is its parent's
+        r-th ranked token."""
+        tree = self.settings.spec.speculative_token_tree
+        parents = draft_tree.token_tree_parents(tree)
+        rows = jnp.arange(context.tokens.shape[0])
+        start = context.lengths - 2
+        window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
+        logits, _, cache = params(window, start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :],
+                                  state.cache.with_lengths(start))
+        root = start + 1  # the last committed token's slot; node i goes to root + 1 + i
+        row_parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (rows.shape[0], len(tree)))
+        mask = draft_tree.attention_mask(row_parents, root, cache.max_length)
+        positions = draft_tree.block_positions(row_parents, root)
+        width = 1 + max(path[-1] for path in tree)
+        ranked = {-1: jax.lax.top_k(logits[:, -1], width)[1]}  # node -> its children's candidates [B, R]
+        tokens = [None] * len(tree)
+        for depth in range(1, max(map(len, tree)) + 1):
+            nodes = [i for i, path in enumerate(tree) if len(path) == depth]
+            for i in nodes:
+                tokens[i] = ranked[parents[i]][:, tree[i][-1]]
+            if depth == max(map(len, tree)):
+                break
+            first, last = nodes[0], nodes[-1] + 1  # contiguous: the tree is ordered by depth (check)
+            block = jnp.stack(tokens[first:last], axis=1)
+            logits, _, cache = params(block, positions[:, 1 + first:1 + last], cache.with_lengths(root + 1 + first),
+                                      attention_mask=mask[:, 1 + first:1 + last])
+            for j, i in enumerate(nodes):
+                ranked[i] = jax.lax.top_k(logits[:, j], width)[1]
+        return jnp.stack(tokens, axis=1).astype(jnp.int32), None, DraftModelState(cache=cache.with_lengths(root))
+
     def accept(self, state: DraftModelState, num_accepted, next_token, target_out) -> DraftModelState:
-        return state
+        if target_out.path is None:
+            return state
+        # propose_tree left the cache's lengths at the root's slot: the accepted nodes move in after it.
+        return DraftModelState(cache=draft_tree.move_path(state.cache, state.cache.lengths, target_out.path,
+                                                          num_accepted))
