@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/bench_decode.py [--batches 1,4,16,64] [--prompt-lens 128,1024]
         [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5]
         [--methods eagle,eagle_fr,eagle3,draft_model] [--shape 8b|tiny] [--dtype bfloat16|float32] [--model-parallel N]
+        [--tree-nodes 60 --tree-top-k 8 --draft-logit-scale 10]
     PYTHONPATH=. python scripts/bench_decode.py --plot benchmarks/results/bench_decode.json [more.json ...]
 
 Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target and the
@@ -24,6 +25,13 @@ it reports:
   same run (T_verify: one target forward over K + 1 positions; T_draft: one drafter step; DFlash's
   one step drafts all K, so its bound has T_draft once), and the
   speedup over autoregressive.
+With --tree-nodes N the EAGLE drafters draft dynamic trees (EAGLE-2: depth K, top-k --tree-top-k, N nodes)
+and the synthetic verifier accepts tau along each tree's first-ranked path; T_verify is then the forward
+over N + 1 positions under a tree mask and T_draft one head step over top-k rows under one, and the
+table gives the mean acceptance length the runs measured (a tree whose first-ranked path is shorter
+than tau accepts less). A random head's drafts are far less confident than a trained one's, so a tree
+of the highest path probabilities would be wide and shallow: --draft-logit-scale multiplies the EAGLE-3
+head's LM head (confident, peaked drafts, and trees as deep as EAGLE-2's).
 With --model-parallel N the models are split over N GPUs and greedy tokens are compared with one
 GPU's; at a first difference the gap between the two tokens' logits (one GPU, full forward) says
 whether it is a near-tie decided by summation order (bfloat16 random weights leave many; --dtype
@@ -40,17 +48,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import benchmarking, sharding
+from specjax import benchmarking, draft_tree, sharding
 from specjax.config import SamplingConfig, SpecConfig
+from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Hidden, unembed
 from specjax.proposers.base import build_proposer
 from specjax.speed import (DRAFTERS, autoregressive_run, build_drafter, build_target, cache_size_for, generation_args,
                            spec_method, speculative_run, synthetic_spec, tokens_per_s)
 
 
-def component_times(target, drafters: dict, batch: int, context: int, num_draft: int, cache_size: int) -> dict:
-    """Median device times (in a jitted loop) of one target forward over 1 and K + 1 positions and of
-    one step of each drafter, at `context` committed tokens per row. Weights are loop-invariant (as in
+def component_times(target, drafters: dict, batch: int, context: int, num_draft: int, cache_size: int,
+                    tree_nodes: int = 0, top_k: int = 1) -> dict:
+    """Median device times (in a jitted loop) of one target forward over 1 and K + 1 positions (N + 1
+    under a tree mask for trees of N nodes) and of one step of each drafter (over top_k rows under a tree
+    mask for trees), at `context` committed tokens per row. Weights are loop-invariant (as in
     the decode loops); caches are carried from one iteration to the next with their lengths reset, so
     their writes are in place as in the decode loops (benchmarking.time_in_loop)."""
     cfg = target.config
@@ -58,17 +69,24 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
                                                           iterations=10)["median_s"]
     cache = target.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
 
-    def forward(model, cache, tokens):
+    def forward(model, cache, tokens, mask=None):
         positions = context + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logits, _, written = model(tokens, positions, cache)
-        return logits, (written.with_lengths(cache.lengths), tokens)
+        logits, _, written = model(tokens, positions, cache, attention_mask=mask)
+        return logits, (written.with_lengths(cache.lengths), tokens, mask)
 
-    times = {"t_ar_forward_s": measure(forward, target, cache, jnp.zeros((batch, 1), jnp.int32)),
-             "t_verify_s": measure(forward, target, cache, jnp.zeros((batch, num_draft + 1), jnp.int32))}
+    def tree_mask(rows: int):  # which parents does not change the cost: the chain's
+        return draft_tree.attention_mask(draft_tree.chain_parents(batch, rows - 1), jnp.full((batch,), context),
+                                         cache_size)
+
+    block = (tree_nodes or num_draft) + 1
+    times = {"t_ar_forward_s": measure(forward, target, cache, jnp.zeros((batch, 1), jnp.int32), None),
+             "t_verify_s": measure(forward, target, cache, jnp.zeros((batch, block), jnp.int32),
+                                   tree_mask(block) if tree_nodes else None)}
     for method, drafter in drafters.items():
         draft_cache = drafter.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
         if method == "draft_model":
-            times["t_draft_draft_model_s"] = measure(forward, drafter, draft_cache, jnp.zeros((batch, 1), jnp.int32))
+            times["t_draft_draft_model_s"] = measure(forward, drafter, draft_cache, jnp.zeros((batch, 1), jnp.int32),
+                                                     None)
             continue
         if method == "dflash":  # the whole block's drafts in one step: the pending features, then the block
             times["t_draft_dflash_s"] = dflash_step(drafter, target, batch, context, num_draft)(draft_cache)
@@ -79,13 +97,16 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
         proposer = build_proposer(SpecConfig(method=spec_method(method), num_speculative_tokens=num_draft),
                                   SamplingConfig(), cache_size, drafter)
 
-        def eagle_step(params, cache, tokens, features, proposer=proposer):
-            out, written = params.head(tokens, features, jnp.full((batch, 1), context, jnp.int32), cache, params.embed)
-            return proposer.logits(params, out[:, 0]), (written.with_lengths(cache.lengths), tokens, features)
+        def eagle_step(params, cache, tokens, features, mask, proposer=proposer):
+            positions = jnp.full(tokens.shape, context, jnp.int32)
+            out, written = params.head(tokens, features, positions, cache, params.embed, attention_mask=mask)
+            return proposer.logits(params, out), (written.with_lengths(cache.lengths), tokens, features, mask)
 
+        rows = top_k if tree_nodes else 1  # a tree's head step runs its frontier's top_k nodes together
         times[f"t_draft_{method}_s"] = measure(eagle_step, proposer.bind(drafter, target), draft_cache,
-                                               jnp.zeros((batch, 1), jnp.int32),
-                                               jnp.zeros((batch, 1, cfg.hidden_size), cfg.jnp_dtype))
+                                               jnp.zeros((batch, rows), jnp.int32),
+                                               jnp.zeros((batch, rows, cfg.hidden_size), cfg.jnp_dtype),
+                                               tree_mask(rows) if tree_nodes else None)
     return times
 
 
@@ -119,10 +140,11 @@ def first_difference(model, got: np.ndarray, want: np.ndarray) -> tuple[int, flo
     return int(col), float(abs(last[want[row, col]] - last[got[row, col]]))
 
 
-def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args):
+def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args, tree: dict):
     """Final decode states of a greedy autoregressive run and of one synthetic speculative run."""
     states = [autoregressive_run(target, cache_size)(run_args)]
-    states += [speculative_run(target, drafters[method], synthetic_spec(method, tau, num_draft), cache_size)(run_args)
+    states += [speculative_run(target, drafters[method], synthetic_spec(method, tau, num_draft, **tree),
+                               cache_size)(run_args)
                for method in methods for tau in taus]
     return states
 
@@ -187,6 +209,11 @@ def main():
                         help="weights and compute; float32 also multiplies in float32 (not TF32)")
     parser.add_argument("--plot", nargs="+", metavar="JSON", default=None,
                         help="only draw the batch-scaling plot from these results files (into the first's folder)")
+    parser.add_argument("--tree-nodes", type=int, default=0,
+                        help="EAGLE drafters draft dynamic trees of this many nodes (depth K); 0: chains")
+    parser.add_argument("--tree-top-k", type=int, default=8, help="top-k of the dynamic trees")
+    parser.add_argument("--draft-logit-scale", type=float, default=1.0,
+                        help="multiplies the EAGLE-3 head's LM head: confident drafts, deep trees (module docstring)")
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="split the models over this many GPUs (specjax.sharding, model axis); above 1, "
                              "greedy outputs are also compared with one GPU's")
@@ -203,6 +230,10 @@ def main():
     taus = [float(t) for t in args.acceptance_lengths.split(",")]
     methods = args.methods.split(",") if args.methods else []
     num_draft, new_tokens = args.num_speculative_tokens, args.new_tokens
+    tree = dict(total_tokens=args.tree_nodes, top_k=args.tree_top_k) if args.tree_nodes else {}
+    lookahead = (args.tree_nodes or num_draft) + 1
+    if tree and set(methods) - {"eagle", "eagle_fr", "eagle3"}:
+        raise SystemExit(f"--tree-nodes: dynamic trees are drafted by eagle, eagle_fr and eagle3, not {args.methods!r}")
 
     bandwidths = [benchmarking.copy_bandwidth()]
     print(f"copy bandwidth {bandwidths[0] / 1e12:.2f} TB/s")
@@ -216,15 +247,19 @@ def main():
         raise SystemExit(f"--methods {args.methods!r}: {sorted(unknown)} unknown; allowed {', '.join(DRAFTERS)}")
     target = build_target(target_config, parallel)
     drafters = {method: build_drafter(method, target_config, draft_config, parallel) for method in methods}
+    if args.draft_logit_scale != 1.0:
+        if methods != ["eagle3"]:
+            raise SystemExit("--draft-logit-scale scales the EAGLE-3 head's own LM head: use it with --methods eagle3")
+        drafters["eagle3"].lm_head.set_value(drafters["eagle3"].lm_head[...] * args.draft_logit_scale)
     mesh = sharding.make_mesh(1, parallel)
-    cases = [(p, b, cache_size_for(p, new_tokens, num_draft)) for p in prompt_lens for b in batches]
+    cases = [(p, b, cache_size_for(p, new_tokens, lookahead - 1)) for p in prompt_lens for b in batches]
     # One GPU's greedy tokens (autoregressive, and speculative with the first method and tau), to compare with.
     reference = {}
     if parallel > 1:
         for prompt_len, batch, cache_size in cases:
             reference[prompt_len, batch] = [np.asarray(state.tokens) for state in run_both(
                 target, drafters, methods[:1], taus[:1], num_draft, cache_size,
-                generation_args(target, batch, prompt_len, new_tokens, num_draft + 1, cache_size))]
+                generation_args(target, batch, prompt_len, new_tokens, lookahead, cache_size), tree)]
     one_gpu, target = target, sharding.shard(target, mesh)
     drafters = {name: sharding.shard(drafter, mesh) for name, drafter in drafters.items()}
     columns = [("gpus", "GPUs"), ("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
@@ -233,6 +268,7 @@ def main():
     for method in methods:
         for tau in taus:
             columns += [(f"t_draft_{method}_s", f"T_draft {method} s"), (f"{method}_tau{tau}_tok_s", f"{method} τ={tau} tok/s"),
+                        *([(f"{method}_tau{tau}_measured_tau", "τ measured")] if tree else []),
                         (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
     if parallel > 1:
@@ -240,18 +276,19 @@ def main():
                     ("logit_gap_at_difference", "logit gap there")]
     meta = {**benchmarking.environment(), "shape": args.shape, "dtype": args.dtype,
             "target": dataclasses.asdict(target_config),
-            "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft}
+            "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft,
+            "tree_nodes": args.tree_nodes or None, "tree_top_k": args.tree_top_k if tree else None,
+            "draft_logit_scale": args.draft_logit_scale}
     rows = []
     with jax.set_mesh(mesh):
         for prompt_len, batch, cache_size in cases:
             row = {"B": batch, "prompt": prompt_len, "new": new_tokens, "K": num_draft, "cache": cache_size,
                    "gpus": parallel}
-            run_args = sharding.put(generation_args(target, batch, prompt_len, new_tokens, num_draft + 1,
-                                                    cache_size), mesh)
-            one_args = sharding.put(generation_args(target, batch, prompt_len, 1, num_draft + 1, cache_size), mesh)
+            run_args = sharding.put(generation_args(target, batch, prompt_len, new_tokens, lookahead, cache_size), mesh)
+            one_args = sharding.put(generation_args(target, batch, prompt_len, 1, lookahead, cache_size), mesh)
             if reference:
                 outputs = [sharding.to_host(state.tokens) for state in run_both(
-                    target, drafters, methods[:1], taus[:1], num_draft, cache_size, run_args)]
+                    target, drafters, methods[:1], taus[:1], num_draft, cache_size, run_args, tree)]
                 row["greedy_equal_one_gpu"] = all(np.array_equal(a, b) for a, b in
                                                   zip(outputs, reference[prompt_len, batch], strict=True))
                 # Where the first differing token is, counted in generated tokens (None when all agree),
@@ -268,13 +305,19 @@ def main():
                            + benchmarking.kv_bytes(target_config, batch, context)) / parallel
             row.update(ar_step_ms=batch / ar_tok_s * 1e3, ar_tok_s=ar_tok_s, floor_bytes=floor_bytes,
                        prefill_ms=t_prefill * 1e3)
-            row.update(component_times(target, drafters, batch, int(context), num_draft, cache_size))
+            row.update(component_times(target, drafters, batch, int(context), num_draft, cache_size,
+                                       args.tree_nodes, args.tree_top_k))
             for method in methods:
                 t_draft = row[f"t_draft_{method}_s"]
                 for tau in taus:
                     # As for autoregressive: the full run minus a one-token run (same program).
-                    spec_tok_s, _ = tokens_per_s(speculative_run(target, drafters[method], synthetic_spec(
-                        method, tau, num_draft), cache_size), run_args, one_args)
+                    spec = synthetic_spec(method, tau, num_draft, **tree)
+                    spec_tok_s, _ = tokens_per_s(speculative_run(target, drafters[method], spec, cache_size),
+                                                 run_args, one_args)
+                    if tree:  # how long the first-ranked paths let the accepted ones be
+                        state = speculative_run(target, drafters[method], spec, cache_size, final_state=True)(run_args)
+                        row[f"{method}_tau{tau}_measured_tau"] = AcceptanceMetrics.from_counters(
+                            state.counters, batch).summary()["mean_acceptance_length"]
                     # DFlash drafts the block in one forward; the chain drafters take K steps.
                     draft_steps = 1 if method == "dflash" else num_draft
                     bound_tok_s = batch * tau / (row["t_verify_s"] + draft_steps * t_draft)

@@ -165,6 +165,8 @@ class SamplingConfig:
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 VERIFY_IMPLS = ("auto", "pallas", "xla")
+# Trees are verified by recursive rejection sampling (specjax.verify.tree), or in the benchmark mode.
+TREE_REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 
 
 def check_token_tree(tree, depth: int) -> tuple[tuple[int, ...], ...]:
@@ -222,6 +224,12 @@ class SpecConfig:
       comes before it; the deepest path is num_speculative_tokens long. The target scores the whole
       tree in one forward (specjax.draft_tree) and recursive rejection sampling verifies it
       (specjax.verify.tree; rejection_sample_method 'standard'). Drafters that draft trees: 'medusa', 'draft_model'.
+    total_tokens, top_k: a dynamic draft tree (EAGLE-2), rebuilt every step from the drafter's own
+      confidences: the root's top_k children, then at each depth the top_k frontier nodes (by the product
+      of draft probabilities along their path) each expanded to their top_k children, for
+      num_speculative_tokens depths; the total_tokens candidates of highest path probability are kept,
+      parents before children. Drafts are each node's top-k (deterministic: q = 1 to the verifier, as
+      EAGLE's rule). Both or neither; not with speculative_token_tree. Drafters: 'eagle', 'eagle3'.
     """
 
     method: str = "draft_model"
@@ -236,20 +244,47 @@ class SpecConfig:
     kv_cache_dtype: str | None = None
     verify_impl: str = "auto"
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    total_tokens: int | None = None
+    top_k: int | None = None
 
     @property
     def num_draft_nodes(self) -> int:
         """Drafts scored per step: the tree's nodes, or K for a chain."""
+        if self.total_tokens is not None:
+            return self.total_tokens
         return self.num_speculative_tokens if self.speculative_token_tree is None else len(self.speculative_token_tree)
+
+    @property
+    def drafts_tree(self) -> bool:
+        """Whether each step drafts a tree (static or dynamic) rather than a chain."""
+        return self.speculative_token_tree is not None or self.total_tokens is not None
 
     def __post_init__(self):
         require_positive_ints(self, "num_speculative_tokens", "prompt_lookup_min")
         k = self.num_speculative_tokens
         if self.speculative_token_tree is not None:
             object.__setattr__(self, "speculative_token_tree", check_token_tree(self.speculative_token_tree, k))
-            require(self.rejection_sample_method == "standard", "SpecConfig", "rejection_sample_method",
-                    self.rejection_sample_method, "'standard' with speculative_token_tree (recursive rejection "
-                    "sampling; block and synthetic verification of trees are not built yet)")
+            require(self.rejection_sample_method in TREE_REJECTION_SAMPLE_METHODS, "SpecConfig",
+                    "rejection_sample_method", self.rejection_sample_method,
+                    f"one of {TREE_REJECTION_SAMPLE_METHODS} with speculative_token_tree (recursive rejection "
+                    "sampling, or the benchmark mode; block verification of trees is not built)")
+        if (self.total_tokens is None) != (self.top_k is None):
+            raise ConfigError(f"SpecConfig.total_tokens = {self.total_tokens!r} and top_k = {self.top_k!r}: allowed "
+                              "both (a dynamic draft tree) or neither")
+        if self.total_tokens is not None:
+            require_positive_ints(self, "total_tokens", "top_k")
+            require(self.speculative_token_tree is None, "SpecConfig", "total_tokens", self.total_tokens,
+                    "None with speculative_token_tree (a tree is static or dynamic, not both)")
+            candidates = self.top_k + (k - 1) * self.top_k ** 2
+            require(self.total_tokens <= candidates, "SpecConfig", "total_tokens", self.total_tokens,
+                    f"at most the {candidates} candidates that top_k {self.top_k} over num_speculative_tokens {k} "
+                    "depths makes (top_k + (depth - 1) * top_k^2)")
+            require(self.rejection_sample_method in TREE_REJECTION_SAMPLE_METHODS, "SpecConfig",
+                    "rejection_sample_method", self.rejection_sample_method,
+                    f"one of {TREE_REJECTION_SAMPLE_METHODS} with a dynamic tree")
+            require(self.draft_sample_method == "greedy", "SpecConfig", "draft_sample_method", self.draft_sample_method,
+                    "'greedy' with a dynamic tree: its drafts are each node's top-k, chosen by their own "
+                    "probabilities, which a sampled tree's verification cannot condition on")
         require(self.draft_sample_method in DRAFT_SAMPLE_METHODS, "SpecConfig", "draft_sample_method",
                 self.draft_sample_method, f"one of {DRAFT_SAMPLE_METHODS}")
         require(self.verify_impl in VERIFY_IMPLS, "SpecConfig", "verify_impl", self.verify_impl,

@@ -164,10 +164,8 @@ def speculative_loop(
     settings = proposer.settings
     sampling, num_draft = settings.sampling, settings.spec.num_speculative_tokens
     verifier = verifier_for(settings.spec, sampling)
-    # A static draft tree (specjax.draft_tree): its parents, and its verifier; None for a chain.
-    tree = settings.spec.speculative_token_tree
-    parents = None if tree is None else jnp.asarray(draft_tree.token_tree_parents(tree), jnp.int32)
-    tree_verifier = None if tree is None else tree_verifier_for(settings.spec, sampling)
+    # A draft tree's verifier (specjax.draft_tree); None for a chain.
+    tree_verifier = tree_verifier_for(settings.spec, sampling) if settings.spec.drafts_tree else None
     scores_are_logits = verifier_name(settings.spec, sampling) == "greedy"
     token_keys, step_keys = _split_streams(keys)
     decode, target_out = _prefill(model, prompt_tokens, prompt_lengths, budgets, token_keys, sampling=sampling,
@@ -190,10 +188,10 @@ def speculative_loop(
         last = decode.tokens[rows, decode.lengths - 1]
         block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1], or [B, N + 1] for a tree
         fill = decode.cache.lengths  # the block's first slot: the last committed token is not cached yet
-        if parents is None:
+        row_parents = proposer.tree_parents(proposer_state, batch)
+        if row_parents is None:
             positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
         else:  # each node sees the cache, the root and its ancestors, at position fill + depth
-            row_parents = jnp.broadcast_to(parents, draft_tokens.shape)
             positions = draft_tree.block_positions(row_parents, fill)
             mask = draft_tree.attention_mask(row_parents, fill, decode.cache.max_length)
         logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
@@ -201,10 +199,11 @@ def speculative_loop(
         if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
             logits = constrain(logits, BATCH)
         scores = logits if scores_are_logits else processed_probs(logits, sampling)
-        if parents is None:
+        if row_parents is None:
             num_accepted, next_token = verifier(scores, draft_tokens, draft_probs, verify_keys)
         else:  # the accepted path into contiguous slots; from here on it reads as a chain
             path, num_accepted, next_token = tree_verifier(scores, draft_tokens, row_parents, draft_probs, verify_keys)
+            path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
             cache = draft_tree.move_path(cache, fill, path, num_accepted)
             draft_tokens = jnp.take_along_axis(draft_tokens, jnp.maximum(path, 0), axis=1)
             logits, hidden = draft_tree.along_path((logits, hidden), path)
@@ -215,7 +214,7 @@ def speculative_loop(
         emitted = emitted.at[rows, num_accepted].set(next_token)
         decode, kept = _commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, budgets,
                                eos_token_ids)
-        target_out = TargetOutput(logits=logits, hidden=hidden, path=None if parents is None else path)
+        target_out = TargetOutput(logits=logits, hidden=hidden, path=None if row_parents is None else path)
         return SpecState(decode=decode,
                          proposer=proposer.accept(proposer_state, num_accepted, next_token, target_out),
                          counters=state.counters.update(active, num_accepted, kept))
@@ -281,7 +280,7 @@ def pad_request(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
         cache_size = -(-needed // CACHE_ALIGNMENT) * CACHE_ALIGNMENT
     elif totals.max() + lookahead > cache_size:
         row = int(totals.argmax())
-        extra = f" + K + 1 ({lookahead})" if lookahead else ""
+        extra = f" + drafts scored per step + 1 ({lookahead})" if lookahead else ""
         raise ValueError(f"row {row}: prompt ({lengths[row]} tokens) + max_new_tokens ({budgets[row]}){extra} = "
                          f"{totals[row] + lookahead} does not fit cache_size {cache_size}: allowed at most "
                          f"{cache_size}")

@@ -68,7 +68,8 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-    """grid: dotted RunConfig field paths (e.g. spec.num_speculative_tokens) to lists of values."""
+    """grid: dotted RunConfig field paths (e.g. spec.num_speculative_tokens) to lists of values; a value
+    that is a mapping for a config (e.g. spec: [{total_tokens: 16, top_k: 4}]) sets its fields together."""
 
     base: RunConfig
     grid: dict[str, list[Any]]
@@ -236,13 +237,15 @@ def point_fields(config: RunConfig) -> dict:
             "rejection_sample_method": config.spec.rejection_sample_method,
             "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature,
             "draft_vocab_size": config.draft_vocab_size,
-            "tree_nodes": None if config.spec.speculative_token_tree is None else config.spec.num_draft_nodes}
+            "tree_nodes": config.spec.num_draft_nodes if config.spec.drafts_tree else None,
+            "tree_top_k": config.spec.top_k}
 
 
 def drafter_name(row: dict) -> str:
     """The method, with its draft vocabulary's size (FR-Spec) and its draft tree's nodes when set."""
-    size, nodes = row.get("draft_vocab_size"), row.get("tree_nodes")
-    return "".join([row["method"], "" if size is None else f" ({size} ids)", "" if nodes is None else f" ({nodes}-node tree)"])
+    size, nodes, top_k = row.get("draft_vocab_size"), row.get("tree_nodes"), row.get("tree_top_k")
+    tree = "" if nodes is None else f" ({nodes}-node tree{'' if top_k is None else f', top-{top_k}'})"
+    return "".join([row["method"], "" if size is None else f" ({size} ids)", tree])
 
 
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")
@@ -283,6 +286,15 @@ def replace_path(config, path: str, value, full_path: str | None = None):
     if rest:
         inner = replace_path(getattr(config, head), rest, value, full_path or path)
         return dataclasses.replace(config, **{head: inner})
+    current = getattr(config, head)
+    if isinstance(value, dict) and dataclasses.is_dataclass(current):
+        # Fields that are only valid together (e.g. a dynamic tree's total_tokens and top_k) set at once.
+        fields = {f.name for f in dataclasses.fields(current)}
+        for key in value:
+            if key not in fields:
+                raise ConfigError(f"grid key {full_path or path!r}: {type(current).__name__} has no field {key!r}: "
+                                  f"allowed {sorted(fields)}")
+        return dataclasses.replace(config, **{head: dataclasses.replace(current, **value)})
     return dataclasses.replace(config, **{head: value})
 
 

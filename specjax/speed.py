@@ -90,10 +90,12 @@ def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahe
             jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
 
 
-def synthetic_spec(drafter: str, tau: float, num_draft: int) -> SpecConfig:
-    """K = num_draft drafts a step, of which the verifier accepts a mean of tau (synthetic acceptance)."""
-    return SpecConfig(method=spec_method(drafter), num_speculative_tokens=num_draft,
-                      rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
+def synthetic_spec(drafter: str, tau: float, num_draft: int, total_tokens: int | None = None,
+                   top_k: int | None = None) -> SpecConfig:
+    """K = num_draft drafts a step (or a dynamic tree of depth K: total_tokens, top_k), of which the
+    verifier accepts a mean of tau (synthetic acceptance; along a tree's first-ranked path)."""
+    return SpecConfig(method=spec_method(drafter), num_speculative_tokens=num_draft, total_tokens=total_tokens,
+                      top_k=top_k, rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
 
 
 def autoregressive_run(target, cache_size: int):
@@ -101,10 +103,13 @@ def autoregressive_run(target, cache_size: int):
     return lambda args: decode_loop(target, *args, sampling=GREEDY, eos_token_ids=(), cache_size=cache_size)
 
 
-def speculative_run(target, weights, spec: SpecConfig, cache_size: int):
-    """run(args) -> the final DecodeState of greedy speculative decoding with the drafter's weights."""
+def speculative_run(target, weights, spec: SpecConfig, cache_size: int, final_state: bool = False):
+    """run(args) -> the final DecodeState of greedy speculative decoding with the drafter's weights (with
+    final_state, the loop's whole SpecState: its acceptance counters too)."""
     proposer = build_proposer(spec, GREEDY, cache_size, weights)
     bound = proposer.bind(weights, target)
+    if final_state:
+        return lambda args: speculative_loop(target, bound, *args, proposer=proposer, eos_token_ids=())
     return lambda args: speculative_loop(target, bound, *args, proposer=proposer, eos_token_ids=()).decode
 
 

@@ -2,6 +2,7 @@
 (greedy speculative tokens = greedy autoregressive tokens), the README's demo config runs end to end,
 and the GPU sweep config is a valid grid."""
 
+import collections
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from conftest import REPO
 from specjax import cli, default_models
 from specjax.config import ConfigError, SpecConfig
 from specjax.decoding import generate
-from specjax.experiments import RunConfig, load_models, load_prompts, load_sweep
+from specjax.experiments import RunConfig, grid_points, load_models, load_prompts, load_sweep
 from specjax.proposers import PROPOSERS
 
 METHODS = ["dflash", "draft_model", "eagle", "eagle3", "medusa", "ngram"]
@@ -40,6 +41,33 @@ def test_every_bundled_drafter_is_lossless_at_temperature_zero(target_and_prompt
     assert result.sequences() == autoregressive.sequences()
     if method != "ngram":  # trained: an untrained drafter's first token is accepted about 1% of the time
         assert result.metrics.summary()["per_position_acceptance"][0] > 0.15
+
+
+@pytest.fixture(scope="module")
+def sixteen_ragged_rows_with_eos():
+    """16 held-out prompts of 16 to 46 tokens with budgets of 24 to 36, the target's most frequent
+    generated token as EOS (rows stop inside accepted paths), and the greedy autoregressive output."""
+    target, tokenizer, _ = load_models(default_models.TARGET, dtype="float32")
+    prompts = load_prompts(RunConfig(target=default_models.TARGET, num_prompts=16, prompt_len=48), tokenizer)
+    prompts = [prompt[:16 + 2 * row] for row, prompt in enumerate(prompts)]
+    budgets = [24 + 4 * (row % 4) for row in range(16)]
+    plain = generate(target, prompts, max_new_tokens=budgets).sequences()
+    eos = collections.Counter(token for row in plain for token in row).most_common(1)[0][0]
+    return target, prompts, budgets, eos, generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[eos])
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_dynamic_trees_of_the_bundled_heads_are_lossless_at_temperature_zero(sixteen_ragged_rows_with_eos, method):
+    """EAGLE-2 trees (depth 4, top-4, 16 nodes) drafted by the trained heads: paths several drafts deep are
+    accepted, and the tokens are the autoregressive ones."""
+    target, prompts, budgets, eos, expected = sixteen_ragged_rows_with_eos
+    _, _, head = load_models(default_models.TARGET, method, dtype="float32")
+    spec = SpecConfig(method=method, num_speculative_tokens=4, total_tokens=16, top_k=4)
+    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[eos], spec=spec, drafter=head)
+    assert result.sequences() == expected.sequences()
+    assert (result.stopped_by_eos == expected.stopped_by_eos).all() and expected.stopped_by_eos.sum() >= 4
+    histogram = result.metrics.summary()["length_histogram"]
+    assert histogram[3] + histogram[4] > 0, histogram
 
 
 def test_unknown_default_names_are_refused():
@@ -77,6 +105,17 @@ def test_the_k_sweep_config_is_the_full_grid():
     assert sorted(sweep.grid["spec.method"]) == sorted(METHODS)
     with pytest.raises(ConfigError, match="k_sweep.yaml"):
         load_sweep(REPO / "configs/sweeps/k_sweep.yaml", ["grid.spec.method=[eagle, lookahead]"])
+
+
+def test_the_eagle_tree_sweep_sets_a_trees_fields_together():
+    """A grid value that is a mapping sets its config's fields at once (a dynamic tree's total_tokens and top_k
+    are valid only together); a field it does not have is named."""
+    points = grid_points(load_sweep(REPO / "configs/sweeps/eagle_tree.yaml"))
+    trees = {(config.spec.total_tokens, config.spec.top_k) for _, config in points}
+    assert trees == {(None, None), (16, 2), (16, 4), (32, 3), (32, 4), (32, 8), (60, 4), (60, 8)}
+    assert len(points) == 32 and {config.spec.num_speculative_tokens for _, config in points} == {6}
+    with pytest.raises(ConfigError, match=r"grid key 'spec': SpecConfig has no field 'top_p': allowed \["):
+        load_sweep(REPO / "configs/sweeps/eagle_tree.yaml", ["grid.spec=[{top_p: 0.5}]"])
 
 
 def test_the_example_research_script_runs():

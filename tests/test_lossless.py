@@ -93,6 +93,10 @@ GREEDY_CASES = [
     greedy_case("perturbed", 4, accepts_often, requests="ragged16", attention_kernel=True, tag="attention_kernel"),
     *(greedy_case(name, k, emits_ids_the_head_cannot_draft if name == "eagle_fr" else nothing_more)
       for name in ("eagle", "eagle3", "eagle_fr") for k in (1, 4)),
+    # EAGLE-2 dynamic trees (these random heads' paths are accepted one draft deep now and then; the bundled
+    # heads' deeper paths: tests/test_default_models.py).
+    *(greedy_case(name, 4, accepts_sometimes, tag="tree12-top3", total_tokens=12, top_k=3)
+      for name in ("eagle", "eagle3")),
     *(greedy_case("medusa", k, accepts_sometimes) for k in (1, 3)),
     # One forward drafts the block; K up to the block's 15. The fixture target is random, and a drafter
     # trained on its text accepts little (tests/test_train_dflash.py trains one for a target with structure).
@@ -166,6 +170,9 @@ LOSSLESS_CASES = [
       for sampling in SAMPLINGS[:3:2]),
     lossless_case("draft_model", "block", tag="float8_cache", kv_cache_dtype="float8_e4m3fn"),
     *(lossless_case(name, "block") for name in ("eagle", "eagle3", "eagle_fr")),
+    # EAGLE-2 dynamic trees: each node's top-k (deterministic), recursive rejection sampling.
+    *(lossless_case(name, "standard", "greedy", sampling, tag="tree5-top2", total_tokens=5, top_k=2)
+      for name, sampling in zip(("eagle", "eagle3", "eagle_fr"), SAMPLINGS[:3])),
     *(lossless_case("medusa", verifier) for verifier in ("standard", "block")),
     # DFlash: both verifiers, greedy and probabilistic drafting, T 1 and top-k.
     *(lossless_case("dflash", verifier, drafting, sampling) for drafting in ("greedy", "probabilistic")

@@ -131,7 +131,8 @@ def test_draft_with_another_vocabulary_is_refused():
 
 def test_cache_too_short_for_the_lookahead_is_refused():
     target, drafts = target_and_drafts()
-    with pytest.raises(ValueError, match=r"prompt \(20 tokens\) \+ max_new_tokens \(40\) \+ K \+ 1 \(5\) = 65 "
+    with pytest.raises(ValueError, match=r"prompt \(20 tokens\) \+ max_new_tokens \(40\) \+ drafts scored per step "
+                                         r"\+ 1 \(5\) = 65 "
                                          r"does not fit cache_size 64"):
         generate(target, [[1] * 20], max_new_tokens=40, cache_size=64, spec=SpecConfig(num_speculative_tokens=4),
                  drafter=drafts["perturbed"])

@@ -3,11 +3,13 @@ output identical to autoregressive on a ragged batch of 16 rows with EOS inside 
 while_loop: tests/test_speculative.py); at T > 0 the first three tokens follow the target exactly (chi-square), with the negative
 control that a verifier accepting the first-ranked path fails the same test."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, exact_joint, medusa_for,
+from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, exact_joint, head_for, medusa_for,
                       speculative_joint_counts, target_and_drafts, tiny_pair)
 
 from specjax import verify as verify_registry
@@ -159,3 +161,113 @@ def test_a_draft_model_tree_must_be_listed_by_depth():
     with pytest.raises(UnsupportedSpeculation, match="by depth"):
         generate(target, [[1, 2]], max_new_tokens=4, drafter=drafts["perturbed"],
                  spec=tree_spec(((0,), (0, 0), (1,)), method="draft_model"))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def chain_step(proposer, params, feature, tokens, positions, cache):
+    """The head's log-probabilities at `feature`, and one pair (feature, token) through the head as a chain."""
+    out, cache = params.head(tokens.reshape(-1, 1), feature[:, None], positions[:, None], cache, params.embed)
+    return jax.nn.log_softmax(proposer.logits(params, feature)), (out[:, 0], cache)
+
+
+def dynamic_tree_and_reference(name: str, top_k: int, total_tokens: int, depth: int = 3):
+    """One dynamic tree drafted by an EAGLE head for two ragged rows, and, per node, the head's
+    log-probabilities at its parent computed the plain way: the pending pairs, then the node's path
+    fed as a chain (one pair at a time, each seeing the committed pairs and the path before it)."""
+    from specjax.proposers import Context, TargetOutput, build_proposer
+
+    target, _ = target_and_drafts()
+    spec = SpecConfig(method=name, num_speculative_tokens=depth, total_tokens=total_tokens, top_k=top_k)
+    proposer = build_proposer(spec, SamplingConfig(), 64, head_for(name))
+    params = proposer.bind(head_for(name), target)
+    committed, lengths = jnp.asarray([[5, 9, 2, 7, 1, 3], [4, 4, 8, 1, 0, 0]]), jnp.asarray([6, 4])
+    hidden = target(committed[:, :-1], jnp.arange(5)[None].repeat(2, 0), hidden_layers=proposer.hidden_layers)[1]
+    state = proposer.init(params, committed, lengths, TargetOutput(None, hidden))
+    tokens, probs, drafted = proposer.propose(params, state, Context(committed, lengths), jax.random.key(0)[None])
+    assert probs is None  # top-k drafts: q = 1 to the verifier
+
+    head, width = params.head, state.tokens.shape[1]
+    positions = state.committed[:, None] + jnp.arange(width)[None]
+    out, cache = head(state.tokens, head.fuse(state.hidden), positions, state.cache.with_lengths(state.committed),
+                      params.embed)
+    fill = state.committed + state.num_pending
+    root = out[jnp.arange(2), state.num_pending - 1]
+    parents = np.asarray(drafted.parents)
+    reference = np.zeros((2, tokens.shape[1], TINY_VOCAB))  # [b, i]: log-probabilities at node i's parent
+    for i in range(tokens.shape[1]):
+        paths = []
+        for b in range(2):
+            path, node = [], int(parents[b, i])
+            while node >= 0:
+                path.insert(0, node)
+                node = int(parents[b, node])
+            paths.append(path)
+        feature, row_cache = root, cache.with_lengths(fill)
+        for step in range(max(map(len, paths)) + 1):
+            step_tokens = jnp.asarray([tokens[b, paths[b][step]] if step < len(paths[b]) else 0 for b in range(2)])
+            log_probs, (feature, row_cache) = chain_step(proposer, params, feature, step_tokens, fill + step, row_cache)
+            for b in range(2):
+                if step == len(paths[b]):
+                    reference[b, i] = np.asarray(log_probs[b])
+    return np.asarray(tokens), parents, reference
+
+
+TINY_VOCAB = 128  # target_and_drafts()'s
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_a_dynamic_tree_drafts_each_nodes_top_k_as_the_head_computes_it_along_the_nodes_path(name):
+    """Every node is one of the top_k tokens of the head's distribution at its parent (computed without the tree
+    mask), siblings differ, parents come first; with top_k 1 the tree is the chain the head drafts."""
+    tokens, parents, reference = dynamic_tree_and_reference(name, top_k=2, total_tokens=8)
+    for b in range(2):
+        for i in range(tokens.shape[1]):
+            assert parents[b, i] < i
+            assert tokens[b, i] in np.argsort(-reference[b, i])[:2], (b, i)
+        for parent in set(parents[b].tolist()):
+            siblings = tokens[b][parents[b] == parent]
+            assert len(set(siblings.tolist())) == len(siblings)
+    tokens, parents, reference = dynamic_tree_and_reference(name, top_k=1, total_tokens=3)
+    assert (parents == [[-1, 0, 1]] * 2).all()
+    assert (tokens == reference.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(total_tokens=8), r"total_tokens = 8 and top_k = None: allowed both"),
+    (dict(total_tokens=21, top_k=2), r"total_tokens = 21 is invalid: allowed at most the 14 candidates"),
+    (dict(total_tokens=4, top_k=0), r"top_k = 0 is invalid: allowed an integer >= 1"),
+    (dict(total_tokens=4, top_k=2, draft_sample_method="probabilistic"),
+     r"draft_sample_method .* 'greedy' with a dynamic"),
+    (dict(total_tokens=4, top_k=2, rejection_sample_method="block"), r"rejection_sample_method .* with a dynamic tree"),
+    (dict(total_tokens=4, top_k=2, speculative_token_tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))),
+     r"total_tokens = 4 is invalid: allowed None with speculative_token_tree")])
+def test_a_malformed_dynamic_tree_is_a_config_error_naming_the_field(options, message):
+    with pytest.raises(ConfigError, match=message):
+        SpecConfig(method="eagle", num_speculative_tokens=4, **options)
+
+
+def test_dynamic_trees_are_refused_where_they_are_not_built_or_do_not_fit():
+    target, drafts = target_and_drafts()
+    with pytest.raises(UnsupportedSpeculation, match=r"drafts no dynamic trees: .* allowed with \['eagle', 'eagle3'\]"):
+        generate(target, [[1, 2]], max_new_tokens=4, drafter=drafts["perturbed"],
+                 spec=SpecConfig(method="draft_model", num_speculative_tokens=2, total_tokens=4, top_k=2))
+    spec = SpecConfig(method="eagle", num_speculative_tokens=4, total_tokens=40, top_k=4)
+    with pytest.raises(ValueError, match=r"\+ drafts scored per step \+ 1 \(41\) = 51 does not fit cache_size 48"):
+        generate(target, [[1, 2]], max_new_tokens=8, cache_size=48, spec=spec, drafter=head_for("eagle"))
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_synthetic_acceptance_of_a_tree_accepts_the_first_ranked_path_to_the_set_length(method):
+    """The benchmark mode: rates (1, 1, 0) accept exactly two nodes of the first-ranked path every step,
+    whatever the drafts are (a static tree that holds (0, 0), and a dynamic one: top-1 twice is kept first)."""
+    target, _ = target_and_drafts()
+    if method == "medusa":
+        spec, drafter = tree_spec(rejection_sample_method="synthetic", synthetic_acceptance_rates=(1.0, 1.0, 0.0)), \
+            medusa_for(target, num_heads=3, scale=0.05)
+    else:
+        spec = SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=10, top_k=3,
+                          rejection_sample_method="synthetic", synthetic_acceptance_rates=(1.0, 1.0, 0.0))
+        drafter = head_for("eagle")
+    result = generate(target, [[3, 9, 27], [5, 1, 4, 4, 2]], max_new_tokens=[31, 13], spec=spec, drafter=drafter)
+    assert result.metrics.summary()["length_histogram"] == [0, 0, 14, 0]  # (31 - 1) / 3 + (13 - 1) / 3 steps
+    assert result.num_generated.tolist() == [31, 13]

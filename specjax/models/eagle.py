@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from specjax.config import ConfigError, ModelConfig
 from specjax.models import hf
@@ -110,9 +110,11 @@ class EagleHead(nnx.Module):
         return jnp.einsum("btf,fd->btd", fused.astype(dtype), self.fc[...].astype(dtype))
 
     def __call__(self, tokens: Int[Array, "B T"], features: Float[Array, "B T D"], positions: Int[Array, "B T"],
-                 cache: KVCache, embed: Float[Array, "V D"]) -> tuple[Float[Array, "B T D"], KVCache]:
+                 cache: KVCache, embed: Float[Array, "V D"],
+                 attention_mask: Bool[Array, "B T S"] | None = None) -> tuple[Float[Array, "B T D"], KVCache]:
         """Runs the pairs (features[:, t], tokens[:, t]) at slots after the cache's fill level and
-        returns the predicted next features; the cache comes back with lengths + T."""
+        returns the predicted next features; the cache comes back with lengths + T. attention_mask:
+        which cache slots each pair sees (a draft tree's), in place of the causal rule."""
         c = self.config.layer
         dtype = c.jnp_dtype
         embedded = embed[tokens].astype(dtype)
@@ -122,11 +124,12 @@ class EagleHead(nnx.Module):
         if self.config.version == 1:
             x = jnp.einsum("btf,fd->btd", jnp.concatenate([embedded, features], -1), self.fc[...].astype(dtype))
             x = x + self.fc_bias[...].astype(dtype)
-            out, cache = decoder_layer(x, layer, 0, positions, slots, cache, c, attn_input=x)
+            out, cache = decoder_layer(x, layer, 0, positions, slots, cache, c, attn_input=x, visible=attention_mask)
         else:
             attn_input = jnp.concatenate([normalize(embedded, self.embed_norm[...], None, c),
                                           normalize(features, layer.attn_norm[...], None, c)], -1)
-            out, cache = decoder_layer(features, layer, 0, positions, slots, cache, c, attn_input=attn_input)
+            out, cache = decoder_layer(features, layer, 0, positions, slots, cache, c, attn_input=attn_input,
+                                       visible=attention_mask)
         return out, cache.with_lengths(cache.lengths + tokens.shape[1])
 
     def create_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -151,9 +154,20 @@ class EagleHead(nnx.Module):
         vocabulary the logits of the draft ids come from a [D, V_draft] head, EAGLE-3's own (after its
         final norm) or, for EAGLE-1, draft_lm_head (restricted_lm_head of the target), and land at
         their target ids (draft_to_target); every other target id is -inf."""
+        draft, ids = self.draft_logits(features, target_lm_head, draft_lm_head)
+        if ids is None:
+            return draft
+        full = jnp.full((*draft.shape[:-1], self.config.layer.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[..., ids].set(draft)
+
+    def draft_logits(self, features: Float[Array, "... D"], target_lm_head,
+                     draft_lm_head: Float[Array, "D Vd"] | None = None
+                     ) -> tuple[Float[Array, "... Vd"], Int[Array, " Vd"] | None]:
+        """(logits over the draft vocabulary, its target ids draft_to_target), or (`logits`, None) for a
+        head without one: what ranks drafts without the scatter to the target's vocabulary."""
         c = self.config.layer
         if self.draft_to_target is None:
-            return target_lm_head(features)
+            return target_lm_head(features), None
         if self.config.version == 1:
             if draft_lm_head is None:
                 raise ValueError("an EAGLE-1 head with a draft vocabulary needs draft_lm_head: the target's "
@@ -161,9 +175,7 @@ class EagleHead(nnx.Module):
             x, weight = features.astype(c.jnp_dtype), draft_lm_head
         else:
             x, weight = normalize(features.astype(c.jnp_dtype), self.final_norm[...], None, c), self.lm_head[...]
-        draft = einsum_f32("...d,dv->...v", x, weight.astype(c.jnp_dtype))
-        full = jnp.full((*draft.shape[:-1], c.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., self.draft_to_target[...]].set(draft)
+        return einsum_f32("...d,dv->...v", x, weight.astype(c.jnp_dtype)), self.draft_to_target[...]
 
 
 def init_eagle(config: EagleConfig, seed: int = 0) -> EagleHead:

@@ -16,7 +16,7 @@ What the loop passes:
 - accept: target_out is the verify forward over [last committed token, d_1 .. d_K] (K + 1
   positions); the row kept d_1 .. d_n and next_token, which position n's logits drew. After a tree
   (drafts_trees), the loop passes the forward's positions along the accepted path, [root, path...], so
-  that accept reads it as a chain.
+  that accept reads it as a chain. Which tree the last propose drafted: `tree_parents(state)`.
 
 The class also says everything else about its drafter: how `load` reads its weights from a folder,
 which bundled drafter the method uses (`default_drafter`), whether it takes weights at all
@@ -34,8 +34,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax import draft_tree
 from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig, require
 from specjax.models.transformer import Hidden
 
@@ -61,10 +63,11 @@ class TargetOutput:
 
     logits: Float[Array, "B T V"] | None
     hidden: Hidden
-    # After a draft tree: the accepted path's node indices (-1 past its length), along which logits and
-    # hidden were taken; a drafter that wrote the tree into a cache of its own moves that path with it
-    # (specjax.draft_tree.move_path). None after a chain or the prefill.
-    path: Int[Array, "B N"] | None = None
+    # After a draft tree: the accepted path's node indices (-1 past its length; [B, K], K the tree's
+    # depth), along which logits and hidden were taken ([B, K + 1, ...], as after a chain); a drafter
+    # that wrote the tree into a cache of its own moves that path with it (specjax.draft_tree.move_path).
+    # None after a chain or the prefill.
+    path: Int[Array, "B K"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,9 @@ class Proposer:
     # True where propose can draft spec.speculative_token_tree: its K are then the tree's nodes, in the
     # tree's order (DESIGN.md's trees; specjax.draft_tree). Others refuse the option when built.
     drafts_trees: ClassVar[bool] = False
+    # True where propose can draft a dynamic tree (spec.total_tokens, spec.top_k: EAGLE-2): its K are
+    # then total_tokens nodes, parents before children, whose parents `tree_parents` reads from the state.
+    drafts_dynamic_trees: ClassVar[bool] = False
 
     @classmethod
     def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
@@ -131,6 +137,14 @@ class Proposer:
     def accept(self, state: Any, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> Any:
         raise NotImplementedError
+
+    def tree_parents(self, state: Any, batch: int) -> Int[Array, "B N"] | None:
+        """The parent of each node the last propose drafted (specjax.draft_tree), None for a chain: a
+        static tree's from the config; a drafter of dynamic trees returns those it kept in its state."""
+        tree = self.settings.spec.speculative_token_tree
+        if tree is None:
+            return None
+        return jnp.broadcast_to(jnp.asarray(draft_tree.token_tree_parents(tree), jnp.int32), (batch, len(tree)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +200,10 @@ def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int, 
     if spec.speculative_token_tree is not None and not cls.drafts_trees:
         raise UnsupportedSpeculation(f"method {spec.method!r} drafts chains only: speculative_token_tree is allowed "
                                      f"with {sorted(name for name, c in PROPOSERS.items() if c.drafts_trees)}")
+    if spec.total_tokens is not None and not cls.drafts_dynamic_trees:
+        raise UnsupportedSpeculation(
+            f"method {spec.method!r} drafts no dynamic trees: total_tokens / top_k are allowed with "
+            f"{sorted(name for name, c in PROPOSERS.items() if c.drafts_dynamic_trees)}")
     settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)
     build = getattr(cls, "build", None)
     return build(settings, drafter) if build is not None else cls(settings)

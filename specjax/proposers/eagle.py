@@ -10,6 +10,15 @@ head's own predicted features (while drafting) sit after them and are dropped at
 resetting the fill level. After a verify step the next pairs are the verify block's features at
 positions 0..n with the tokens d_1..d_n, next_token: n + 1 pairs, fed as a fixed window of K + 1
 whose output at index n starts the next draft.
+
+Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k): the root's top_k children are the first
+frontier; at each further depth the head runs the frontier's top_k nodes together (each at position
+committed + depth - 1, seeing the committed pairs, its own ancestors' and itself under a tree mask), each
+expands to its top_k children, and the top_k of those k^2 by path log-probability form the next frontier.
+Of every candidate drafted (top_k + (depth - 1) * top_k^2), the total_tokens of highest path
+log-probability are kept: a child's is never above its parent's and ties keep the earlier candidate, so
+the kept set holds every kept node's parent; in candidate order, parents come first. The head's cache
+entries of the frontier are dropped like a chain's drafts (the fill level is reset at the next step).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax import draft_tree
 from specjax.models.eagle import EagleHead, head_to_decoding_layout, load_eagle
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
@@ -49,7 +59,8 @@ class EagleParams:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("cache", "committed", "tokens", "hidden", "num_pending", "drafts"), meta_fields=())
+                   data_fields=("cache", "committed", "tokens", "hidden", "num_pending", "drafts", "parents"),
+                   meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class EagleState:
     cache: KVCache
@@ -57,7 +68,8 @@ class EagleState:
     tokens: Int[Array, "B W"]  # pending pairs (W = K + 1), the first num_pending of them valid
     hidden: Hidden  # the target's hidden states of the pending pairs; the head fuses them in propose
     num_pending: Int[Array, " B"]
-    drafts: Int[Array, "B K"]  # the last proposal, to rebuild the pairs after verification
+    drafts: Int[Array, "B N"]  # the last proposal (K chain drafts or N tree nodes), to rebuild the pairs
+    parents: Int[Array, "B N"] | None = None  # the last dynamic tree's parents; None for chains
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +77,7 @@ class EagleProposer(Proposer):
     """Shared by both registrations; `version` says which head the method expects."""
 
     version: ClassVar[int] = 1
+    drafts_dynamic_trees: ClassVar[bool] = True
 
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> EagleProposer:
@@ -96,8 +109,17 @@ class EagleProposer(Proposer):
                            draft_lm_head=params.restricted_lm_head(embed, lm_head))
 
     def logits(self, params: EagleParams, features):
-        target_head = lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)  # noqa: E731
-        return params.head.logits(features, target_head, params.draft_lm_head)
+        return params.head.logits(features, self.target_head(params), params.draft_lm_head)
+
+    def target_head(self, params: EagleParams):
+        return lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)
+
+    def top_k_children(self, params: EagleParams, features, k: int):
+        """(log-probabilities, target ids) of the head's k most likely tokens at each feature, ranked over
+        the draft vocabulary where the head has one (no scatter to the target's vocabulary)."""
+        logits, ids = params.head.draft_logits(features, self.target_head(params), params.draft_lm_head)
+        scores, index = jax.lax.top_k(jax.nn.log_softmax(logits), k)
+        return scores, index if ids is None else ids[index]
 
     def init(self, params: EagleParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> EagleState:
@@ -105,8 +127,11 @@ class EagleProposer(Proposer):
         batch, width = prompt.shape[0], num_draft + 1
         features = head.fuse(target_out.hidden)  # [B, T, D] over the padded prompt
         prompt_len = lengths - 1
-        # Pairs 0 .. L-2 go to the cache now; pair L-1 (with the prefill's token) waits for propose.
-        cache = head.create_cache(batch, self.settings.cache_size + 2 * width, self.settings.cache_dtype)
+        # Pairs 0 .. L-2 go to the cache now; pair L-1 (with the prefill's token) waits for propose. Past
+        # the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
+        spec = self.settings.spec
+        draft_slots = width if spec.total_tokens is None else (num_draft - 1) * spec.top_k
+        cache = head.create_cache(batch, self.settings.cache_size + width + draft_slots, self.settings.cache_dtype)
         positions = jnp.broadcast_to(jnp.arange(features.shape[1], dtype=jnp.int32), features.shape[:2])
         _, cache = head(prompt[:, 1:], features, positions, cache, params.embed)
         rows = jnp.arange(batch)
@@ -115,7 +140,9 @@ class EagleProposer(Proposer):
         last = jax.tree.map(lambda x: _at_position(x, prompt_len - 1, width), target_out.hidden)
         return EagleState(cache=cache.with_lengths(prompt_len - 1), committed=prompt_len - 1, tokens=pending_tokens,
                           hidden=last, num_pending=jnp.ones_like(lengths),
-                          drafts=jnp.zeros((batch, num_draft), jnp.int32))
+                          drafts=jnp.zeros((batch, spec.num_draft_nodes), jnp.int32),
+                          parents=None if spec.total_tokens is None
+                          else draft_tree.chain_parents(batch, spec.num_draft_nodes))
 
     def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens
@@ -126,6 +153,10 @@ class EagleProposer(Proposer):
                           params.embed)
         committed = state.committed + state.num_pending
         feature = out[rows, state.num_pending - 1]
+        if self.settings.spec.total_tokens is not None:
+            drafts, parents = self.draft_tree(params, feature, cache.with_lengths(committed))
+            return drafts, None, dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts,
+                                                     parents=parents)
         step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
         def draft_step(carry, step_key):
@@ -144,13 +175,61 @@ class EagleProposer(Proposer):
         state = dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts)
         return drafts, draft_probs, state
 
+    def draft_tree(self, params: EagleParams, feature: Float[Array, "B D"], cache):
+        """A dynamic tree (module docstring) from the head's feature at the last committed pair, with the
+        head's cache filled to the committed pairs: (node tokens [B, N], parents [B, N])."""
+        head, spec = params.head, self.settings.spec
+        top_k, depth = spec.top_k, spec.num_speculative_tokens
+        batch = feature.shape[0]
+        rows = jnp.arange(batch)[:, None]
+        committed = cache.lengths
+        scores, tokens = self.top_k_children(params, feature, top_k)  # [B, k]
+        candidate_tokens, candidate_scores = [tokens], [scores]
+        candidate_parents = [jnp.full((batch, top_k), -1, jnp.int32)]
+        frontier = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (batch, top_k))  # candidate indices
+        features = jnp.broadcast_to(feature[:, None], (batch, top_k, feature.shape[-1]))  # each node's parent's
+        # [B, k, (depth - 1) * k]: the draft slots (frontier nodes written so far) each frontier node sees.
+        sees = jnp.zeros((batch, top_k, (depth - 1) * top_k), bool)
+        for level in range(1, depth):  # the frontier holds nodes of depth `level`
+            first_slot = (level - 1) * top_k
+            sees = sees.at[:, :, first_slot:first_slot + top_k].set(jnp.eye(top_k, dtype=bool))
+            mask = draft_tree.block_mask(sees, committed, cache.max_length)
+            positions = jnp.broadcast_to((committed + level - 1)[:, None], (batch, top_k))
+            out, cache = head(tokens, features, positions, cache.with_lengths(committed + first_slot), params.embed,
+                              attention_mask=mask)
+            child_scores, child_tokens = self.top_k_children(params, out, top_k)
+            child_scores = (scores[:, :, None] + child_scores).reshape(batch, top_k * top_k)
+            child_tokens = child_tokens.reshape(batch, top_k * top_k)
+            candidate_parents.append(jnp.repeat(frontier, top_k, axis=1))
+            candidate_tokens.append(child_tokens)
+            candidate_scores.append(child_scores)
+            scores, best = jax.lax.top_k(child_scores, top_k)  # the next frontier, among the k^2 children
+            parent = best // top_k
+            frontier = top_k + (level - 1) * top_k * top_k + best
+            tokens, features, sees = child_tokens[rows, best], out[rows, parent], sees[rows, parent]
+        candidate_tokens, candidate_scores, candidate_parents = (
+            jnp.concatenate(c, axis=1) for c in (candidate_tokens, candidate_scores, candidate_parents))
+        _, kept = jax.lax.top_k(candidate_scores, spec.total_tokens)
+        kept = -jax.lax.top_k(-kept, spec.total_tokens)[0]  # in candidate order: parents first
+        parent_candidate = candidate_parents[rows, kept]  # [B, N]
+        is_parent = kept[:, None, :] == parent_candidate[:, :, None]  # [B, N, N]: node j is node i's parent
+        parents = jnp.where(parent_candidate >= 0, jnp.argmax(is_parent, axis=2), -1).astype(jnp.int32)
+        return candidate_tokens[rows, kept], parents
+
+    def tree_parents(self, state: EagleState, batch: int) -> Int[Array, "B N"] | None:
+        return state.parents
+
     def accept(self, state: EagleState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> EagleState:
-        """The verify block's positions 0..n become the pending pairs, with tokens d_1..d_n, next_token."""
+        """The verify block's positions 0..n become the pending pairs, with tokens d_1..d_n, next_token
+        (after a tree, along its accepted path: the loop took the target's positions along it)."""
         rows = jnp.arange(next_token.shape[0])
-        tokens = jnp.concatenate([state.drafts, jnp.zeros_like(next_token)[:, None]], axis=1)
+        drafts, hidden = state.drafts, target_out.hidden
+        if state.parents is not None:  # the path's K nodes; the loop took the target's K + 1 positions along it
+            drafts = jnp.take_along_axis(drafts, jnp.maximum(target_out.path, 0), axis=1)
+        tokens = jnp.concatenate([drafts, jnp.zeros_like(next_token)[:, None]], axis=1)
         tokens = tokens.at[rows, num_accepted].set(next_token)
-        return dataclasses.replace(state, tokens=tokens, hidden=target_out.hidden, num_pending=num_accepted + 1)
+        return dataclasses.replace(state, tokens=tokens, hidden=hidden, num_pending=num_accepted + 1)
 
 
 def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:

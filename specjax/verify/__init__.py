@@ -71,7 +71,10 @@ def tree_verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
     """The verifier of draft trees (specjax.verify.tree), with the signature
     `verify(scores[B,N+1,V], tokens[B,N], parents[B,N], draft_probs | None, keys[B]) -> (path, length, next_token)`;
     scores are logits where the greedy verifier runs, processed probabilities otherwise."""
-    if verifier_name(spec, sampling) == "greedy":
+    name = verifier_name(spec, sampling)
+    if name == "greedy":
         return lambda logits, tokens, parents, draft_probs, keys: tree.verify_tree_greedy(
             jnp.argmax(logits, axis=-1), tokens, parents)
+    if name == "synthetic":
+        return functools.partial(tree.verify_tree_synthetic, rates=spec.synthetic_rates)
     return tree.verify_tree
