@@ -68,8 +68,36 @@ def block_mask(in_block: Bool[Array, "B T M"], starts: Int[Array, " B"], cache_s
 
 def move_path(cache: KVCache, fill_levels: Int[Array, " B"], path: Int[Array, "B N"], length: Int[Array, " B"]):
     """The accepted path's entries (node path[b, j] at slot fill_levels[b] + 1 + path[b, j]) moved to slots
-    fill_levels[b] + 1 + j; the root stays at fill_levels[b]. Lengths unchanged."""
-    return cache.move(fill_levels + 1, fill_levels[:, None] + 1 + jnp.maximum(path, 0), length)
+    fill_levels[b] + 1 + j; the root stays at fill_levels[b]. Lengths unchanged. Skipped when every row's
+    path is already in place (nodes 0, 1, ...: a preorder tree's first-ranked path), which saves a gather
+    and a scatter per cache array (two per layer and per k / v)."""
+    index = jnp.arange(path.shape[1])[None, :]
+    in_place = jnp.all((path == index) | (index >= length[:, None]))
+    return jax.lax.cond(in_place, lambda cache: cache,
+                        lambda cache: cache.move(fill_levels + 1, fill_levels[:, None] + 1 + jnp.maximum(path, 0),
+                                                 length), cache)
+
+
+def preorder(parents: Int[Array, "B N"], ranks: Int[Array, "B N"], max_depth: int) -> Int[Array, "B N"]:
+    """The nodes in depth-first preorder, each node's children by rank (ranks[b, i]: node i's rank among
+    its siblings, from 0), as a permutation: order[b, j] is the node that goes to index j. Parents stay
+    before children, siblings keep their order, and the path through every node's first child takes
+    indices 0, 1, 2, ...; max_depth bounds the tree's depth."""
+    lineage = ancestors(parents)
+    depth = lineage.sum(-1)
+    # Node i's key at depth d: 1 + the rank of its ancestor there, 0 past its own depth (prefixes first).
+    keys = [jnp.sum(jnp.where(lineage & (depth[:, None, :] == d + 1), ranks[:, None, :] + 1, 0), axis=-1)
+            for d in range(max_depth)]
+    nodes = jnp.broadcast_to(jnp.arange(parents.shape[1], dtype=jnp.int32), parents.shape)
+    return jax.lax.sort((*keys, nodes), dimension=1, num_keys=max_depth)[-1]
+
+
+def permute(tokens: Int[Array, "B N"], parents: Int[Array, "B N"], order: Int[Array, "B N"]):
+    """(tokens, parents) of the tree with node order[b, j] moved to index j."""
+    rows = jnp.arange(parents.shape[0])[:, None]
+    new_index = jnp.zeros_like(order).at[rows, order].set(jnp.arange(order.shape[1], dtype=order.dtype))
+    old_parents = parents[rows, order]
+    return tokens[rows, order], jnp.where(old_parents >= 0, new_index[rows, jnp.maximum(old_parents, 0)], -1)
 
 
 def token_tree_parents(tree: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:

@@ -3,6 +3,7 @@ forward over [root, nodes] with the tree's mask and positions gives every node t
 forward over its own path; after the accepted path is moved into contiguous slots the cache equals
 the one a plain forward over the committed tokens builds (keys, values, lengths), in both layouts."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,3 +106,38 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
         for layer in range(model.config.num_layers):
             for got, want in zip(moved.layer(layer), plain.layer(layer)):
                 np.testing.assert_allclose(np.asarray(got[b, :n]), np.asarray(want[b, :n]), atol=1e-5, rtol=0)
+
+
+def test_preorder_keeps_parents_first_siblings_in_rank_order_and_the_first_ranked_path_at_the_front():
+    from specjax.verify.tree import first_ranked_path
+
+    parents = random_trees(np.random.default_rng(3), rows=16, nodes=12)
+    ranks = np.array([[sum(parents[b, j] == parents[b, i] for j in range(i)) for i in range(12)] for b in range(16)])
+    order = np.asarray(draft_tree.preorder(jnp.asarray(parents), jnp.asarray(ranks), max_depth=12))
+    tokens, new_parents = (np.asarray(x) for x in draft_tree.permute(jnp.arange(12)[None].repeat(16, 0),
+                                                                     jnp.asarray(parents), jnp.asarray(order)))
+    for b in range(16):
+        assert sorted(order[b]) == list(range(12)) and (tokens[b] == order[b]).all()
+        new_index = {int(old): new for new, old in enumerate(order[b])}
+        for new, old in enumerate(order[b]):  # the same tree, relabelled
+            assert new_parents[b, new] == (-1 if parents[b, old] < 0 else new_index[int(parents[b, old])])
+            assert new_parents[b, new] < new
+        for j in range(1, 12):  # preorder: the next node hangs below the previous one's path
+            assert new_parents[b, j] == -1 or new_parents[b, j] in path_to(new_parents[b], j - 1)
+        siblings = [[j for j in range(12) if new_parents[b, j] == p] for p in range(-1, 12)]
+        assert all(list(order[b][s]) == sorted(order[b][s]) for s in siblings)  # rank order kept
+    path, length = first_ranked_path(jnp.asarray(new_parents))
+    for b in range(16):
+        assert np.asarray(path[b, :length[b]]).tolist() == list(range(int(length[b])))
+
+
+def test_moving_a_path_already_in_place_leaves_the_cache_as_it_is(setup):
+    model, prompts, _, _ = setup
+    cache, _ = prefilled(model, prompts)
+    fill, length = cache.lengths, jnp.asarray([3, 0, 2])
+    in_place = jnp.asarray([[0, 1, 2, -1], [-1] * 4, [0, 1, -1, -1]])
+    for got, want in zip(jax.tree.leaves(draft_tree.move_path(cache, fill, in_place, length)), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    moved = draft_tree.move_path(cache, fill, jnp.asarray([[1, 2, 3, -1], [-1] * 4, [0, 1, -1, -1]]), length)
+    np.testing.assert_array_equal(np.asarray(moved.layer(0)[0][0, fill[0] + 1]),
+                                  np.asarray(cache.layer(0)[0][0, fill[0] + 2]))

@@ -223,6 +223,12 @@ def test_a_dynamic_tree_drafts_each_nodes_top_k_as_the_head_computes_it_along_th
     for b in range(2):
         for i in range(tokens.shape[1]):
             assert parents[b, i] < i
+            # Depth-first preorder: a node hangs below the path from the root to the node before it.
+            above, node = {-1}, i - 1
+            while node >= 0:
+                above.add(node)
+                node = int(parents[b, node])
+            assert i == 0 or parents[b, i] in above
             assert tokens[b, i] in np.argsort(-reference[b, i])[:2], (b, i)
         for parent in set(parents[b].tolist()):
             siblings = tokens[b][parents[b] == parent]

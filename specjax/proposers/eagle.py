@@ -17,7 +17,8 @@ committed + depth - 1, seeing the committed pairs, its own ancestors' and itself
 expands to its top_k children, and the top_k of those k^2 by path log-probability form the next frontier.
 Of every candidate drafted (top_k + (depth - 1) * top_k^2), the total_tokens of highest path
 log-probability are kept: a child's is never above its parent's and ties keep the earlier candidate, so
-the kept set holds every kept node's parent; in candidate order, parents come first. The head's cache
+the kept set holds every kept node's parent. They are handed over in depth-first preorder, children by
+rank (parents first, and the path of first-ranked children at nodes 0, 1, ...). The head's cache
 entries of the frontier are dropped like a chain's drafts (the fill level is reset at the next step).
 """
 
@@ -214,7 +215,11 @@ class EagleProposer(Proposer):
         parent_candidate = candidate_parents[rows, kept]  # [B, N]
         is_parent = kept[:, None, :] == parent_candidate[:, :, None]  # [B, N, N]: node j is node i's parent
         parents = jnp.where(parent_candidate >= 0, jnp.argmax(is_parent, axis=2), -1).astype(jnp.int32)
-        return candidate_tokens[rows, kept], parents
+        # Each candidate's rank among its parent's children: in preorder the most likely path comes first, and,
+        # when it is the one accepted, the target's cache needs no move (draft_tree.move_path).
+        ranks = jnp.concatenate([jnp.arange(top_k)] + [jnp.tile(jnp.arange(top_k), top_k)] * (depth - 1))
+        order = draft_tree.preorder(parents, jnp.broadcast_to(ranks[kept], kept.shape), depth)
+        return draft_tree.permute(candidate_tokens[rows, kept], parents, order)
 
     def tree_parents(self, state: EagleState, batch: int) -> Int[Array, "B N"] | None:
         return state.parents
