@@ -264,7 +264,7 @@ def main():
     drafters = {name: sharding.shard(drafter, mesh) for name, drafter in drafters.items()}
     columns = [("gpus", "GPUs"), ("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
                ("floor_tok_s", "floor tok/s"), ("ar_fraction_of_floor", "AR / floor"),
-               ("t_ar_forward_s", "T_forward(1) s"), ("t_verify_s", "T_verify(K+1) s")]
+               ("t_ar_forward_s", "T_forward(1) s"), ("t_verify_s", "T_verify(N+1) s" if tree else "T_verify(K+1) s")]
     for method in methods:
         for tau in taus:
             columns += [(f"t_draft_{method}_s", f"T_draft {method} s"), (f"{method}_tau{tau}_tok_s", f"{method} τ={tau} tok/s"),

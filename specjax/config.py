@@ -229,7 +229,7 @@ class SpecConfig:
       of draft probabilities along their path) each expanded to their top_k children, for
       num_speculative_tokens depths; the total_tokens candidates of highest path probability are kept,
       parents before children. Drafts are each node's top-k (deterministic: q = 1 to the verifier, as
-      EAGLE's rule). Both or neither; not with speculative_token_tree. Drafters: 'eagle', 'eagle3'.
+      EAGLE's rule). Both or neither; not with speculative_token_tree. Drafters: 'eagle', 'eagle3', 'draft_model'.
     """
 
     method: str = "draft_model"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models.kv_cache import KVCache
 
@@ -117,3 +117,67 @@ def along_path(tree, path: Int[Array, "B N"]):
         return jnp.take_along_axis(x, index, axis=x.ndim - 2)
 
     return jax.tree.map(take, tree)
+
+
+def top_k_log_probs(logits: Float[Array, "... V"], k: int, ids: Int[Array, " V"] | None = None):
+    """(log-probabilities, ids) of the k most likely tokens, best first; ids maps a draft vocabulary's
+    indices to token ids (None: the index is the id)."""
+    scores, index = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
+    return scores, (index if ids is None else ids[index]).astype(jnp.int32)
+
+
+def grow(root_scores: Float[Array, "B K"], root_tokens: Int[Array, "B K"], expand, carry, *, depth: int,
+         total_tokens: int):
+    """A dynamic draft tree (EAGLE-2) of `depth` levels from the root's top-k children (their log-probabilities
+    and ids): at each level the k frontier nodes are run through the drafter together and each ranks its k
+    best children; the k children of highest path log-probability (the sum along the path) are the next
+    frontier. Of every candidate, the total_tokens of highest path log-probability are kept: a child's is
+    never above its parent's and ties keep the earlier candidate, so every kept node's parent is kept.
+
+    expand(carry, level, tokens[B, k], parent[B, k] | None, sees[B, k, M]) -> (carry, scores[B, k, k],
+    tokens[B, k, k]) runs the frontier of depth `level` (parent: each node's index in the previous frontier,
+    None for the root's children) at the drafter's draft slots (level - 1) * k + [0, k), where node j sees
+    the draft slots marked in sees[:, j] (its ancestors and itself; M = (depth - 1) * k), and returns its
+    children's log-probabilities and ids, best first.
+
+    Returns (tokens[B, N], parents[B, N], slots[B, N], carry) in depth-first preorder, children by rank (the
+    most likely path at nodes 0, 1, ...): slots[b, i] is node i's draft slot, -1 for a node never run."""
+    batch, top_k = root_tokens.shape
+    rows = jnp.arange(batch)[:, None]
+    frontier_slots = jnp.arange(top_k, dtype=jnp.int32)
+    scores, tokens, parent = root_scores, root_tokens, None
+    candidate_tokens, candidate_scores = [root_tokens], [root_scores]
+    candidate_parents = [jnp.full((batch, top_k), -1, jnp.int32)]
+    candidate_slots = [jnp.broadcast_to(frontier_slots, (batch, top_k))]  # the root's children all run
+    frontier = jnp.broadcast_to(frontier_slots, (batch, top_k))  # candidate indices of the frontier
+    sees = jnp.zeros((batch, top_k, (depth - 1) * top_k), bool)
+    for level in range(1, depth):
+        first_slot = (level - 1) * top_k
+        sees = sees.at[:, :, first_slot:first_slot + top_k].set(jnp.eye(top_k, dtype=bool))
+        carry, child_scores, child_tokens = expand(carry, level, tokens, parent, sees)
+        child_scores = (scores[:, :, None] + child_scores).reshape(batch, top_k * top_k)
+        child_tokens = child_tokens.reshape(batch, top_k * top_k)
+        scores, best = jax.lax.top_k(child_scores, top_k)  # the next frontier, among the k^2 children
+        parent = best // top_k
+        candidate_parents.append(jnp.repeat(frontier, top_k, axis=1))
+        candidate_tokens.append(child_tokens)
+        candidate_scores.append(child_scores)
+        slots = jnp.full((batch, top_k * top_k), -1, jnp.int32)
+        if level < depth - 1:  # the next frontier runs at the next level's slots; the last level never runs
+            slots = slots.at[rows, best].set(level * top_k + frontier_slots)
+        candidate_slots.append(slots)
+        frontier = top_k + (level - 1) * top_k * top_k + best
+        tokens, sees = child_tokens[rows, best], sees[rows, parent]
+    candidate_tokens, candidate_scores, candidate_parents, candidate_slots = (
+        jnp.concatenate(c, axis=1) for c in (candidate_tokens, candidate_scores, candidate_parents, candidate_slots))
+    _, kept = jax.lax.top_k(candidate_scores, total_tokens)
+    kept = -jax.lax.top_k(-kept, total_tokens)[0]  # in candidate order: parents first
+    parent_candidate = candidate_parents[rows, kept]  # [B, N]
+    is_parent = kept[:, None, :] == parent_candidate[:, :, None]  # [B, N, N]: node j is node i's parent
+    parents = jnp.where(parent_candidate >= 0, jnp.argmax(is_parent, axis=2), -1).astype(jnp.int32)
+    # Each candidate's rank among its parent's children: in preorder the most likely path comes first, and,
+    # when it is the one accepted, the target's cache needs no move (move_path).
+    ranks = jnp.concatenate([jnp.arange(top_k)] + [jnp.tile(jnp.arange(top_k), top_k)] * (depth - 1))
+    order = preorder(parents, ranks[kept], depth)
+    tokens, parents = permute(candidate_tokens[rows, kept], parents, order)
+    return tokens, parents, candidate_slots[rows, kept][rows, order], carry

@@ -97,6 +97,7 @@ GREEDY_CASES = [
     # heads' deeper paths: tests/test_default_models.py).
     *(greedy_case(name, 4, accepts_sometimes, tag="tree12-top3", total_tokens=12, top_k=3)
       for name in ("eagle", "eagle3")),
+    greedy_case("perturbed", 4, every_length_occurs, tag="tree12-top3", total_tokens=12, top_k=3),
     *(greedy_case("medusa", k, accepts_sometimes) for k in (1, 3)),
     # One forward drafts the block; K up to the block's 15. The fixture target is random, and a drafter
     # trained on its text accepts little (tests/test_train_dflash.py trains one for a target with structure).
@@ -172,7 +173,7 @@ LOSSLESS_CASES = [
     *(lossless_case(name, "block") for name in ("eagle", "eagle3", "eagle_fr")),
     # EAGLE-2 dynamic trees: each node's top-k (deterministic), recursive rejection sampling.
     *(lossless_case(name, "standard", "greedy", sampling, tag="tree5-top2", total_tokens=5, top_k=2)
-      for name, sampling in zip(("eagle", "eagle3", "eagle_fr"), SAMPLINGS[:3])),
+      for name, sampling in zip(("eagle", "eagle3", "eagle_fr", "draft_model"), (*SAMPLINGS[:3], SAMPLINGS[1]))),
     *(lossless_case("medusa", verifier) for verifier in ("standard", "block")),
     # DFlash: both verifiers, greedy and probabilistic drafting, T 1 and top-k.
     *(lossless_case("dflash", verifier, drafting, sampling) for drafting in ("greedy", "probabilistic")

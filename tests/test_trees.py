@@ -125,35 +125,44 @@ def test_a_sweep_over_trees_plots_acceptance_against_tree_size(tmp_path):
     assert not (chains / "acceptance_vs_tree_size.png").exists()  # chains only: no tree plot
 
 
-def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill():
-    """propose writes the tree into the draft's cache at tree slots; accept with a path moves it: the entries
-    then equal those of a plain forward over the committed tokens and the path (keys, values), up to the
-    path's last node, which (as the last committed token of a chain) the next propose writes again."""
-    from specjax.draft_tree import token_tree_parents
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill(tree):
+    """propose writes the tree into the draft's cache (a static tree's node i at tree slot i, a dynamic tree's
+    frontier at its draft slots); accept with a path moves it: the entries then equal those of a plain forward
+    over the committed tokens and the path (keys, values), up to the path's last node, which (as the last
+    committed token of a chain) the next propose writes again."""
     from specjax.proposers import Context, TargetOutput, build_proposer
 
     target, drafts = target_and_drafts()
     draft = drafts["perturbed"]
-    spec = tree_spec(method="draft_model")
+    spec = (tree_spec(method="draft_model") if tree == "static" else
+            SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=10, top_k=2))  # every candidate
     proposer = build_proposer(spec, SamplingConfig(), 32, draft)
     committed = jnp.asarray([[5, 9, 2, 7, 1, 3]])
     hidden = target(committed[:, :-1], jnp.arange(5)[None])[1]
     state = proposer.init(draft, committed, jnp.asarray([6]), TargetOutput(None, hidden))
     tokens, _, state = proposer.propose(draft, state, Context(committed, jnp.asarray([6])), jax.random.key(0)[None])
-    parents = token_tree_parents(TREE)
-    leaf = max(range(len(TREE)), key=lambda i: len(TREE[i]))
-    path = [leaf]
-    while parents[path[0]] >= 0:
-        path.insert(0, parents[path[0]])
-    padded = jnp.asarray([path + [-1] * (len(TREE) - len(path))])
-    state = proposer.accept(state, jnp.asarray([len(path)]), jnp.asarray([0]),
-                            TargetOutput(None, hidden, path=padded))
+    parents = np.asarray(proposer.tree_parents(state, 1))[0].tolist()
+    depths = [len(path_of(parents, i)) for i in range(len(parents))]
+    path = path_of(parents, int(np.argmax(depths)))  # to a deepest node
+    assert len(path) == spec.num_speculative_tokens
+    padded = jnp.asarray([path + [-1] * (spec.num_speculative_tokens - len(path))])
+    state = proposer.accept(state, jnp.asarray([len(path)]), jnp.asarray([0]), TargetOutput(None, hidden, path=padded))
     sequence = jnp.concatenate([committed, tokens[:, jnp.asarray(path)]], axis=1)  # [1, 6 + depth]
     _, _, plain = draft(sequence, jnp.arange(sequence.shape[1])[None], draft.create_cache(1, 32))
     n = sequence.shape[1] - 1
     for layer in range(draft.config.num_layers):
         for got, want in zip(state.cache.layer(layer), plain.layer(layer)):
             np.testing.assert_allclose(np.asarray(got[0, :n]), np.asarray(want[0, :n]), atol=1e-5, rtol=0)
+
+
+def path_of(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to node."""
+    path = []
+    while node >= 0:
+        path.insert(0, node)
+        node = parents[node]
+    return path
 
 
 def test_a_draft_model_tree_must_be_listed_by_depth():
@@ -254,9 +263,10 @@ def test_a_malformed_dynamic_tree_is_a_config_error_naming_the_field(options, me
 
 def test_dynamic_trees_are_refused_where_they_are_not_built_or_do_not_fit():
     target, drafts = target_and_drafts()
-    with pytest.raises(UnsupportedSpeculation, match=r"drafts no dynamic trees: .* allowed with \['eagle', 'eagle3'\]"):
-        generate(target, [[1, 2]], max_new_tokens=4, drafter=drafts["perturbed"],
-                 spec=SpecConfig(method="draft_model", num_speculative_tokens=2, total_tokens=4, top_k=2))
+    with pytest.raises(UnsupportedSpeculation,
+                       match=r"drafts no dynamic trees: .* allowed with \['draft_model', 'eagle', 'eagle3'\]"):
+        generate(target, [[1, 2]], max_new_tokens=4, drafter=medusa_for(target, num_heads=2),
+                 spec=SpecConfig(method="medusa", num_speculative_tokens=2, total_tokens=4, top_k=2))
     spec = SpecConfig(method="eagle", num_speculative_tokens=4, total_tokens=40, top_k=4)
     with pytest.raises(ValueError, match=r"\+ drafts scored per step \+ 1 \(41\) = 51 does not fit cache_size 48"):
         generate(target, [[1, 2]], max_new_tokens=8, cache_size=48, spec=spec, drafter=head_for("eagle"))

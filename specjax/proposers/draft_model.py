@@ -28,10 +28,13 @@ from specjax.proposers.heterogeneous import HeterogeneousDraft
 from specjax.verify.sampling import processed_logits, processed_probs
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache",), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class DraftModelState:
     cache: KVCache
+    # A dynamic tree's: each node's parent, and its draft-cache slot after the root's (-1: never run).
+    parents: Int[Array, "B N"] | None = None
+    slots: Int[Array, "B N"] | None = None
 
 
 def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings):
@@ -48,6 +51,7 @@ def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings:
 class DraftModelProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:draft"
     drafts_trees: ClassVar[bool] = True
+    drafts_dynamic_trees: ClassVar[bool] = True
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> Transformer:
@@ -55,6 +59,9 @@ class DraftModelProposer(Proposer):
 
     def check(self, params, target_config) -> None:
         tree, spec = self.settings.spec.speculative_token_tree, self.settings.spec
+        if spec.total_tokens is not None and spec.use_heterogeneous_vocab:
+            raise UnsupportedSpeculation("a draft model drafts dynamic trees (total_tokens) with one vocabulary: "
+                                         "use_heterogeneous_vocab is allowed with chains only")
         if tree is not None:
             if spec.use_heterogeneous_vocab or spec.draft_sample_method != "greedy":
                 raise UnsupportedSpeculation("a draft model drafts speculative_token_tree with draft_sample_method "
@@ -93,11 +100,17 @@ class DraftModelProposer(Proposer):
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
         tokens = prompt if bridge is None else bridge.draft_ids(prompt)
         _, _, cache = draft(tokens, positions, cache, compute_logits=False)
-        return DraftModelState(cache=cache.with_lengths(lengths))
+        nodes = self.settings.spec.num_draft_nodes
+        dynamic = self.settings.spec.total_tokens is not None  # the loop's state keeps one structure throughout
+        return DraftModelState(cache=cache.with_lengths(lengths),
+                               parents=draft_tree.chain_parents(batch, nodes) if dynamic else None,
+                               slots=jnp.zeros((batch, nodes), jnp.int32) if dynamic else None)
 
     def propose(self, params, state: DraftModelState, context: Context, keys: PRNGKeyArray):
         if self.settings.spec.speculative_token_tree is not None:
             return self.propose_tree(params, state, context)
+        if self.settings.spec.total_tokens is not None:
+            return self.propose_dynamic_tree(params, state, context)
         draft, bridge = self._split(params)
         num_draft = self.settings.spec.num_speculative_tokens
         rows = jnp.arange(context.tokens.shape[0])
@@ -161,9 +174,38 @@ class DraftModelProposer(Proposer):
                 ranked[i] = jax.lax.top_k(logits[:, j], width)[1]
         return jnp.stack(tokens, axis=1).astype(jnp.int32), None, DraftModelState(cache=cache.with_lengths(root))
 
+    def propose_dynamic_tree(self, params, state: DraftModelState, context: Context):
+        """An EAGLE-2 tree (draft_tree.grow): the root's top-k children, then each level's frontier as one
+        block over the draft's cache at its draft slots (after the root's), under the tree's mask."""
+        spec, rows = self.settings.spec, jnp.arange(context.tokens.shape[0])
+        start = context.lengths - 2
+        window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
+        logits, _, cache = params(window, start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :],
+                                  state.cache.with_lengths(start))
+        root = start + 1  # the last committed token's slot; draft slot j is root + 1 + j
+
+        def expand(cache, level, tokens, parent, sees):
+            positions = jnp.broadcast_to((root + level)[:, None], tokens.shape)
+            logits, _, cache = params(tokens, positions, cache.with_lengths(root + 1 + (level - 1) * spec.top_k),
+                                      attention_mask=draft_tree.block_mask(sees, root + 1, cache.max_length))
+            return cache, *draft_tree.top_k_log_probs(logits, spec.top_k)
+
+        tokens, parents, slots, cache = draft_tree.grow(*draft_tree.top_k_log_probs(logits[:, -1], spec.top_k),
+                                                        expand, cache, depth=spec.num_speculative_tokens,
+                                                        total_tokens=spec.total_tokens)
+        return tokens, None, DraftModelState(cache=cache.with_lengths(root), parents=parents, slots=slots)
+
+    def tree_parents(self, state: DraftModelState, batch: int):
+        return state.parents if state.parents is not None else super().tree_parents(state, batch)
+
     def accept(self, state: DraftModelState, num_accepted, next_token, target_out) -> DraftModelState:
         if target_out.path is None:
             return state
-        # propose_tree left the cache's lengths at the root's slot: the accepted nodes move in after it.
-        return DraftModelState(cache=draft_tree.move_path(state.cache, state.cache.lengths, target_out.path,
-                                                          num_accepted))
+        # The proposal left the cache's lengths at the root's slot: the accepted nodes move in after it, from
+        # their tree slots (a static tree's node i) or draft slots (a dynamic tree's; the last accepted node,
+        # which may never have run, is written again by the next proposal's window, as for a chain).
+        path = target_out.path
+        if state.slots is not None:
+            path = jnp.where(path >= 0, jnp.take_along_axis(state.slots, jnp.maximum(path, 0), axis=1), -1)
+        return dataclasses.replace(state, cache=draft_tree.move_path(state.cache, state.cache.lengths, path,
+                                                                     num_accepted))

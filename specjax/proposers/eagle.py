@@ -119,8 +119,7 @@ class EagleProposer(Proposer):
         """(log-probabilities, target ids) of the head's k most likely tokens at each feature, ranked over
         the draft vocabulary where the head has one (no scatter to the target's vocabulary)."""
         logits, ids = params.head.draft_logits(features, self.target_head(params), params.draft_lm_head)
-        scores, index = jax.lax.top_k(jax.nn.log_softmax(logits), k)
-        return scores, index if ids is None else ids[index]
+        return draft_tree.top_k_log_probs(logits, k, ids)
 
     def init(self, params: EagleParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> EagleState:
@@ -177,49 +176,25 @@ class EagleProposer(Proposer):
         return drafts, draft_probs, state
 
     def draft_tree(self, params: EagleParams, feature: Float[Array, "B D"], cache):
-        """A dynamic tree (module docstring) from the head's feature at the last committed pair, with the
-        head's cache filled to the committed pairs: (node tokens [B, N], parents [B, N])."""
+        """A dynamic tree (module docstring; draft_tree.grow) from the head's feature at the last committed
+        pair, with the head's cache filled to the committed pairs: (node tokens [B, N], parents [B, N])."""
         head, spec = params.head, self.settings.spec
-        top_k, depth = spec.top_k, spec.num_speculative_tokens
-        batch = feature.shape[0]
-        rows = jnp.arange(batch)[:, None]
         committed = cache.lengths
-        scores, tokens = self.top_k_children(params, feature, top_k)  # [B, k]
-        candidate_tokens, candidate_scores = [tokens], [scores]
-        candidate_parents = [jnp.full((batch, top_k), -1, jnp.int32)]
-        frontier = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32), (batch, top_k))  # candidate indices
-        features = jnp.broadcast_to(feature[:, None], (batch, top_k, feature.shape[-1]))  # each node's parent's
-        # [B, k, (depth - 1) * k]: the draft slots (frontier nodes written so far) each frontier node sees.
-        sees = jnp.zeros((batch, top_k, (depth - 1) * top_k), bool)
-        for level in range(1, depth):  # the frontier holds nodes of depth `level`
-            first_slot = (level - 1) * top_k
-            sees = sees.at[:, :, first_slot:first_slot + top_k].set(jnp.eye(top_k, dtype=bool))
-            mask = draft_tree.block_mask(sees, committed, cache.max_length)
-            positions = jnp.broadcast_to((committed + level - 1)[:, None], (batch, top_k))
-            out, cache = head(tokens, features, positions, cache.with_lengths(committed + first_slot), params.embed,
-                              attention_mask=mask)
-            child_scores, child_tokens = self.top_k_children(params, out, top_k)
-            child_scores = (scores[:, :, None] + child_scores).reshape(batch, top_k * top_k)
-            child_tokens = child_tokens.reshape(batch, top_k * top_k)
-            candidate_parents.append(jnp.repeat(frontier, top_k, axis=1))
-            candidate_tokens.append(child_tokens)
-            candidate_scores.append(child_scores)
-            scores, best = jax.lax.top_k(child_scores, top_k)  # the next frontier, among the k^2 children
-            parent = best // top_k
-            frontier = top_k + (level - 1) * top_k * top_k + best
-            tokens, features, sees = child_tokens[rows, best], out[rows, parent], sees[rows, parent]
-        candidate_tokens, candidate_scores, candidate_parents = (
-            jnp.concatenate(c, axis=1) for c in (candidate_tokens, candidate_scores, candidate_parents))
-        _, kept = jax.lax.top_k(candidate_scores, spec.total_tokens)
-        kept = -jax.lax.top_k(-kept, spec.total_tokens)[0]  # in candidate order: parents first
-        parent_candidate = candidate_parents[rows, kept]  # [B, N]
-        is_parent = kept[:, None, :] == parent_candidate[:, :, None]  # [B, N, N]: node j is node i's parent
-        parents = jnp.where(parent_candidate >= 0, jnp.argmax(is_parent, axis=2), -1).astype(jnp.int32)
-        # Each candidate's rank among its parent's children: in preorder the most likely path comes first, and,
-        # when it is the one accepted, the target's cache needs no move (draft_tree.move_path).
-        ranks = jnp.concatenate([jnp.arange(top_k)] + [jnp.tile(jnp.arange(top_k), top_k)] * (depth - 1))
-        order = draft_tree.preorder(parents, jnp.broadcast_to(ranks[kept], kept.shape), depth)
-        return draft_tree.permute(candidate_tokens[rows, kept], parents, order)
+        rows = jnp.arange(feature.shape[0])[:, None]
+
+        def expand(carry, level, tokens, parent, sees):  # the frontier's pairs: (its parents' outputs, tokens)
+            cache, outputs = carry
+            features = outputs[:, None] if parent is None else outputs[rows, parent]
+            features = jnp.broadcast_to(features, (*tokens.shape, features.shape[-1]))
+            positions = jnp.broadcast_to((committed + level - 1)[:, None], tokens.shape)
+            out, cache = head(tokens, features, positions, cache.with_lengths(committed + (level - 1) * spec.top_k),
+                              params.embed, attention_mask=draft_tree.block_mask(sees, committed, cache.max_length))
+            return (cache, out), *self.top_k_children(params, out, spec.top_k)
+
+        tokens, parents, _, _ = draft_tree.grow(*self.top_k_children(params, feature, spec.top_k), expand,
+                                                (cache, feature), depth=spec.num_speculative_tokens,
+                                                total_tokens=spec.total_tokens)
+        return tokens, parents
 
     def tree_parents(self, state: EagleState, batch: int) -> Int[Array, "B N"] | None:
         return state.parents
