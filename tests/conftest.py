@@ -67,6 +67,15 @@ def golden(name: str) -> dict[str, np.ndarray]:
         return dict(data)
 
 
+@functools.partial(jax.jit, static_argnames=("hidden_layers", "compute_logits", "causal"))
+def forward(model, tokens, positions, cache=None, *, hidden_layers=(), compute_logits=True, causal=True,
+            attention_mask=None):
+    """model(tokens, positions, cache, ...) as one program: called eagerly, a model compiles one program per
+    operation and shape, which made the model-level tests' time mostly compiling (docs/testing.md)."""
+    return model(tokens, positions, cache, hidden_layers=hidden_layers, compute_logits=compute_logits,
+                 causal=causal, attention_mask=attention_mask)
+
+
 def positions_like(tokens) -> jnp.ndarray:
     """Positions 0..T-1 for every row of a [B, T] token array."""
     batch, length = tokens.shape

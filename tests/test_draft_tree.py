@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, positions_like
+from conftest import fixture_dir, forward, positions_like
 
 from specjax import draft_tree
 from specjax.models import hf
@@ -58,7 +58,7 @@ def padded_forward(model, sequences, cache=None, width=CACHE - 8):
     padded = np.zeros((len(sequences), width), np.int32)
     for b, sequence in enumerate(sequences):
         padded[b, :len(sequence)] = sequence
-    logits, _, cache = model(jnp.asarray(padded), positions_like(padded), cache)
+    logits, _, cache = forward(model, jnp.asarray(padded), positions_like(padded), cache)
     return logits, cache
 
 
@@ -68,7 +68,8 @@ def prefilled(model, prompts):
     padded = np.zeros((len(prompts), width), np.int32)
     for b, p in enumerate(prompts):
         padded[b, :len(p)] = p
-    _, _, cache = model(jnp.asarray(padded), positions_like(padded), model.create_cache(len(prompts), CACHE))
+    _, _, cache = forward(model, jnp.asarray(padded), positions_like(padded),
+                          model.create_cache(len(prompts), CACHE))
     return cache.with_lengths(jnp.asarray([len(p) - 1 for p in prompts])), padded
 
 
@@ -82,8 +83,8 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
     roots = jnp.asarray([p[-1] for p in prompts])
     block = jnp.concatenate([roots[:, None], jnp.asarray(tokens)], axis=1)
     mask = draft_tree.attention_mask(jnp.asarray(parents), fill, CACHE)
-    logits, _, tree_cache = model(block, draft_tree.block_positions(jnp.asarray(parents), fill), cache,
-                                  attention_mask=mask)
+    logits, _, tree_cache = forward(model, block, draft_tree.block_positions(jnp.asarray(parents), fill), cache,
+                                    attention_mask=mask)
     # References: one batched forward over every node's own path, right-padded (the model is causal).
     sequences = [(b, i, prompt + [int(tokens[b, j]) for j in path_to(parents[b], i)])
                  for b, prompt in enumerate(prompts) for i in range(-1, NODES)]

@@ -95,7 +95,7 @@ def draft_cache(kv_cache_dtype):
     proposer = build_proposer(spec, SamplingConfig(), cache_size=64, drafter=drafts["perturbed"])
     prompt = jnp.asarray([[1, 2, 3, 4]])
     _, hidden, _ = target(prompt[:, :3], jnp.arange(3)[None])
-    return proposer.init(drafts["perturbed"], prompt, jnp.asarray([4]), TargetOutput(None, hidden)).cache
+    return jax.jit(proposer.init)(drafts["perturbed"], prompt, jnp.asarray([4]), TargetOutput(None, hidden)).cache
 
 
 def test_a_float8_draft_cache_takes_half_the_memory_of_bfloat16():

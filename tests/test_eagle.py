@@ -55,9 +55,10 @@ def test_first_draft_is_the_heads_output_on_every_committed_pair(method):
     params = proposer.bind(head, target)
     positions = jnp.arange(length)[None]
     _, hidden, _ = target(prompt, positions, hidden_layers=proposer.hidden_layers)
-    state = proposer.init(params, sequence, jnp.asarray([length + 1]), TargetOutput(logits=None, hidden=hidden))
-    drafts, _, _ = proposer.propose(params, state, Context(tokens=sequence, lengths=jnp.asarray([length + 1])),
-                                    jax.random.split(jax.random.key(0), 1))
+    lengths = jnp.asarray([length + 1])
+    state = jax.jit(proposer.init)(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
+    drafts, _, _ = jax.jit(proposer.propose)(params, state, Context(tokens=sequence, lengths=lengths),
+                                             jax.random.split(jax.random.key(0), 1))
 
     features = head.fuse(hidden)
     out, _ = head(sequence[:, 1:], features, positions, KVCache.create(head.config.layer, 1, 16), params.embed)
@@ -102,9 +103,9 @@ def test_an_eagle1_head_with_a_draft_vocabulary_drafts_only_from_it(sampling):
     params = proposer.bind(reduced, target)
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     _, hidden, _ = target(prompt, positions)
-    state = proposer.init(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
-    drafts, probs, _ = proposer.propose(params, state, Context(tokens=sequence, lengths=lengths),
-                                        jax.random.split(jax.random.key(1), batch))
+    state = jax.jit(proposer.init)(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
+    drafts, probs, _ = jax.jit(proposer.propose)(params, state, Context(tokens=sequence, lengths=lengths),
+                                                 jax.random.split(jax.random.key(1), batch))
     assert np.isin(np.asarray(drafts), FR_IDS).all()
     if probs is not None:
         probs = np.asarray(probs)

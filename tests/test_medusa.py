@@ -42,9 +42,9 @@ def test_drafts_read_the_feature_that_drew_the_newest_token(shared):
     first = jnp.argmax(logits[rows, lengths - 1], axis=-1).astype(jnp.int32)
     assert (jnp.argmax(logits[rows, lengths - 2], axis=-1) != first).any()  # a neighbour's feature would show
     committed = jnp.concatenate([prompts, jnp.zeros((3, 1), jnp.int32)], axis=1).at[rows, lengths].set(first)
-    state = proposer.init(bound, committed, lengths + 1, TargetOutput(logits=None, hidden=hidden))
+    state = jax.jit(proposer.init)(bound, committed, lengths + 1, TargetOutput(logits=None, hidden=hidden))
     context = Context(tokens=committed, lengths=lengths + 1)
-    drafts, probs, state = proposer.propose(bound, state, context, jax.random.split(jax.random.key(0), 3))
+    drafts, probs, state = jax.jit(proposer.propose)(bound, state, context, jax.random.split(jax.random.key(0), 3))
     assert probs is None
     np.testing.assert_array_equal(drafts, jnp.repeat(first[:, None], num_draft, axis=1))
 
@@ -55,8 +55,8 @@ def test_drafts_read_the_feature_that_drew_the_newest_token(shared):
     num_accepted = jnp.array([0, 1, num_draft], jnp.int32)
     next_token = jnp.argmax(logits[rows, prompts.shape[1] + num_accepted], axis=-1).astype(jnp.int32)
     verify_hidden = Hidden(final=hidden.final[:, prompts.shape[1]:], layers=None)
-    state = proposer.accept(state, num_accepted, next_token, TargetOutput(logits=None, hidden=verify_hidden))
-    drafts, _, _ = proposer.propose(bound, state, context, jax.random.split(jax.random.key(1), 3))
+    state = jax.jit(proposer.accept)(state, num_accepted, next_token, TargetOutput(logits=None, hidden=verify_hidden))
+    drafts, _, _ = jax.jit(proposer.propose)(bound, state, context, jax.random.split(jax.random.key(1), 3))
     np.testing.assert_array_equal(drafts, jnp.repeat(next_token[:, None], num_draft, axis=1))
 
 

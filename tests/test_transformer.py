@@ -4,7 +4,7 @@ row by row, and each row of a ragged batch equals that prompt run alone."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, positions_like
+from conftest import fixture_dir, forward, positions_like
 
 from specjax.models import hf, transformer
 from specjax.models.kv_cache import KVCache
@@ -26,19 +26,19 @@ def test_ragged_prefill_then_decode_equals_full_forward_of_each_row(name):
     lengths = jnp.asarray(PROMPT_LENGTHS)
 
     cache = KVCache.create(model.config, len(sequences), 32)
-    logits, _, cache = model(jnp.asarray(prompts), positions_like(prompts), cache)
+    logits, _, cache = forward(model, jnp.asarray(prompts), positions_like(prompts), cache)
     cache = cache.with_lengths(lengths)  # drop the padding: only lengths say what is valid
     incremental = [[np.asarray(logits[row, :n])] for row, n in enumerate(PROMPT_LENGTHS)]
     for step in range(DECODE_STEPS):
         positions = lengths + step
         tokens = jnp.asarray([[seq[n + step]] for seq, n in zip(sequences, PROMPT_LENGTHS)])
-        logits, _, cache = model(tokens, positions[:, None], cache)
+        logits, _, cache = forward(model, tokens, positions[:, None], cache)
         for row in range(len(sequences)):
             incremental[row].append(np.asarray(logits[row]))
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + DECODE_STEPS)
 
     for row, seq in enumerate(sequences):
-        alone, _, _ = model(jnp.asarray(seq[None]), positions_like(seq[None]), None)
+        alone, _, _ = forward(model, jnp.asarray(seq[None]), positions_like(seq[None]), None)
         np.testing.assert_allclose(np.concatenate(incremental[row]), np.asarray(alone[0]), atol=1e-5, rtol=0,
                                    err_msg=f"row {row}")
 
@@ -48,12 +48,12 @@ def test_rollback_is_only_resetting_lengths():
     model = hf.load(fixture_dir("llama_gqa"))
     seq = jnp.asarray([[3, 14, 15, 92, 65, 35]])
     positions = positions_like(seq)
-    full, _, _ = model(seq, positions, None)
+    full, _, _ = forward(model, seq, positions, None)
     cache = KVCache.create(model.config, 1, 16)
-    _, _, cache = model(seq[:, :3], positions[:, :3], cache)
-    _, _, cache = model(jnp.asarray([[7, 7, 7, 7]]), jnp.arange(3, 7)[None], cache)  # drafts, rejected
+    _, _, cache = forward(model, seq[:, :3], positions[:, :3], cache)
+    _, _, cache = forward(model, jnp.asarray([[7, 7, 7, 7]]), jnp.arange(3, 7)[None], cache)  # drafts, rejected
     cache = cache.with_lengths(jnp.asarray([3]))
-    logits, _, _ = model(seq[:, 3:], positions[:, 3:], cache)
+    logits, _, _ = forward(model, seq[:, 3:], positions[:, 3:], cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, 3:]), atol=1e-5, rtol=0)
 
 
@@ -66,9 +66,9 @@ def test_hidden_layers_out_of_range_is_refused():
 
 def test_bfloat16_compute_stays_close_to_float32():
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 10)))
-    f32, _, _ = hf.load(fixture_dir("llama_gqa"))(tokens, positions_like(tokens))
+    f32, _, _ = forward(hf.load(fixture_dir("llama_gqa")), tokens, positions_like(tokens))
     bf16_model = hf.load(fixture_dir("llama_gqa"), param_dtype="bfloat16")
-    bf16, hidden, _ = bf16_model(tokens, positions_like(tokens))
+    bf16, hidden, _ = forward(bf16_model, tokens, positions_like(tokens))
     assert bf16.dtype == jnp.float32 and hidden.final.dtype == jnp.bfloat16
     assert np.abs(np.asarray(bf16) - np.asarray(f32)).max() < 0.15 * np.abs(np.asarray(f32)).max()
 
@@ -87,7 +87,7 @@ def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_ker
     c = stacked.config
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, c.vocab_size, (2, 9)))
     hidden_layers = (0, c.num_layers - 1, c.num_layers)
-    (la, ha, _), (lb, hb, _) = (m(tokens, positions_like(tokens), hidden_layers=hidden_layers)
+    (la, ha, _), (lb, hb, _) = (forward(m, tokens, positions_like(tokens), hidden_layers=hidden_layers)
                                 for m in (stacked, split))
     np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0)
     # The residual stream grows to ~10 here: float32 rounding of differently blocked products, to scale.
@@ -99,7 +99,7 @@ def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_ker
     for step in range(3):
         chunk = tokens[:, 3 * step:3 * step + 3]
         positions = positions_like(chunk) + 3 * step
-        (la, _, caches[0]), (lb, _, caches[1]) = (m(chunk, positions, cache) for m, cache in
+        (la, _, caches[0]), (lb, _, caches[1]) = (forward(m, chunk, positions, cache) for m, cache in
                                                    zip((stacked, split), caches))
         np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0, err_msg=f"step {step}")
     np.testing.assert_allclose(np.stack(caches[1].k), np.asarray(caches[0].k), atol=1e-5, rtol=0)

@@ -140,14 +140,16 @@ def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill(tree)
     proposer = build_proposer(spec, SamplingConfig(), 32, draft)
     committed = jnp.asarray([[5, 9, 2, 7, 1, 3]])
     hidden = target(committed[:, :-1], jnp.arange(5)[None])[1]
-    state = proposer.init(draft, committed, jnp.asarray([6]), TargetOutput(None, hidden))
-    tokens, _, state = proposer.propose(draft, state, Context(committed, jnp.asarray([6])), jax.random.key(0)[None])
+    state = jax.jit(proposer.init)(draft, committed, jnp.asarray([6]), TargetOutput(None, hidden))
+    tokens, _, state = jax.jit(proposer.propose)(draft, state, Context(committed, jnp.asarray([6])),
+                                                 jax.random.key(0)[None])
     parents = np.asarray(proposer.tree_parents(state, 1))[0].tolist()
     depths = [len(path_of(parents, i)) for i in range(len(parents))]
     path = path_of(parents, int(np.argmax(depths)))  # to a deepest node
     assert len(path) == spec.num_speculative_tokens
     padded = jnp.asarray([path + [-1] * (spec.num_speculative_tokens - len(path))])
-    state = proposer.accept(state, jnp.asarray([len(path)]), jnp.asarray([0]), TargetOutput(None, hidden, path=padded))
+    state = jax.jit(proposer.accept)(state, jnp.asarray([len(path)]), jnp.asarray([0]),
+                                     TargetOutput(None, hidden, path=padded))
     sequence = jnp.concatenate([committed, tokens[:, jnp.asarray(path)]], axis=1)  # [1, 6 + depth]
     _, _, plain = draft(sequence, jnp.arange(sequence.shape[1])[None], draft.create_cache(1, 32))
     n = sequence.shape[1] - 1
@@ -191,8 +193,9 @@ def dynamic_tree_and_reference(name: str, top_k: int, total_tokens: int, depth: 
     params = proposer.bind(head_for(name), target)
     committed, lengths = jnp.asarray([[5, 9, 2, 7, 1, 3], [4, 4, 8, 1, 0, 0]]), jnp.asarray([6, 4])
     hidden = target(committed[:, :-1], jnp.arange(5)[None].repeat(2, 0), hidden_layers=proposer.hidden_layers)[1]
-    state = proposer.init(params, committed, lengths, TargetOutput(None, hidden))
-    tokens, probs, drafted = proposer.propose(params, state, Context(committed, lengths), jax.random.key(0)[None])
+    state = jax.jit(proposer.init)(params, committed, lengths, TargetOutput(None, hidden))
+    tokens, probs, drafted = jax.jit(proposer.propose)(params, state, Context(committed, lengths),
+                                                       jax.random.key(0)[None])
     assert probs is None  # top-k drafts: q = 1 to the verifier
 
     head, width = params.head, state.tokens.shape[1]
