@@ -409,17 +409,24 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def plot_tree_sizes(rows: list[dict], temperatures: list[float], out: Path, plt) -> None:
     """Mean acceptance length against the drafts scored a step (a chain's K, a tree's nodes), a line per
-    (method, verifier, depth K): trees against the chain of their depth."""
+    (method, verifier, depth K, and a dynamic tree's top-k): trees against the chain of their depth,
+    which starts every line of its method."""
     fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures), 4.2), squeeze=False, sharey=True)
     for ax, temperature in zip(axes[0], temperatures):
+        chains: dict[tuple, dict] = {}
         lines: dict[tuple, list[dict]] = {}
         for row in rows:
             if row["temperature"] == temperature:
-                lines.setdefault((row["method"], row["rejection_sample_method"], row["K"]), []).append(row)
-        for (method, verifier, k), points in sorted(lines.items()):
-            points = sorted(points, key=lambda r: r.get("tree_nodes") or r["K"])
+                key = (row["method"], row["rejection_sample_method"], row["K"])
+                if row.get("tree_nodes") is None:
+                    chains[key] = row
+                else:
+                    lines.setdefault((*key, row.get("tree_top_k") or 0), []).append(row)
+        for (method, verifier, k, top_k), points in sorted(lines.items()):
+            points = sorted(points, key=lambda r: r["tree_nodes"])
+            points = ([chains[method, verifier, k]] if (method, verifier, k) in chains else []) + points
             ax.plot([p.get("tree_nodes") or p["K"] for p in points], [p["mean_acceptance_length"] for p in points],
-                    marker="o", label=f"{method}, {verifier}, depth {k}")
+                    marker="o", label=f"{method}, {verifier}, depth {k}" + (f", top-{top_k}" if top_k else ""))
         ax.set_title(f"T = {temperature:g}")
         ax.set_xlabel("drafts scored a step (chain: K; tree: nodes)")
         ax.grid(alpha=0.3)
