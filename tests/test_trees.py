@@ -91,6 +91,9 @@ def test_trees_are_refused_where_they_are_not_built():
     with pytest.raises(UnsupportedSpeculation, match="drafts chains only"):
         generate(target, [[1, 2]], max_new_tokens=4,
                  spec=SpecConfig(method="ngram", num_speculative_tokens=1, speculative_token_tree=((0,), (1,))))
+    # A tree deeper than the drafter drafts: three levels for two Medusa heads.
+    with pytest.raises(UnsupportedSpeculation, match=r"Medusa has 2 heads but num_speculative_tokens is 3: allowed K <= 2"):
+        generate(target, [[1, 2]], max_new_tokens=4, spec=tree_spec(), drafter=medusa_for(target, num_heads=2))
 
 
 @pytest.mark.parametrize("tree, message", [
