@@ -11,15 +11,10 @@ resetting the fill level. After a verify step the next pairs are the verify bloc
 positions 0..n with the tokens d_1..d_n, next_token: n + 1 pairs, fed as a fixed window of K + 1
 whose output at index n starts the next draft.
 
-Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k): the root's top_k children are the first
-frontier; at each further depth the head runs the frontier's top_k nodes together (each at position
-committed + depth - 1, seeing the committed pairs, its own ancestors' and itself under a tree mask), each
-expands to its top_k children, and the top_k of those k^2 by path log-probability form the next frontier.
-Of every candidate drafted (top_k + (depth - 1) * top_k^2), the total_tokens of highest path
-log-probability are kept: a child's is never above its parent's and ties keep the earlier candidate, so
-the kept set holds every kept node's parent. They are handed over in depth-first preorder, children by
-rank (parents first, and the path of first-ranked children at nodes 0, 1, ...). The head's cache
-entries of the frontier are dropped like a chain's drafts (the fill level is reset at the next step).
+Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k; the algorithm is specjax.draft_tree.grow): the
+head runs each level's frontier as pairs (the parent's output, the node's token) at position
+committed + depth - 1, under the tree's mask over its own cache; those entries are dropped like a chain's
+drafts (the fill level is reset at the next step), so accept needs only the path's tokens.
 """
 
 from __future__ import annotations
