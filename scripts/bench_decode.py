@@ -12,8 +12,9 @@ drafters in --methods: an EAGLE-1 head for the 8B shape (eagle), the same head d
 head, gathered once per generation; method eagle), an EAGLE-3 head with its own LM head over a
 32000-token draft vocabulary, as released for Llama-3.1-8B (eagle3; a draft step then reads a quarter of
 the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model), a DFlash drafter of z-lab's 8B shape
-(dflash: 5 layers, block 16; one forward drafts all K). For each batch size and prompt length
-it reports:
+(dflash: 5 layers, block 16; one forward drafts all K), the same drafter over a 32000-token draft
+vocabulary (dflash_fr, FR-Spec: its logits read those rows of the target's LM head). For each batch
+size and prompt length it reports:
 - autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
   remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
   the untied embedding table, of which only B rows are read, plus each row's valid KV entries at the
@@ -51,7 +52,7 @@ import numpy as np
 from specjax import benchmarking, draft_tree, sharding
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.metrics import AcceptanceMetrics
-from specjax.models.transformer import Hidden, unembed
+from specjax.models.transformer import Hidden
 from specjax.proposers.base import build_proposer
 from specjax.speed import (DRAFTERS, autoregressive_run, build_drafter, build_target, cache_size_for, generation_args,
                            spec_method, speculative_run, synthetic_spec, tokens_per_s)
@@ -88,8 +89,8 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
             times["t_draft_draft_model_s"] = measure(forward, drafter, draft_cache, jnp.zeros((batch, 1), jnp.int32),
                                                      None)
             continue
-        if method == "dflash":  # the whole block's drafts in one step: the pending features, then the block
-            times["t_draft_dflash_s"] = dflash_step(drafter, target, batch, context, num_draft)(draft_cache)
+        if method.startswith("dflash"):  # the whole block's drafts in one step: the pending features, the block
+            times[f"t_draft_{method}_s"] = dflash_step(drafter, target, batch, context, num_draft)(draft_cache)
             continue
         # One EAGLE draft step as the proposer runs it: the head's layer, then logits through the
         # target's LM head (EAGLE-1), its rows of the draft vocabulary (gathered in bind, outside the
@@ -118,15 +119,18 @@ def dflash_step(drafter, target, batch: int, context: int, num_draft: int):
                     layers=jnp.zeros((len(drafter.config.hidden_layers), batch, num_draft + 1, cfg.hidden_size),
                                      cfg.jnp_dtype))
     positions = context + jnp.broadcast_to(jnp.arange(num_draft + 1, dtype=jnp.int32), (batch, num_draft + 1))
-    embed, lm_head = target.embed[...], target.lm_head[...]
+    proposer = build_proposer(SpecConfig(method="dflash", num_speculative_tokens=num_draft), SamplingConfig(),
+                              0, drafter)  # for bind and logits only: no cache of its own
 
-    def step(drafter, cache):
+    def step(params, cache):
+        drafter = params.drafter
         cache = drafter.write_context(drafter.context(hidden), positions, cache).with_lengths(cache.lengths)
-        out, written = drafter(jnp.zeros((batch, num_draft + 1), jnp.int32), positions, cache, embed)
-        return unembed(out[:, 1:], embed, lm_head, cfg.jnp_dtype), (written.with_lengths(cache.lengths),)
+        out, written = drafter(jnp.zeros((batch, num_draft + 1), jnp.int32), positions, cache, params.embed)
+        # The drafts' logits as the proposer makes them (through a draft vocabulary's rows for dflash_fr).
+        return proposer.logits(params, out[:, 1:]), (written.with_lengths(cache.lengths),)
 
-    return lambda cache: benchmarking.time_in_loop(step, drafter, cache, invariant=1, carry=True,
-                                                   iterations=10)["median_s"]
+    return lambda cache: benchmarking.time_in_loop(step, proposer.bind(drafter, target), cache, invariant=1,
+                                                   carry=True, iterations=10)["median_s"]
 
 
 def first_difference(model, got: np.ndarray, want: np.ndarray) -> tuple[int, float]:
@@ -202,7 +206,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--acceptance-lengths", default="4.0")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
-    parser.add_argument("--methods", default="eagle", help="drafters to time: eagle, eagle_fr, eagle3, draft_model, dflash")
+    parser.add_argument("--methods", default="eagle",
+                        help="drafters to time: eagle, eagle_fr, eagle3, draft_model, dflash, dflash_fr")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="bench_decode")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -319,7 +324,7 @@ def main():
                         row[f"{method}_tau{tau}_measured_tau"] = AcceptanceMetrics.from_counters(
                             state.counters, batch).summary()["mean_acceptance_length"]
                     # DFlash drafts the block in one forward; the chain drafters take K steps.
-                    draft_steps = 1 if method == "dflash" else num_draft
+                    draft_steps = 1 if method.startswith("dflash") else num_draft
                     bound_tok_s = batch * tau / (row["t_verify_s"] + draft_steps * t_draft)
                     row[f"{method}_tau{tau}_tok_s"] = spec_tok_s
                     row[f"{method}_tau{tau}_bound_tok_s"] = bound_tok_s

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from specjax import default_models, sharding
 from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
-from specjax.proposers import UnsupportedSpeculation, proposer_class
+from specjax.proposers import PROPOSERS, UnsupportedSpeculation, proposer_class
 from specjax.verify import verifier_name
 
 
@@ -53,17 +53,19 @@ class RunConfig:
     dtype: str | None = "float32"
     # Devices (specjax.sharding): None runs on one device; e.g. {data: 1, model: 2} splits the models.
     mesh: MeshConfig | None = None
-    # FR-Spec for an EAGLE-1 drafter (spec.method 'eagle'): it drafts only the draft_vocab_size ids most
-    # frequent in the training split of `corpus` (its first FREQUENCY_TOKENS tokens); None: every id.
+    # FR-Spec for a drafter that takes a draft vocabulary (spec.method 'eagle' or 'dflash'): it drafts only
+    # the draft_vocab_size ids most frequent in the training split of `corpus` (its first FREQUENCY_TOKENS
+    # tokens); None: every id.
     draft_vocab_size: int | None = None
 
     def __post_init__(self):
         # The names SpecConfig leaves to the registries, checked now so that a file names its error.
         proposer_class(self.spec.method)
         verifier_name(self.spec, self.sampling)
-        if self.draft_vocab_size is not None and (self.spec.method != "eagle" or self.draft_vocab_size < 1):
+        takes = sorted(name for name, cls in PROPOSERS.items() if cls.takes_draft_vocabulary)
+        if self.draft_vocab_size is not None and (self.spec.method not in takes or self.draft_vocab_size < 1):
             raise ConfigError(f"RunConfig.draft_vocab_size = {self.draft_vocab_size!r} is invalid with spec.method "
-                              f"{self.spec.method!r}: allowed null, or a positive integer with method 'eagle'")
+                              f"{self.spec.method!r}: allowed null, or a positive integer with methods {takes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,15 +204,14 @@ class Runner:
             self._models[drafter_key] = load_drafter(*drafter_key[:2], target, config.dtype, model_shards)
         drafter = self._models[drafter_key]
         if config.draft_vocab_size is not None:
-            from specjax.models.eagle import with_draft_vocabulary
             from specjax.training.eagle import draft_vocabulary
 
             sample_key = (config.target, config.corpus)
             if sample_key not in self._samples:
                 self._samples[sample_key] = training_sample(config.corpus, tokenizer)
             vocab = target.config.vocab_size
-            drafter = with_draft_vocabulary(drafter, draft_vocabulary(self._samples[sample_key], vocab,
-                                                                      min(config.draft_vocab_size, vocab)))
+            ids = draft_vocabulary(self._samples[sample_key], vocab, min(config.draft_vocab_size, vocab))
+            drafter = proposer_class(config.spec.method).with_draft_vocabulary(drafter, ids)
         result, spec_seconds = self._timed(precision, **common, spec=config.spec, drafter=drafter)
         summary = result.metrics.summary()
         greedy = config.sampling.is_greedy

@@ -26,21 +26,23 @@ import numpy as np
 from specjax import benchmarking
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, pad_request, speculative_loop
-from specjax.models.dflash import DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, init_dflash
+from specjax.models.dflash import (DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, init_dflash,
+                                   with_draft_vocabulary)
 from specjax.models.eagle import EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle
 from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers.base import build_proposer
 
 DRAFTERS = {"eagle": "EAGLE-1 head", "eagle_fr": "EAGLE-1 head over 32000 draft ids (FR-Spec)",
             "eagle3": "EAGLE-3 head", "draft_model": "Llama-3.2-1B-shaped draft LM",
-            "dflash": "DFlash drafter (5 layers, block 16, as z-lab's for 8B targets)"}  # name: what it is at 8b
+            "dflash": "DFlash drafter (5 layers, block 16, as z-lab's for 8B targets)",
+            "dflash_fr": "the DFlash drafter over 32000 draft ids (FR-Spec)"}  # name: what it is at 8b
 DFLASH_LAYERS, DFLASH_BLOCK = 5, 16
 GREEDY = SamplingConfig()
 
 
 def spec_method(drafter: str) -> str:
-    """The SpecConfig method of a drafter in DRAFTERS (eagle_fr is EAGLE-1 over a draft vocabulary)."""
-    return "eagle" if drafter == "eagle_fr" else drafter
+    """The SpecConfig method of a drafter in DRAFTERS (eagle_fr and dflash_fr: over a draft vocabulary)."""
+    return drafter.removesuffix("_fr")
 
 
 def build_target(config: ModelConfig, model_shards: int = 1):
@@ -57,6 +59,9 @@ def build_drafter(drafter: str, target_config: ModelConfig, draft_config: ModelC
     DFlash drafter of z-lab's 8B shape: 5 layers as wide as the target's, block 16 (dflash)."""
     if drafter == "draft_model":
         return to_decoding_layout(benchmarking.on_device(lambda: init_model(draft_config, seed=1)), model_shards)
+    if drafter == "dflash_fr":  # the first 32000 ids: speed does not depend on which
+        full = build_drafter("dflash", target_config, draft_config, model_shards)
+        return with_draft_vocabulary(full, np.arange(min(32000, target_config.vocab_size)))
     if drafter == "dflash":
         layers = min(DFLASH_LAYERS, target_config.num_layers)
         config = DFlashConfig(

@@ -18,7 +18,8 @@ from safetensors.numpy import load_file, save_file
 from specjax.config import DFlashTrainConfig, SamplingConfig, SpecConfig, load_yaml
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.dflash import default_target_layer_ids, drafter_to_decoding_layout, load_dflash, save_dflash
+from specjax.models.dflash import (default_target_layer_ids, drafter_to_decoding_layout, load_dflash, save_dflash,
+                                   with_draft_vocabulary)
 from specjax.models.transformer import unembed
 from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer
 
@@ -168,3 +169,33 @@ DFLASH_CONFIG = REPO / "configs/train/tiny_dflash.yaml"
 
 def dflash_run_config(target_dir, output_dir, *overrides) -> DFlashTrainConfig:
     return load_yaml(DFlashTrainConfig, DFLASH_CONFIG, [f"target={target_dir}", f"output_dir={output_dir}", *overrides])
+
+
+def test_a_draft_vocabulary_keeps_drafts_and_their_probabilities_inside_it_and_is_not_saved(zlab, tmp_path):
+    """FR-Spec for DFlash: the draft probabilities are the full drafter's renormalised over the draft ids, zero
+    elsewhere, so every draft is one of them; such a drafter is applied at run time, not saved."""
+    target, stacked, golden = zlab
+    ids = np.arange(0, target.config.vocab_size, 3)
+    reduced = with_draft_vocabulary(stacked, ids)
+    prompt = golden["prompt"].tolist()
+    probs = {}
+    for name, drafter in (("full", stacked), ("reduced", reduced)):
+        proposer = build_proposer(SpecConfig(method="dflash", num_speculative_tokens=4,
+                                             draft_sample_method="probabilistic"), SamplingConfig(temperature=1.0),
+                                  64, drafter)
+        params = proposer.bind(drafter, target)
+        logits, hidden, _ = target(jnp.asarray([prompt]), jnp.arange(len(prompt))[None],
+                                   hidden_layers=proposer.hidden_layers)
+        committed = jnp.asarray([prompt + [int(jnp.argmax(logits[0, -1]))]])
+        lengths = jnp.asarray([committed.shape[1]])
+        state = jax.jit(proposer.init)(params, committed, lengths, TargetOutput(logits=logits, hidden=hidden))
+        drafts, probs[name], _ = jax.jit(proposer.propose)(params, state, Context(committed, lengths),
+                                                           jax.random.split(jax.random.key(0), 1))
+    assert set(np.asarray(drafts).ravel().tolist()) <= set(ids.tolist())
+    outside = np.setdiff1d(np.arange(target.config.vocab_size), ids)
+    assert (np.asarray(probs["reduced"])[..., outside] == 0).all()
+    inside = np.asarray(probs["full"])[..., ids]
+    np.testing.assert_allclose(np.asarray(probs["reduced"])[..., ids], inside / inside.sum(-1, keepdims=True),
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="draft vocabulary .* apply the vocabulary at run time"):
+        save_dflash(reduced, tmp_path)

@@ -110,7 +110,8 @@ def test_a_killed_sweep_reruns_only_the_missing_points(models, tmp_path):
                                          r"\['dflash', 'draft_model', 'eagle', 'eagle3', 'medusa', 'ngram'\]"),
     (dict(spec={"num_speculative_tokens": 0}), r"run.yaml: SpecConfig.num_speculative_tokens = 0 is invalid"),
     (dict(draft_vocab_size=100), r"run.yaml: RunConfig.draft_vocab_size = 100 is invalid with spec.method "
-                                 r"'draft_model': allowed null, or a positive integer with method 'eagle'"),
+                                 r"'draft_model': allowed null, or a positive integer with methods "
+                                 r"\['dflash', 'eagle'\]"),
 ])
 def test_bad_run_configs_name_the_key_file_and_allowed_values(models, tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message):

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import (EOS, HEADS, METHOD, PROMPT, REQUESTS, TINY, autoregressive_outputs, chi_square_pvalue,
+from conftest import (EOS, FR_IDS, HEADS, METHOD, PROMPT, REQUESTS, TINY, autoregressive_outputs, chi_square_pvalue,
                       dflash_config, eagle_config, exact_joint, head_for, medusa_for, speculative_joint_counts,
                       target_and_drafts, tiny_pair, trained_dflash)
 
@@ -17,13 +17,14 @@ from specjax import verify as verify_registry
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models.dflash import drafter_to_decoding_layout, init_dflash
+from specjax.models.dflash import with_draft_vocabulary as dflash_with_draft_vocabulary
 from specjax.models.eagle import init_eagle, with_draft_vocabulary
 from specjax.models.transformer import to_decoding_layout
 from specjax.verify import standard
 
 # Drafter name -> SpecConfig.method ("perturbed" and "unrelated": draft models of target_and_drafts()).
 METHODS = {"draft_model": "draft_model", "perturbed": "draft_model", "unrelated": "draft_model", **METHOD,
-           "medusa": "medusa", "ngram": "ngram", "dflash": "dflash"}
+           "medusa": "medusa", "ngram": "ngram", "dflash": "dflash", "dflash_fr": "dflash"}
 
 
 # ---------------------------------------------------------------------------- greedy = autoregressive
@@ -36,6 +37,8 @@ def greedy_drafter(name: str, attention_kernel: bool = False):
         return to_decoding_layout(drafts[name], attention_kernel=True) if attention_kernel else drafts[name]
     if name == "dflash":
         return drafter_to_decoding_layout(trained_dflash()) if attention_kernel else trained_dflash()
+    if name == "dflash_fr":  # FR-Spec: half the target's ids
+        return dflash_with_draft_vocabulary(trained_dflash(), FR_IDS)
     if name == "medusa":
         return medusa_for(target, num_heads=3, num_layers=2, scale=0.05)
     return None if name == "ngram" else head_for(name)
@@ -103,6 +106,7 @@ GREEDY_CASES = [
     # trained on its text accepts little (tests/test_train_dflash.py trains one for a target with structure).
     *(greedy_case("dflash", k, accepts_sometimes) for k in (4, 8, 15)),
     greedy_case("dflash", 8, accepts_sometimes, requests="ragged16", attention_kernel=True, tag="attention_kernel"),
+    greedy_case("dflash_fr", 8, emits_ids_the_head_cannot_draft),
     *(greedy_case("ngram", k, accepts_sometimes, requests="repeating", tag=f"lookup{lo}to{hi}",
                   prompt_lookup_min=lo, prompt_lookup_max=hi) for k, lo, hi in ((2, 1, 3), (5, 2, 4))),
 ]
@@ -133,8 +137,9 @@ def tiny_drafter(name: str):
         return medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
     if name == "ngram":
         return None
-    if name == "dflash":  # the tiny target has one layer: its output (the final hidden state) is the feature
-        return init_dflash(dflash_config(TINY, (0,), block_size=4), seed=5)
+    if name in ("dflash", "dflash_fr"):  # the tiny target has one layer: its output (the final hidden state)
+        drafter = init_dflash(dflash_config(TINY, (0,), block_size=4), seed=5)
+        return dflash_with_draft_vocabulary(drafter, [1, 2, 4, 7]) if name == "dflash_fr" else drafter
     kwargs = dict(HEADS[METHOD[name]])
     if name == "eagle3":
         kwargs["draft_vocab_size"] = 6  # a reduced draft vocabulary: two target ids never drafted
@@ -176,6 +181,7 @@ LOSSLESS_CASES = [
       for name, sampling in zip(("eagle", "eagle3", "eagle_fr", "draft_model"), (*SAMPLINGS[:3], SAMPLINGS[1]))),
     *(lossless_case("medusa", verifier) for verifier in ("standard", "block")),
     # DFlash: both verifiers, greedy and probabilistic drafting, T 1 and top-k.
+    lossless_case("dflash_fr", "block"),  # FR-Spec: drafts and their probabilities inside half the ids
     *(lossless_case("dflash", verifier, drafting, sampling) for drafting in ("greedy", "probabilistic")
       for verifier in ("standard", "block") for sampling in SAMPLINGS[:3:2]),
     # N-gram lookup drafts one-hot (greedy) from the context.

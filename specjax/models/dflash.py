@@ -31,6 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.config import ModelConfig, require
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
+from specjax.models.vocabulary import validated_draft_ids
 from specjax.models.transformer import (DecodingLayer, Hidden, StackedLayers, decoder_layer, init_param, normalize,
                                         project_qkv, query_slots_for, scan_layers)
 
@@ -99,6 +100,8 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = init_param(rngs, (c.hidden_size,), c, "ones")
         self.layers: StackedLayers | nnx.List = StackedLayers(c, rngs=rngs)
         self.final_norm = init_param(rngs, (c.hidden_size,), c, "ones")
+        # FR-Spec: the target ids the drafter drafts (with_draft_vocabulary); None: every id.
+        self.draft_to_target = None
 
     def context(self, target_hidden: Hidden) -> Float[Array, "B T D"]:
         """Context features from the target's hidden states (a forward run with config.hidden_layers)."""
@@ -147,6 +150,17 @@ class DFlashDrafter(nnx.Module):
 
 def init_dflash(config: DFlashConfig, seed: int = 0) -> DFlashDrafter:
     return DFlashDrafter(config, rngs=nnx.Rngs(params=seed))
+
+
+def with_draft_vocabulary(drafter: DFlashDrafter, ids) -> DFlashDrafter:
+    """FR-Spec for a DFlash drafter: a new drafter over the same weights that drafts only the target ids
+    `ids` (1-D, sorted, unique; e.g. the most frequent ids of a corpus), ranking them with the target's LM
+    head restricted to them. Training-free and lossless; applied at run time (z-lab's layout has no place
+    for it: save_dflash refuses such a drafter)."""
+    ids = validated_draft_ids(ids, drafter.config.layer.vocab_size, "with_draft_vocabulary")
+    reduced = jax.tree.map(lambda w: w, drafter)  # a new module over the same arrays
+    reduced.draft_to_target = nnx.data(nnx.Variable(jnp.asarray(ids, jnp.int32)))
+    return reduced
 
 
 def drafter_to_decoding_layout(drafter: DFlashDrafter, model_shards: int = 1) -> DFlashDrafter:
@@ -220,6 +234,9 @@ def save_dflash(drafter: DFlashDrafter, folder: str | Path) -> None:
     if not isinstance(drafter.layers, StackedLayers):
         raise ValueError("the drafter's layers are in the decoding layout, which is not a checkpoint layout: "
                          "save the stacked drafter it was made from")
+    if drafter.draft_to_target is not None:
+        raise ValueError("the drafter has a draft vocabulary (with_draft_vocabulary), which z-lab's layout cannot "
+                         "hold: save the drafter it was made from and apply the vocabulary at run time")
     config = drafter.config
     raw = config_to_hf(config)
     raw["dtype"] = config.layer.param_dtype if config.layer.param_dtype in hf.CHECKPOINT_DTYPES else "float32"

@@ -36,6 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.config import ConfigError, ModelConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
+from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary, validated_draft_ids
 from specjax.models.transformer import (StackedLayers, DecodingLayer, Hidden, init_param, decoder_layer, einsum_f32,
                                         normalize, query_slots_for)
 
@@ -144,8 +145,7 @@ class EagleHead(nnx.Module):
         Drafting gathers it once per generate call (EagleProposer.bind), not in every draft step."""
         if self.config.version != 1 or self.draft_to_target is None:
             return None
-        ids = self.draft_to_target[...]
-        return embed[ids].T if lm_head is None else lm_head[:, ids]
+        return restricted_unembedding(embed, lm_head, self.draft_to_target[...])
 
     def logits(self, features: Float[Array, "... D"], target_lm_head,
                draft_lm_head: Float[Array, "D Vd"] | None = None) -> Float[Array, "... V"]:
@@ -155,10 +155,7 @@ class EagleHead(nnx.Module):
         final norm) or, for EAGLE-1, draft_lm_head (restricted_lm_head of the target), and land at
         their target ids (draft_to_target); every other target id is -inf."""
         draft, ids = self.draft_logits(features, target_lm_head, draft_lm_head)
-        if ids is None:
-            return draft
-        full = jnp.full((*draft.shape[:-1], self.config.layer.vocab_size), -jnp.inf, jnp.float32)
-        return full.at[..., ids].set(draft)
+        return draft if ids is None else to_target_vocabulary(draft, ids, self.config.layer.vocab_size)
 
     def draft_logits(self, features: Float[Array, "... D"], target_lm_head,
                      draft_lm_head: Float[Array, "D Vd"] | None = None
@@ -201,21 +198,7 @@ def with_draft_vocabulary(head: EagleHead, ids) -> EagleHead:
     if head.config.version != 1:
         raise ValueError(f"with_draft_vocabulary: got an EAGLE-{head.config.version} head, whose own LM head is "
                          "trained over its draft vocabulary: allowed only EAGLE-1 heads")
-    ids = np.asarray(ids)
-    vocab = head.config.layer.vocab_size
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"with_draft_vocabulary: ids of shape {ids.shape} and dtype {ids.dtype}: allowed a "
-                         "non-empty 1-D array of integer token ids")
-    outside = np.flatnonzero((ids < 0) | (ids >= vocab))
-    if outside.size:
-        i = int(outside[0])
-        raise ValueError(f"with_draft_vocabulary: ids[{i}] = {ids[i]} is outside the target vocabulary: allowed "
-                         f"ids in 0..{vocab - 1}")
-    unordered = np.flatnonzero(np.diff(ids) <= 0)
-    if unordered.size:
-        i = int(unordered[0])
-        raise ValueError(f"with_draft_vocabulary: ids[{i + 1}] = {ids[i + 1]} follows ids[{i}] = {ids[i]}: allowed "
-                         "only sorted ids without repeats (strictly increasing)")
+    ids = validated_draft_ids(ids, head.config.layer.vocab_size, "with_draft_vocabulary")
     reduced = jax.tree.map(lambda w: w, head)  # a new module over the same arrays
     reduced.config = dataclasses.replace(head.config, draft_vocab_size=len(ids))
     # nnx.data: an EAGLE-1 head without a draft vocabulary holds None there, a static attribute

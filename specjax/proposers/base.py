@@ -103,6 +103,9 @@ class Proposer:
     # True where propose can draft a dynamic tree (spec.total_tokens, spec.top_k: EAGLE-2): its K are
     # then total_tokens nodes, parents before children, whose parents `tree_parents` reads from the state.
     drafts_dynamic_trees: ClassVar[bool] = False
+    # True where with_draft_vocabulary makes the drafter draft only some target ids (FR-Spec;
+    # RunConfig.draft_vocab_size).
+    takes_draft_vocabulary: ClassVar[bool] = False
 
     @classmethod
     def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
@@ -115,6 +118,11 @@ class Proposer:
         """Whether a drafter folder is this method's by its own files (`specjax generate --draft FOLDER`
         without --method takes the method that recognizes it); by default no folder is recognized."""
         return False
+
+    @classmethod
+    def with_draft_vocabulary(cls, drafter: Any, ids) -> Any:
+        """The drafter drafting only the target ids `ids` (FR-Spec), where takes_draft_vocabulary."""
+        raise NotImplementedError(f"{cls.__name__} takes no draft vocabulary")
 
     def check(self, params: Any, target_config: ModelConfig) -> None:
         """Raises ValueError (host side, before tracing) if params cannot draft for this target."""

@@ -22,22 +22,31 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.models.dflash import ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash
+from specjax.models.dflash import (ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash,
+                                   with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
+from specjax.models.transformer import Hidden, Transformer, einsum_f32, for_decoding, unembed
+from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
                                     register)
 from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.sharding import MODEL
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("drafter", "embed", "lm_head"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("drafter", "embed", "lm_head", "draft_lm_head"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class DFlashParams:
-    """The drafter with the target's embedding and LM head (None when tied), which it uses."""
+    """The drafter with the target's embedding and LM head (None when tied), which it uses, and, for a
+    drafter with a draft vocabulary (FR-Spec), the target's unembedding restricted to it (gathered once
+    here, not in every step; None otherwise)."""
 
     drafter: DFlashDrafter
     embed: Float[Array, "V D"]
     lm_head: Float[Array, "D V"] | None
+    draft_lm_head: Float[Array, "D Vd"] | None = None
+    # specjax.sharding's rule for the name not among a Transformer's: split over the vocabulary.
+    parameter_rules: ClassVar[dict[str, tuple[str | None, ...]]] = {"draft_lm_head": (None, MODEL)}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "pending", "num_pending"),
@@ -53,6 +62,7 @@ class DFlashState:
 @dataclasses.dataclass(frozen=True)
 class DFlashProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:dflash"
+    takes_draft_vocabulary: ClassVar[bool] = True
 
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> DFlashProposer:
@@ -81,8 +91,14 @@ class DFlashProposer(Proposer):
                 f"allowed 1..{block_size - 1} (block_size - 1)")
 
     def bind(self, params: DFlashDrafter, target: Transformer) -> DFlashParams:
-        return DFlashParams(drafter=params, embed=target.embed[...],
-                            lm_head=None if target.lm_head is None else target.lm_head[...])
+        embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
+        ids = params.draft_to_target
+        return DFlashParams(drafter=params, embed=embed, lm_head=lm_head,
+                            draft_lm_head=None if ids is None else restricted_unembedding(embed, lm_head, ids[...]))
+
+    @classmethod
+    def with_draft_vocabulary(cls, drafter: DFlashDrafter, ids) -> DFlashDrafter:
+        return with_draft_vocabulary(drafter, ids)
 
     def init(self, params: DFlashParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> DFlashState:
@@ -110,13 +126,23 @@ class DFlashProposer(Proposer):
         block = jnp.full((rows.shape[0], num_draft + 1), drafter.config.mask_token_id, jnp.int32)
         block = block.at[:, 0].set(context.tokens[rows, anchor_slot])
         hidden, cache = drafter(block, anchor_slot[:, None] + offsets, cache, params.embed)
-        logits = unembed(hidden[:, 1:], params.embed, params.lm_head, drafter.config.layer.jnp_dtype)  # [B, K, V]
+        logits = self.logits(params, hidden[:, 1:])  # [B, K, V]
         slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
         drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings), in_axes=(1, 1),
                                        out_axes=(1, 1))(logits, slot_keys)
         state = dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),  # the block's entries dropped
                                     num_pending=jnp.zeros_like(state.num_pending))
         return drafts, draft_probs, state
+
+    def logits(self, params: DFlashParams, hidden: Float[Array, "B K D"]) -> Float[Array, "B K V"]:
+        """The drafts' logits through the target's LM head; with a draft vocabulary (FR-Spec), through its
+        rows only, -inf at every other id."""
+        drafter = params.drafter
+        dtype = drafter.config.layer.jnp_dtype
+        if params.draft_lm_head is None:
+            return unembed(hidden, params.embed, params.lm_head, dtype)
+        draft = einsum_f32("bkd,dv->bkv", hidden.astype(dtype), params.draft_lm_head.astype(dtype))
+        return to_target_vocabulary(draft, drafter.draft_to_target[...], drafter.config.layer.vocab_size)
 
     def accept(self, state: DFlashState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> DFlashState:

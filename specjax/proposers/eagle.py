@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax import draft_tree
-from specjax.models.eagle import EagleHead, head_to_decoding_layout, load_eagle
+from specjax.models.eagle import EagleHead, head_to_decoding_layout, load_eagle, with_draft_vocabulary
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, register,
@@ -221,6 +221,11 @@ def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
 class Eagle1Proposer(EagleProposer):
     version: ClassVar[int] = 1
     default_drafter: ClassVar[str | None] = "default:eagle1"
+    takes_draft_vocabulary: ClassVar[bool] = True
+
+    @classmethod
+    def with_draft_vocabulary(cls, drafter: EagleHead, ids) -> EagleHead:
+        return with_draft_vocabulary(drafter, ids)
 
 
 @register("eagle3")
