@@ -170,8 +170,7 @@ def grow(root_scores: Float[Array, "B K"], root_tokens: Int[Array, "B K"], expan
         tokens, sees = child_tokens[rows, best], sees[rows, parent]
     candidate_tokens, candidate_scores, candidate_parents, candidate_slots = (
         jnp.concatenate(c, axis=1) for c in (candidate_tokens, candidate_scores, candidate_parents, candidate_slots))
-    _, kept = jax.lax.top_k(candidate_scores, total_tokens)
-    kept = -jax.lax.top_k(-kept, total_tokens)[0]  # in candidate order: parents first
+    _, kept = jax.lax.top_k(candidate_scores, total_tokens)  # any order: preorder below sorts them
     parent_candidate = candidate_parents[rows, kept]  # [B, N]
     is_parent = kept[:, None, :] == parent_candidate[:, :, None]  # [B, N, N]: node j is node i's parent
     parents = jnp.where(parent_candidate >= 0, jnp.argmax(is_parent, axis=2), -1).astype(jnp.int32)
