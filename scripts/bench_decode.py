@@ -277,7 +277,9 @@ def main():
                         (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
     if parallel > 1:
-        columns += [("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token"),
+        columns += [("ar_step_collectives", "AR collectives/step"),
+                    *((f"{method}_step_collectives", f"{method} collectives/step") for method in methods),
+                    ("greedy_equal_one_gpu", "greedy = 1 GPU"), ("first_difference", "first differing token"),
                     ("logit_gap_at_difference", "logit gap there")]
     meta = {**benchmarking.environment(), "shape": args.shape, "dtype": args.dtype,
             "target": dataclasses.asdict(target_config),
@@ -304,6 +306,13 @@ def main():
                 row["first_difference"] = min(d[0] for d in differing) - prompt_len if differing else None
                 row["logit_gap_at_difference"] = max(d[1] for d in differing) if differing else None
             ar_tok_s, t_prefill = tokens_per_s(autoregressive_run(target, cache_size), run_args, one_args)
+            if parallel > 1:  # what a step waits for: its collectives, counted in the compiled loops
+                for name, run in [("ar", autoregressive_run(target, cache_size)), *(
+                        (method, speculative_run(target, drafters[method], synthetic_spec(method, taus[0], num_draft,
+                                                                                          **tree), cache_size))
+                        for method in methods)]:
+                    compiled = jax.jit(run).lower(run_args).compile().as_text()
+                    row[f"{name}_step_collectives"] = sum(sharding.step_collectives(compiled).values())
             context = prompt_len + new_tokens / 2
             # Per GPU: each reads its 1 / parallel of the weights and of the KV heads.
             floor_bytes = (benchmarking.weight_bytes(target, target_config, batch)

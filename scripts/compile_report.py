@@ -1,5 +1,6 @@
 """Where the test suite's time goes: sums the JSON lines tests/conftest.py writes with
-SPECJAX_COMPILE_REPORT=FILE, by test file and by test, the most expensive first.
+SPECJAX_COMPILE_REPORT=FILE, by test file, by test and by jitted function (XLA seconds), the most
+expensive first.
 
     rm -rf /tmp/cold && SPECJAX_COMPILE_REPORT=/tmp/report.jsonl JAX_COMPILATION_CACHE_DIR=/tmp/cold \\
         .venv/bin/python -m pytest -n 2 -q tests
@@ -36,6 +37,14 @@ def main() -> None:
     print(header.format("test"))
     for record in sorted(records, key=lambda r: -r["wall_s"])[:args.top]:
         print(line.format(record["test"], *(record.get(key, 0) for key in keys)))
+    seconds, programs = collections.Counter(), collections.Counter()
+    for record in records:
+        for function, duration in record.get("xla_s_by_function", {}).items():
+            seconds[function] += duration
+            programs[function] += 1  # tests that compiled it (a test may compile it more than once)
+    print("\n| jitted function | XLA compile s | tests compiling it |\n|---|---|---|")
+    for function, duration in seconds.most_common(args.top):
+        print(f"| {function} | {duration:.0f} | {programs[function]} |")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ one program. The same program serves one device, one host with several, and seve
 from __future__ import annotations
 
 import os
+import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -135,6 +137,81 @@ def constrain(x, spec: PartitionSpec):
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, fit_spec(spec, x.shape, dict(mesh.shape)))
+
+
+def vocabulary_argmax(scores: jax.Array) -> jax.Array:
+    """jnp.argmax over the last (vocabulary) axis, as int32, for use inside jit. On a mesh whose model
+    axis splits that axis (logits from the vocabulary-parallel LM head), each shard takes its own best
+    and the shards swap (value, index) pairs in one all-gather; XLA's own partitioning of argmax
+    gathers the values and the indices separately, two collectives where latency counts most
+    (docs/multi-device.md). Ties go to the lowest index, as jnp.argmax's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else dict(mesh.shape).get(MODEL, 1)
+    if shards == 1 or scores.shape[-1] % shards:
+        return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    spec = fit_spec(PartitionSpec(DATA, *[None] * (scores.ndim - 2), MODEL), scores.shape, dict(mesh.shape))
+    shard_size = scores.shape[-1] // shards
+
+    def per_shard(block):
+        index = jnp.argmax(block, axis=-1).astype(jnp.int32)
+        value = jnp.max(block, axis=-1).astype(jnp.float32)
+        pairs = jax.lax.all_gather(jnp.stack([value, jax.lax.bitcast_convert_type(index, jnp.float32)]), MODEL)
+        best = jnp.argmax(pairs[:, 0], axis=0)  # [M, 2, ...] -> the first shard holding the maximum
+        local = jnp.take_along_axis(pairs[:, 1], best[None], axis=0)[0]
+        return jax.lax.bitcast_convert_type(local, jnp.int32) + best.astype(jnp.int32) * shard_size
+
+    # Every model shard computes the same choice from the same gathered pairs (not inferred by JAX).
+    return jax.shard_map(per_shard, in_specs=spec, out_specs=PartitionSpec(*spec[:-1]), check_vma=False)(scores)
+
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_CALLED = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+                     r"|branch_computations=\{([^}]*)\}")
+_COLLECTIVE = re.compile(r"= [^=]* (" + "|".join(COLLECTIVE_OPS) + r")(?:-start)?\(")
+
+
+def step_collectives(compiled_hlo: str) -> dict[str, int]:
+    """Collectives in one step of a compiled decoding loop: the ops in the body of its outermost
+    `while` and every computation it calls, by kind (`all-reduce`: n, ...).
+    A collective inside a nested loop (e.g. K drafting steps) counts once. `compiled_hlo` is
+    `jitted.lower(...).compile().as_text()`, compiled for a mesh."""
+    computations, name = {}, None
+    for line in compiled_hlo.splitlines():
+        match = _COMPUTATION.match(line)
+        if match:
+            name = match.group(1)
+            computations[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            computations[name].append(line)
+
+    def called(lines):
+        for line in lines:
+            for single, group in _CALLED.findall(line):
+                yield from ([single] if single else [c.strip().lstrip("%") for c in group.split(",")])
+
+    def count(root):
+        counts, seen, todo = dict.fromkeys(COLLECTIVE_OPS, 0), set(), [root]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in computations:
+                continue
+            seen.add(name)
+            for line in computations[name]:
+                op = _COLLECTIVE.search(line)
+                if op:
+                    counts[op.group(1)] += 1
+            todo.extend(called(computations[name]))
+        return counts
+
+    bodies = [re.search(r"body=%?([\w.\-]+)", line).group(1) for lines in computations.values() for line in lines
+              if " while(" in line]
+    if not bodies:
+        raise ValueError("step_collectives: the compiled program has no while loop")
+    # The outermost loop's body calls every nested one: it has the most.
+    return max((count(body) for body in bodies), key=lambda counts: sum(counts.values()))
 
 
 def _names(path) -> tuple[str, ...]:

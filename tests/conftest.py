@@ -110,13 +110,16 @@ COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
                   "/jax/core/compile/backend_compile_duration": "compile_s"}
 COMPILE_REPORT = os.environ.get("SPECJAX_COMPILE_REPORT")
 compile_totals: dict = {}
+compile_by_function: dict = {}  # XLA seconds per compiled function's name
 
 
-def record_compile_event(event: str, duration: float, **_) -> None:
+def record_compile_event(event: str, duration: float, fun_name: str = "?", **_) -> None:
     if event in COMPILE_EVENTS:
         totals = compile_totals.setdefault(COMPILE_EVENTS[event], [0, 0.0])
         totals[0] += 1
         totals[1] += duration
+        if COMPILE_EVENTS[event] == "compile_s":
+            compile_by_function[fun_name] = round(compile_by_function.get(fun_name, 0.0) + duration, 3)
 
 
 if COMPILE_REPORT:
@@ -128,11 +131,13 @@ if COMPILE_REPORT:
         import time
 
         compile_totals.clear()
+        compile_by_function.clear()
         start = time.perf_counter()
         yield
         record = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3),
                   "programs": compile_totals.get("compile_s", [0, 0.0])[0],
-                  **{name: round(total, 3) for name, (_, total) in compile_totals.items()}}
+                  **{name: round(total, 3) for name, (_, total) in compile_totals.items()},
+                  "xla_s_by_function": dict(compile_by_function)}
         with open(COMPILE_REPORT, "a") as out:
             out.write(json.dumps(record) + "\n")
 

@@ -245,6 +245,38 @@ def test_the_compiled_loops_all_reduce_activations_and_never_gather_weights(mode
         assert (rows_per_shard, width, TARGET.hidden_size) in collectives(text, "all-reduce"), name
 
 
+@pytest.mark.parametrize("mesh_shape, shape", [((1, 2), (3, 256)), ((2, 4), (4, 5, 256)), ((2, 4), (3, 250))])
+def test_the_vocabulary_argmax_is_jnps_in_one_all_gather(mesh_shape, shape):
+    """Ties everywhere (integer scores): the lowest index wins, as jnp.argmax's; 250 ids do not split 4 ways
+    (jnp.argmax itself, nothing gathered)."""
+    scores = np.random.default_rng(0).integers(0, 5, shape).astype(np.float32)
+    mesh = sharding.make_mesh(*mesh_shape)
+    with jax.set_mesh(mesh):
+        placed = sharding.put(scores, mesh, PartitionSpec(sharding.DATA, *[None] * (len(shape) - 2), sharding.MODEL))
+        got = jax.jit(sharding.vocabulary_argmax)(placed)
+        text = compiled_text(jax.jit(sharding.vocabulary_argmax).lower(placed))
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(scores, axis=-1))
+    assert len(collectives(text, "all-gather")) == (shape[-1] % mesh_shape[1] == 0)
+    assert not collectives(text, "all-reduce")
+
+
+def test_a_greedy_decode_step_makes_two_all_reduces_a_layer_one_for_the_embedding_and_one_all_gather(models,
+                                                                                                      prompts):
+    """The per-step collectives of the compiled loop (model axis 2, the decoding layout's unrolled layers):
+    the row-parallel attention and MLP outputs, the vocabulary-parallel embedding's rows, and the greedy
+    choice's (value, index) pairs (sharding.vocabulary_argmax; XLA's own argmax gathers twice)."""
+    mesh = sharding.make_mesh(1, 2)
+    target = to_decoding_layout(models["target"], model_shards=2)
+    request = pad_request(target, prompts, 8, 0, None, 4)
+    args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+    with jax.set_mesh(mesh):
+        text = compiled_text(decode_loop.lower(sharding.shard(target, mesh), *sharding.put(args, mesh),
+                                               sampling=GREEDY, eos_token_ids=(), cache_size=request.cache_size))
+    counts = {op: n for op, n in sharding.step_collectives(text).items() if n}
+    assert counts == {"all-reduce": 2 * TARGET.num_layers + 1, "all-gather": 1}
+
+
 def test_runs_and_generate_take_a_mesh_from_the_command_line(tmp_path, capsys):
     import yaml
 

@@ -25,6 +25,7 @@ from specjax.models.transformer import Transformer, for_decoding
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
                                     register)
 from specjax.proposers.heterogeneous import HeterogeneousDraft
+from specjax.sharding import vocabulary_argmax
 from specjax.verify.sampling import processed_logits, processed_probs
 
 
@@ -40,7 +41,7 @@ class DraftModelState:
 def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings):
     """The next draft token per row and, for probabilistic drafting, its processed distribution."""
     if settings.sampling.is_greedy or settings.spec.draft_sample_method == "greedy":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return vocabulary_argmax(logits), None
     probs = processed_probs(logits, settings.sampling)
     tokens = jax.vmap(jax.random.categorical)(keys, processed_logits(logits, settings.sampling))
     return tokens.astype(jnp.int32), probs

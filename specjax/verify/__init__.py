@@ -13,9 +13,9 @@ import functools
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from specjax.config import SamplingConfig, SpecConfig, require
+from specjax.sharding import vocabulary_argmax
 from specjax.verify import block, greedy, standard, synthetic, tree
 from specjax.verify.common import from_draws
 
@@ -74,7 +74,7 @@ def tree_verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
     name = verifier_name(spec, sampling)
     if name == "greedy":
         return lambda logits, tokens, parents, draft_probs, keys: tree.verify_tree_greedy(
-            jnp.argmax(logits, axis=-1), tokens, parents)
+            vocabulary_argmax(logits), tokens, parents)
     if name == "synthetic":
         return functools.partial(tree.verify_tree_synthetic, rates=spec.synthetic_rates)
     return tree.verify_tree

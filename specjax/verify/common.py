@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax.sharding import vocabulary_argmax
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("uniforms", "exponentials"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,7 @@ def race_sample(weights: Float[Array, "B V"], exponentials: Float[Array, "B V"])
     picks, so a zero-weight token could win. Zero weights therefore score -1 and never win (a row
     whose weights are all zero, possible only through rounding, takes token 0)."""
     scores = jnp.where(weights > 0, weights / exponentials, -1.0)
-    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    return vocabulary_argmax(scores)
 
 
 def token_probs(probs: Float[Array, "B K V"], tokens: Int[Array, "B K"]) -> Float[Array, "B K"]:

@@ -4,13 +4,13 @@ target's scores only through an argmax, so logits serve as well as probabilities
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from specjax.sharding import vocabulary_argmax
 from specjax.verify.common import gather_position, leading_true
 
 
 def verify(target_probs: Float[Array, "B K1 V"], draft_tokens: Int[Array, "B K"], draft_probs=None, keys=None):
-    target_tokens = jnp.argmax(target_probs, axis=-1).astype(jnp.int32)  # [B, K + 1]
+    target_tokens = vocabulary_argmax(target_probs)  # [B, K + 1]
     num_accepted = leading_true(draft_tokens == target_tokens[:, :-1])
     return num_accepted, gather_position(target_tokens, num_accepted)

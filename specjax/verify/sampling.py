@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax.config import SamplingConfig
+from specjax.sharding import vocabulary_argmax
 
 
 def processed_logits(logits: Float[Array, "... V"], sampling: SamplingConfig) -> Float[Array, "... V"]:
@@ -44,13 +45,13 @@ def processed_logits(logits: Float[Array, "... V"], sampling: SamplingConfig) ->
 def processed_probs(logits: Float[Array, "... V"], sampling: SamplingConfig) -> Float[Array, "... V"]:
     """The processed distribution; one-hot at the argmax when greedy."""
     if sampling.is_greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(vocabulary_argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jax.nn.softmax(processed_logits(logits, sampling), axis=-1)
 
 
 def sample(logits: Float[Array, "B V"], keys: PRNGKeyArray, sampling: SamplingConfig) -> Int[Array, " B"]:
     """One token per row from the processed distribution, row b drawing with its own key keys[b]."""
     if sampling.is_greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return vocabulary_argmax(logits)
     filtered = processed_logits(logits, sampling)
     return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
