@@ -8,7 +8,7 @@ import pytest
 from conftest import chi_square_pvalue
 
 from specjax.config import ConfigError, SamplingConfig
-from specjax.verify.sampling import processed_probs, sample
+from specjax.verify.sampling import categorical, processed_probs, sample
 
 LOGITS = np.array([2.0, 1.5, 1.5, 0.3, -0.2, -1.0, 0.9, -3.0], np.float32)
 NUM_SAMPLES = 200_000
@@ -90,3 +90,13 @@ def test_one_seed_reproduces_the_same_draws():
 def test_bad_sampling_values_name_the_field(field, value, allowed):
     with pytest.raises(ConfigError, match=rf"SamplingConfig.{field} = {value!r} is invalid: allowed {allowed}"):
         SamplingConfig(**{field: value})
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_categorical_draws_what_jax_random_categorical_draws(dtype):
+    """The Gumbel-max draw whose argmax sharding.vocabulary_argmax takes: the same tokens bit for bit, so
+    seeds give the tokens they gave through jax.random.categorical."""
+    keys = jax.random.split(jax.random.key(3), 2048)
+    logits = (3 * jax.random.normal(jax.random.key(1), (2048, 300))).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(categorical(keys, logits)),
+                                  np.asarray(jax.vmap(jax.random.categorical)(keys, logits)))

@@ -260,11 +260,13 @@ def test_the_vocabulary_argmax_is_jnps_in_one_all_gather(mesh_shape, shape):
     assert not collectives(text, "all-reduce")
 
 
-def test_a_greedy_decode_step_makes_two_all_reduces_a_layer_one_for_the_embedding_and_one_all_gather(models,
-                                                                                                      prompts):
+@pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "T1"])
+def test_a_decode_step_makes_two_all_reduces_a_layer_one_for_the_embedding_and_one_all_gather(models, prompts,
+                                                                                              sampling):
     """The per-step collectives of the compiled loop (model axis 2, the decoding layout's unrolled layers):
-    the row-parallel attention and MLP outputs, the vocabulary-parallel embedding's rows, and the greedy
-    choice's (value, index) pairs (sharding.vocabulary_argmax; XLA's own argmax gathers twice)."""
+    the row-parallel attention and MLP outputs, the vocabulary-parallel embedding's rows, and the token's
+    choice as (value, index) pairs (sharding.vocabulary_argmax, also under the Gumbel-max draw of
+    sampling.categorical; XLA's own argmax gathers twice)."""
     mesh = sharding.make_mesh(1, 2)
     target = to_decoding_layout(models["target"], model_shards=2)
     request = pad_request(target, prompts, 8, 0, None, 4)
@@ -272,7 +274,7 @@ def test_a_greedy_decode_step_makes_two_all_reduces_a_layer_one_for_the_embeddin
             jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
     with jax.set_mesh(mesh):
         text = compiled_text(decode_loop.lower(sharding.shard(target, mesh), *sharding.put(args, mesh),
-                                               sampling=GREEDY, eos_token_ids=(), cache_size=request.cache_size))
+                                               sampling=sampling, eos_token_ids=(), cache_size=request.cache_size))
     counts = {op: n for op, n in sharding.step_collectives(text).items() if n}
     assert counts == {"all-reduce": 2 * TARGET.num_layers + 1, "all-gather": 1}
 

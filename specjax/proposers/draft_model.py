@@ -26,7 +26,7 @@ from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetO
                                     register)
 from specjax.proposers.heterogeneous import HeterogeneousDraft
 from specjax.sharding import vocabulary_argmax
-from specjax.verify.sampling import processed_logits, processed_probs
+from specjax.verify.sampling import categorical, processed_logits, processed_probs
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots"), meta_fields=())
@@ -43,8 +43,7 @@ def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings:
     if settings.sampling.is_greedy or settings.spec.draft_sample_method == "greedy":
         return vocabulary_argmax(logits), None
     probs = processed_probs(logits, settings.sampling)
-    tokens = jax.vmap(jax.random.categorical)(keys, processed_logits(logits, settings.sampling))
-    return tokens.astype(jnp.int32), probs
+    return categorical(keys, processed_logits(logits, settings.sampling)), probs
 
 
 @register("draft_model")

@@ -49,9 +49,16 @@ def processed_probs(logits: Float[Array, "... V"], sampling: SamplingConfig) -> 
     return jax.nn.softmax(processed_logits(logits, sampling), axis=-1)
 
 
+def categorical(keys: PRNGKeyArray, logits: Float[Array, "B V"]) -> Int[Array, " B"]:
+    """jax.vmap(jax.random.categorical)(keys, logits), the same tokens bit for bit (the Gumbel-max
+    construction jax.random.categorical uses), with the argmax taken by sharding.vocabulary_argmax:
+    one collective, not two, when the vocabulary is split over a mesh."""
+    noise = jax.vmap(lambda key, row: jax.random.gumbel(key, row.shape, row.dtype))(keys, logits)
+    return vocabulary_argmax(noise + logits)
+
+
 def sample(logits: Float[Array, "B V"], keys: PRNGKeyArray, sampling: SamplingConfig) -> Int[Array, " B"]:
     """One token per row from the processed distribution, row b drawing with its own key keys[b]."""
     if sampling.is_greedy:
         return vocabulary_argmax(logits)
-    filtered = processed_logits(logits, sampling)
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return categorical(keys, processed_logits(logits, sampling))
