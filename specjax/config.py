@@ -165,6 +165,8 @@ class SamplingConfig:
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 VERIFY_IMPLS = ("auto", "pallas", "xla")
+# The dynamic tree sizes `SpecConfig.total_tokens: auto` chooses from (specjax.tree_size).
+AUTO_TREE_SIZES = (8, 16, 24, 32, 48, 64)
 # Trees are verified by recursive rejection sampling (specjax.verify.tree), or in the benchmark mode.
 TREE_REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 
@@ -230,6 +232,9 @@ class SpecConfig:
       num_speculative_tokens depths; the total_tokens candidates of highest path probability are kept,
       parents before children. Drafts are each node's top-k (deterministic: q = 1 to the verifier, as
       EAGLE's rule). Both or neither; not with speculative_token_tree. Drafters: 'eagle', 'eagle3', 'draft_model'.
+      total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and top_k can fill) that
+      `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
+      calibration run (specjax.tree_size); the cache has room for the largest.
     """
 
     method: str = "draft_model"
@@ -244,12 +249,21 @@ class SpecConfig:
     kv_cache_dtype: str | None = None
     verify_impl: str = "auto"
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
-    total_tokens: int | None = None
+    total_tokens: int | str | None = None
     top_k: int | None = None
 
     @property
+    def auto_tree_sizes(self) -> tuple[int, ...]:
+        """The sizes `total_tokens: auto` chooses from: those of AUTO_TREE_SIZES that top_k over the depth
+        fills (top_k + (depth - 1) * top_k^2 candidates), or that number alone when none fits."""
+        most = self.top_k + (self.num_speculative_tokens - 1) * self.top_k ** 2
+        return tuple(size for size in AUTO_TREE_SIZES if size <= most) or (most,)
+
+    @property
     def num_draft_nodes(self) -> int:
-        """Drafts scored per step: the tree's nodes, or K for a chain."""
+        """Drafts scored per step: the tree's nodes (the largest size `auto` may choose), or K for a chain."""
+        if self.total_tokens == "auto":
+            return self.auto_tree_sizes[-1]
         if self.total_tokens is not None:
             return self.total_tokens
         return self.num_speculative_tokens if self.speculative_token_tree is None else len(self.speculative_token_tree)
@@ -272,11 +286,15 @@ class SpecConfig:
             raise ConfigError(f"SpecConfig.total_tokens = {self.total_tokens!r} and top_k = {self.top_k!r}: allowed "
                               "both (a dynamic draft tree) or neither")
         if self.total_tokens is not None:
-            require_positive_ints(self, "total_tokens", "top_k")
+            require_positive_ints(self, "top_k")
+            if self.total_tokens != "auto":
+                require(isinstance(self.total_tokens, int) and not isinstance(self.total_tokens, bool)
+                        and self.total_tokens > 0, "SpecConfig", "total_tokens", self.total_tokens,
+                        "a positive integer or 'auto'")
             require(self.speculative_token_tree is None, "SpecConfig", "total_tokens", self.total_tokens,
                     "None with speculative_token_tree (a tree is static or dynamic, not both)")
             candidates = self.top_k + (k - 1) * self.top_k ** 2
-            require(self.total_tokens <= candidates, "SpecConfig", "total_tokens", self.total_tokens,
+            require(self.num_draft_nodes <= candidates, "SpecConfig", "total_tokens", self.total_tokens,
                     f"at most the {candidates} candidates that top_k {self.top_k} over num_speculative_tokens {k} "
                     "depths makes (top_k + (depth - 1) * top_k^2)")
             require(self.rejection_sample_method in TREE_REJECTION_SAMPLE_METHODS, "SpecConfig",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 from typing import Any, Sequence
 
 import jax
@@ -27,7 +28,7 @@ from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
-from specjax import draft_tree, sharding
+from specjax import draft_tree, sharding, tree_size
 from specjax.sharding import BATCH, constrain
 from specjax.verify import tree_verifier_for, verifier_for, verifier_name
 from specjax.verify.sampling import processed_probs, sample
@@ -228,6 +229,7 @@ class GenerationResult:
     num_generated: np.ndarray  # [B]
     stopped_by_eos: np.ndarray  # [B] bool
     metrics: AcceptanceMetrics | None = None  # speculative decoding only
+    tree_size_choice: tree_size.TreeSizeChoice | None = None  # what total_tokens 'auto' chose, and why
 
     def sequences(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.num_generated)]
@@ -342,15 +344,67 @@ def generate(
             return _result(state, request, eos_token_ids)
         if verifier_name(spec, sampling) == "greedy":  # every lossless verifier: one program at T = 0
             spec = dataclasses.replace(spec, rejection_sample_method="standard", verify_impl="auto")
-        proposer = build_proposer(spec, sampling, request.cache_size, drafter)
-        proposer.check(drafter, model.config)
-        draft_params = proposer.bind(drafter, model)
-        if mesh is not None:
-            draft_params = sharding.shard(draft_params, mesh)
-        state = speculative_loop(model, draft_params, *args, proposer=proposer, eos_token_ids=eos_token_ids,
-                                 cache_dtype=cache_dtype, gather_logits=gather_logits)
+        run = functools.partial(run_speculative, model, drafter, args, cache_size=request.cache_size,
+                                sampling=sampling, mesh=mesh, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype,
+                                gather_logits=gather_logits)
+        choice = None
+        if spec.total_tokens == "auto":
+            choice = choose_tree_size(run, model, spec, request.batch_size)
+            spec = dataclasses.replace(spec, total_tokens=choice.total_tokens)
+        state, _ = run(spec)
     metrics = AcceptanceMetrics.from_counters(state.counters, request.batch_size)
-    return dataclasses.replace(_result(state.decode, request, eos_token_ids), metrics=metrics)
+    return dataclasses.replace(_result(state.decode, request, eos_token_ids), metrics=metrics, tree_size_choice=choice)
+
+
+def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecConfig, *, cache_size: int,
+                    sampling: SamplingConfig = SamplingConfig(), mesh: Mesh | None = None,
+                    eos_token_ids: tuple[int, ...] = (), cache_dtype: str | None = None, gather_logits: bool = False,
+                    max_new_tokens: int | None = None) -> tuple[SpecState, Proposer]:
+    """(the speculative loop's final SpecState, its proposer) for a padded request's device arrays
+    args = (tokens, lengths, budgets, keys), each row's budget capped at max_new_tokens when given; the
+    model (and args) already placed on the mesh when one is given. generate's speculative path."""
+    proposer = build_proposer(spec, sampling, cache_size, drafter)
+    proposer.check(drafter, model.config)
+    draft_params = proposer.bind(drafter, model)
+    if mesh is not None:
+        draft_params = sharding.shard(draft_params, mesh)
+    tokens, lengths, budgets, keys = args
+    if max_new_tokens is not None:
+        budgets = jnp.minimum(budgets, max_new_tokens)
+    state = speculative_loop(model, draft_params, tokens, lengths, budgets, keys, proposer=proposer,
+                             eos_token_ids=eos_token_ids, cache_dtype=cache_dtype, gather_logits=gather_logits)
+    return state, proposer
+
+
+def choose_tree_size(run, model: Transformer, spec: SpecConfig, batch: int) -> tree_size.TreeSizeChoice:
+    """total_tokens 'auto' (specjax.tree_size): calibration runs of the request at the smallest and the
+    largest candidate size (each the fastest of REPEATS runs of CALIBRATION_TOKENS tokens a row, less the
+    fastest of one token a row, so that neither the prefill nor the compile counts), the largest tree's drafts' confidences and measured acceptance,
+    and the target's forward timed at every candidate size. run(spec, max_new_tokens=n) -> (SpecState,
+    proposer), as generate's."""
+    sizes = spec.auto_tree_sizes
+
+    def calibrate(size):
+        def timed(max_new_tokens):
+            start = time.perf_counter()
+            state, proposer = run(dataclasses.replace(spec, total_tokens=size), max_new_tokens=max_new_tokens)
+            return jax.block_until_ready(state), proposer, time.perf_counter() - start
+
+        timed(1)  # compiles
+        # The first run of each budget is slower (allocation): the fastest of a few runs counts.
+        short, _, short_s = min((timed(1) for _ in range(tree_size.REPEATS)), key=lambda run: run[2])
+        state, proposer, long_s = min((timed(tree_size.CALIBRATION_TOKENS) for _ in range(tree_size.REPEATS)),
+                                      key=lambda run: run[2])
+        steps = int(state.counters.steps.max()) - int(short.counters.steps.max())
+        return state, proposer, (long_s - short_s) / max(steps, 1)
+
+    state, proposer, largest_step_s = calibrate(sizes[-1])
+    measured = AcceptanceMetrics.from_counters(state.counters, batch).summary()["mean_acceptance_length"]
+    log_probs = np.asarray(sharding.to_host(proposer.tree_log_probs(state.proposer)))[:batch]
+    acceptance = tree_size.estimated_acceptance(log_probs, sizes, measured)
+    verify_s = tree_size.verify_seconds(model, state.decode.cache, sizes)
+    smallest_step_s = calibrate(sizes[0])[2] if len(sizes) > 1 else largest_step_s
+    return tree_size.choose(sizes, acceptance, verify_s, (smallest_step_s, largest_step_s), batch)
 
 
 def _result(state: DecodeState, request: PaddedBatch, eos_token_ids: tuple[int, ...]) -> GenerationResult:

@@ -140,8 +140,10 @@ def grow(root_scores: Float[Array, "B K"], root_tokens: Int[Array, "B K"], expan
     the draft slots marked in sees[:, j] (its ancestors and itself; M = (depth - 1) * k), and returns its
     children's log-probabilities and ids, best first.
 
-    Returns (tokens[B, N], parents[B, N], slots[B, N], carry) in depth-first preorder, children by rank (the
-    most likely path at nodes 0, 1, ...): slots[b, i] is node i's draft slot, -1 for a node never run."""
+    Returns (tokens[B, N], parents[B, N], slots[B, N], log_probs[B, N], carry): the first three in depth-first
+    preorder, children by rank (the most likely path at nodes 0, 1, ...), slots[b, i] node i's draft slot (-1
+    for a node never run); log_probs the kept nodes' path log-probabilities, highest first, so that
+    log_probs[:, :n] are those of the tree of n nodes (specjax.tree_size estimates acceptance from them)."""
     batch, top_k = root_tokens.shape
     rows = jnp.arange(batch)[:, None]
     frontier_slots = jnp.arange(top_k, dtype=jnp.int32)
@@ -170,7 +172,7 @@ def grow(root_scores: Float[Array, "B K"], root_tokens: Int[Array, "B K"], expan
         tokens, sees = child_tokens[rows, best], sees[rows, parent]
     candidate_tokens, candidate_scores, candidate_parents, candidate_slots = (
         jnp.concatenate(c, axis=1) for c in (candidate_tokens, candidate_scores, candidate_parents, candidate_slots))
-    _, kept = jax.lax.top_k(candidate_scores, total_tokens)  # any order: preorder below sorts them
+    log_probs, kept = jax.lax.top_k(candidate_scores, total_tokens)  # preorder below sorts the nodes
     parent_candidate = candidate_parents[rows, kept]  # [B, N]
     is_parent = kept[:, None, :] == parent_candidate[:, :, None]  # [B, N, N]: node j is node i's parent
     parents = jnp.where(parent_candidate >= 0, jnp.argmax(is_parent, axis=2), -1).astype(jnp.int32)
@@ -179,4 +181,4 @@ def grow(root_scores: Float[Array, "B K"], root_tokens: Int[Array, "B K"], expan
     ranks = jnp.concatenate([jnp.arange(top_k)] + [jnp.tile(jnp.arange(top_k), top_k)] * (depth - 1))
     order = preorder(parents, ranks[kept], depth)
     tokens, parents = permute(candidate_tokens[rows, kept], parents, order)
-    return tokens, parents, candidate_slots[rows, kept][rows, order], carry
+    return tokens, parents, candidate_slots[rows, kept][rows, order], log_probs, carry

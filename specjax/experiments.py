@@ -212,11 +212,21 @@ class Runner:
             vocab = target.config.vocab_size
             ids = draft_vocabulary(self._samples[sample_key], vocab, min(config.draft_vocab_size, vocab))
             drafter = proposer_class(config.spec.method).with_draft_vocabulary(drafter, ids)
-        result, spec_seconds = self._timed(precision, **common, spec=config.spec, drafter=drafter)
+        spec, choice = config.spec, None
+        if spec.total_tokens == "auto":  # chosen once, untimed; the chosen size is timed
+            from specjax.decoding import generate
+
+            with jax.default_matmul_precision(precision):
+                choice = generate(**common, spec=spec, drafter=drafter).tree_size_choice
+            spec = dataclasses.replace(spec, total_tokens=choice.total_tokens)
+        result, spec_seconds = self._timed(precision, **common, spec=spec, drafter=drafter)
         summary = result.metrics.summary()
         greedy = config.sampling.is_greedy
         return {
             **point_fields(config),
+            **({} if choice is None else {"tree_nodes": choice.total_tokens, "tree_size_auto": {
+                "sizes": choice.sizes, "estimated_acceptance": choice.acceptance, "verify_s": choice.verify_s,
+                "rest_s": choice.rest_s, "predicted_tokens_per_s": choice.predicted_tok_s}}),
             "mean_acceptance_length": summary["mean_acceptance_length"],
             "acceptance_rate": summary["acceptance_rate"],
             "per_position_acceptance": summary["per_position_acceptance"],
@@ -245,7 +255,8 @@ def point_fields(config: RunConfig) -> dict:
 def drafter_name(row: dict) -> str:
     """The method, with its draft vocabulary's size (FR-Spec) and its draft tree's nodes when set."""
     size, nodes, top_k = row.get("draft_vocab_size"), row.get("tree_nodes"), row.get("tree_top_k")
-    tree = "" if nodes is None else f" ({nodes}-node tree{'' if top_k is None else f', top-{top_k}'})"
+    auto = "auto: " if row.get("tree_size_auto") else ""
+    tree = "" if nodes is None else f" ({auto}{nodes}-node tree{'' if top_k is None else f', top-{top_k}'})"
     return "".join([row["method"], "" if size is None else f" ({size} ids)", tree])
 
 
@@ -419,7 +430,10 @@ def plot_tree_sizes(rows: list[dict], temperatures: list[float], out: Path, plt)
         for row in rows:
             if row["temperature"] == temperature:
                 key = (row["method"], row["rejection_sample_method"], row["K"])
-                if row.get("tree_nodes") is None:
+                if row.get("tree_size_auto"):  # a star at the size total_tokens 'auto' picked
+                    ax.plot(row["tree_nodes"], row["mean_acceptance_length"], marker="*", markersize=12,
+                            linestyle="none", color="black", label=f"{row['method']}, auto")
+                elif row.get("tree_nodes") is None:
                     chains[key] = row
                 else:
                     lines.setdefault((*key, row.get("tree_top_k") or 0), []).append(row)

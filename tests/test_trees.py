@@ -12,6 +12,7 @@ import pytest
 from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, exact_joint, head_for, medusa_for,
                       speculative_joint_counts, target_and_drafts, tiny_pair)
 
+from specjax import tree_size
 from specjax import verify as verify_registry
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
@@ -261,7 +262,9 @@ def test_a_dynamic_tree_drafts_each_nodes_top_k_as_the_head_computes_it_along_th
      r"draft_sample_method .* 'greedy' with a dynamic"),
     (dict(total_tokens=4, top_k=2, rejection_sample_method="block"), r"rejection_sample_method .* with a dynamic tree"),
     (dict(total_tokens=4, top_k=2, speculative_token_tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))),
-     r"total_tokens = 4 is invalid: allowed None with speculative_token_tree")])
+     r"total_tokens = 4 is invalid: allowed None with speculative_token_tree"),
+    (dict(total_tokens="big", top_k=2), r"total_tokens = 'big' is invalid: allowed a positive integer or 'auto'"),
+    (dict(total_tokens=0, top_k=2), r"total_tokens = 0 is invalid: allowed a positive integer or 'auto'")])
 def test_a_malformed_dynamic_tree_is_a_config_error_naming_the_field(options, message):
     with pytest.raises(ConfigError, match=message):
         SpecConfig(method="eagle", num_speculative_tokens=4, **options)
@@ -293,3 +296,41 @@ def test_synthetic_acceptance_of_a_tree_accepts_the_first_ranked_path_to_the_set
     result = generate(target, [[3, 9, 27], [5, 1, 4, 4, 2]], max_new_tokens=[31, 13], spec=spec, drafter=drafter)
     assert result.metrics.summary()["length_histogram"] == [0, 0, 14, 0]  # (31 - 1) / 3 + (13 - 1) / 3 steps
     assert result.num_generated.tolist() == [31, 13]
+
+
+def test_auto_tree_sizes_are_those_the_depth_and_top_k_fill_and_the_cache_has_room_for_the_largest():
+    assert SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens="auto", top_k=3).auto_tree_sizes == (8, 16)
+    spec = SpecConfig(method="eagle", num_speculative_tokens=6, total_tokens="auto", top_k=8)
+    assert spec.auto_tree_sizes == (8, 16, 24, 32, 48, 64) and spec.num_draft_nodes == 64
+    assert SpecConfig(method="eagle", num_speculative_tokens=2, total_tokens="auto", top_k=2).auto_tree_sizes == (6,)
+
+
+def test_the_tree_size_of_highest_predicted_rate_is_chosen():
+    """tau / (T_verify + T_rest), T_rest the step less its T_verify at both ends (0.5 at 8 nodes, 1.0 at 32),
+    linear between (0.666.. at 16): 2 / 1.5, 3 / 1.866.., 3.5 / 3."""
+    choice = tree_size.choose((8, 16, 32), (2.0, 3.0, 3.5), (1.0, 1.2, 2.0), step_s=(1.5, 3.0), batch=2)
+    assert choice.total_tokens == 16
+    np.testing.assert_allclose(choice.rest_s, (0.5, 0.5 + 0.5 / 3, 1.0))
+    np.testing.assert_allclose(choice.predicted_tok_s, (2 * 2 / 1.5, 2 * 3 / (1.2 + 0.5 + 0.5 / 3), 2 * 3.5 / 3))
+    assert "| **16** | 3.00 | 1200.00 | 666.67 |" in choice.table()
+
+
+def test_estimated_acceptance_sums_the_best_nodes_confidences_scaled_to_the_measured_length():
+    """Rows [0.5, 0.25, 0.25] and [0.5, 0.5, 0]: 1 + cumulative mean = 1.5, 1.875, 2; measured 3 at 3 nodes
+    doubles every gain over 1."""
+    log_probs = np.log(np.array([[0.5, 0.25, 0.25], [0.5, 0.5, 1e-30]]))
+    np.testing.assert_allclose(tree_size.estimated_acceptance(log_probs, (1, 2, 3), measured=3.0), (2.0, 2.75, 3.0))
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+def test_total_tokens_auto_chooses_a_size_and_its_output_is_the_autoregressive_one(method):
+    """The calibration (at the largest of 8 and 16 nodes) and the choice; greedy output = autoregressive."""
+    target, drafts = target_and_drafts()
+    prompts, budgets = REQUESTS["ragged16"]()
+    spec = SpecConfig(method=method, num_speculative_tokens=3, total_tokens="auto", top_k=3)
+    drafter = head_for("eagle") if method == "eagle" else drafts["perturbed"]
+    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], spec=spec, drafter=drafter)
+    assert result.sequences() == autoregressive_outputs("ragged16").sequences()
+    choice = result.tree_size_choice
+    assert choice.sizes == (8, 16) and choice.total_tokens in choice.sizes and choice.batch == 16
+    assert all(t > 0 for t in choice.verify_s) and 1.0 <= choice.acceptance[0] <= choice.acceptance[1]

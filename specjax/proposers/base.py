@@ -146,6 +146,11 @@ class Proposer:
                target_out: TargetOutput) -> Any:
         raise NotImplementedError
 
+    def tree_log_probs(self, state: Any) -> Float[Array, "B N"] | None:
+        """A drafter of dynamic trees: the path log-probabilities of the last tree's nodes, highest first
+        (draft_tree.grow), from which specjax.tree_size estimates acceptance; None otherwise."""
+        return None
+
     def tree_parents(self, state: Any, batch: int) -> Int[Array, "B N"] | None:
         """The parent of each node the last propose drafted (specjax.draft_tree), None for a chain: a
         static tree's from the config; a drafter of dynamic trees returns those it kept in its state."""

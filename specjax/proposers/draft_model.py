@@ -29,13 +29,15 @@ from specjax.sharding import vocabulary_argmax
 from specjax.verify.sampling import categorical, processed_logits, processed_probs
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots", "tree_log_probs"),
+                   meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class DraftModelState:
     cache: KVCache
     # A dynamic tree's: each node's parent, and its draft-cache slot after the root's (-1: never run).
     parents: Int[Array, "B N"] | None = None
     slots: Int[Array, "B N"] | None = None
+    tree_log_probs: Float[Array, "B N"] | None = None  # its path log-probabilities, highest first (grow)
 
 
 def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings):
@@ -104,7 +106,8 @@ class DraftModelProposer(Proposer):
         dynamic = self.settings.spec.total_tokens is not None  # the loop's state keeps one structure throughout
         return DraftModelState(cache=cache.with_lengths(lengths),
                                parents=draft_tree.chain_parents(batch, nodes) if dynamic else None,
-                               slots=jnp.zeros((batch, nodes), jnp.int32) if dynamic else None)
+                               slots=jnp.zeros((batch, nodes), jnp.int32) if dynamic else None,
+                               tree_log_probs=jnp.zeros((batch, nodes), jnp.float32) if dynamic else None)
 
     def propose(self, params, state: DraftModelState, context: Context, keys: PRNGKeyArray):
         if self.settings.spec.speculative_token_tree is not None:
@@ -190,13 +193,17 @@ class DraftModelProposer(Proposer):
                                       attention_mask=draft_tree.block_mask(sees, root + 1, cache.max_length))
             return cache, *draft_tree.top_k_log_probs(logits, spec.top_k)
 
-        tokens, parents, slots, cache = draft_tree.grow(*draft_tree.top_k_log_probs(logits[:, -1], spec.top_k),
-                                                        expand, cache, depth=spec.num_speculative_tokens,
-                                                        total_tokens=spec.total_tokens)
-        return tokens, None, DraftModelState(cache=cache.with_lengths(root), parents=parents, slots=slots)
+        tokens, parents, slots, log_probs, cache = draft_tree.grow(
+            *draft_tree.top_k_log_probs(logits[:, -1], spec.top_k), expand, cache, depth=spec.num_speculative_tokens,
+            total_tokens=spec.total_tokens)
+        return tokens, None, DraftModelState(cache=cache.with_lengths(root), parents=parents, slots=slots,
+                                             tree_log_probs=log_probs)
 
     def tree_parents(self, state: DraftModelState, batch: int):
         return state.parents if state.parents is not None else super().tree_parents(state, batch)
+
+    def tree_log_probs(self, state: DraftModelState) -> Float[Array, "B N"] | None:
+        return state.tree_log_probs
 
     def accept(self, state: DraftModelState, num_accepted, next_token, target_out) -> DraftModelState:
         if target_out.path is None:

@@ -55,7 +55,8 @@ class EagleParams:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("cache", "committed", "tokens", "hidden", "num_pending", "drafts", "parents"),
+                   data_fields=("cache", "committed", "tokens", "hidden", "num_pending", "drafts", "parents",
+                                "tree_log_probs"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class EagleState:
@@ -66,6 +67,7 @@ class EagleState:
     num_pending: Int[Array, " B"]
     drafts: Int[Array, "B N"]  # the last proposal (K chain drafts or N tree nodes), to rebuild the pairs
     parents: Int[Array, "B N"] | None = None  # the last dynamic tree's parents; None for chains
+    tree_log_probs: Float[Array, "B N"] | None = None  # its path log-probabilities, highest first (grow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +139,9 @@ class EagleProposer(Proposer):
                           hidden=last, num_pending=jnp.ones_like(lengths),
                           drafts=jnp.zeros((batch, spec.num_draft_nodes), jnp.int32),
                           parents=None if spec.total_tokens is None
-                          else draft_tree.chain_parents(batch, spec.num_draft_nodes))
+                          else draft_tree.chain_parents(batch, spec.num_draft_nodes),
+                          tree_log_probs=None if spec.total_tokens is None
+                          else jnp.zeros((batch, spec.num_draft_nodes), jnp.float32))
 
     def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens
@@ -149,9 +153,9 @@ class EagleProposer(Proposer):
         committed = state.committed + state.num_pending
         feature = out[rows, state.num_pending - 1]
         if self.settings.spec.total_tokens is not None:
-            drafts, parents = self.draft_tree(params, feature, cache.with_lengths(committed))
+            drafts, parents, log_probs = self.draft_tree(params, feature, cache.with_lengths(committed))
             return drafts, None, dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts,
-                                                     parents=parents)
+                                                     parents=parents, tree_log_probs=log_probs)
         step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
         def draft_step(carry, step_key):
@@ -172,7 +176,8 @@ class EagleProposer(Proposer):
 
     def draft_tree(self, params: EagleParams, feature: Float[Array, "B D"], cache):
         """A dynamic tree (module docstring; draft_tree.grow) from the head's feature at the last committed
-        pair, with the head's cache filled to the committed pairs: (node tokens [B, N], parents [B, N])."""
+        pair, with the head's cache filled to the committed pairs: (node tokens [B, N], parents [B, N], path
+        log-probabilities [B, N], highest first)."""
         head, spec = params.head, self.settings.spec
         committed = cache.lengths
         rows = jnp.arange(feature.shape[0])[:, None]
@@ -186,13 +191,16 @@ class EagleProposer(Proposer):
                               params.embed, attention_mask=draft_tree.block_mask(sees, committed, cache.max_length))
             return (cache, out), *self.top_k_children(params, out, spec.top_k)
 
-        tokens, parents, _, _ = draft_tree.grow(*self.top_k_children(params, feature, spec.top_k), expand,
-                                                (cache, feature), depth=spec.num_speculative_tokens,
-                                                total_tokens=spec.total_tokens)
-        return tokens, parents
+        tokens, parents, _, log_probs, _ = draft_tree.grow(*self.top_k_children(params, feature, spec.top_k),
+                                                           expand, (cache, feature), depth=spec.num_speculative_tokens,
+                                                           total_tokens=spec.total_tokens)
+        return tokens, parents, log_probs
 
     def tree_parents(self, state: EagleState, batch: int) -> Int[Array, "B N"] | None:
         return state.parents
+
+    def tree_log_probs(self, state: EagleState) -> Float[Array, "B N"] | None:
+        return state.tree_log_probs
 
     def accept(self, state: EagleState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> EagleState:
