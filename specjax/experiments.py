@@ -427,21 +427,25 @@ def plot_tree_sizes(rows: list[dict], temperatures: list[float], out: Path, plt)
     for ax, temperature in zip(axes[0], temperatures):
         chains: dict[tuple, dict] = {}
         lines: dict[tuple, list[dict]] = {}
+        batches = len({row.get("prompts") for row in rows}) > 1  # a line per batch size too
+        autos = [row for row in rows if row["temperature"] == temperature and row.get("tree_size_auto")]
+        if autos:  # stars at the sizes total_tokens 'auto' picked
+            ax.plot([r["tree_nodes"] for r in autos], [r["mean_acceptance_length"] for r in autos], marker="*",
+                    markersize=12, linestyle="none", color="black", label="total_tokens auto's picks")
         for row in rows:
-            if row["temperature"] == temperature:
-                key = (row["method"], row["rejection_sample_method"], row["K"])
-                if row.get("tree_size_auto"):  # a star at the size total_tokens 'auto' picked
-                    ax.plot(row["tree_nodes"], row["mean_acceptance_length"], marker="*", markersize=12,
-                            linestyle="none", color="black", label=f"{row['method']}, auto")
-                elif row.get("tree_nodes") is None:
+            if row["temperature"] == temperature and not row.get("tree_size_auto"):
+                key = (row["method"], row["rejection_sample_method"], row["K"], *([row.get("prompts")] if batches else []))
+                if row.get("tree_nodes") is None:
                     chains[key] = row
                 else:
                     lines.setdefault((*key, row.get("tree_top_k") or 0), []).append(row)
-        for (method, verifier, k, top_k), points in sorted(lines.items()):
+        for (*key, top_k), points in sorted(lines.items()):
             points = sorted(points, key=lambda r: r["tree_nodes"])
-            points = ([chains[method, verifier, k]] if (method, verifier, k) in chains else []) + points
+            points = ([chains[tuple(key)]] if tuple(key) in chains else []) + points
+            method, verifier, k, *prompts = key
             ax.plot([p.get("tree_nodes") or p["K"] for p in points], [p["mean_acceptance_length"] for p in points],
-                    marker="o", label=f"{method}, {verifier}, depth {k}" + (f", top-{top_k}" if top_k else ""))
+                    marker="o", label=f"{method}, {verifier}, depth {k}" + (f", top-{top_k}" if top_k else "")
+                    + (f", {prompts[0]} prompts" if prompts else ""))
         ax.set_title(f"T = {temperature:g}")
         ax.set_xlabel("drafts scored a step (chain: K; tree: nodes)")
         ax.grid(alpha=0.3)
