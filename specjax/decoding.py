@@ -379,9 +379,9 @@ def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecCon
 def choose_tree_size(run, model: Transformer, spec: SpecConfig, batch: int) -> tree_size.TreeSizeChoice:
     """total_tokens 'auto' (specjax.tree_size): calibration runs of the request at the smallest and the
     largest candidate size (each the fastest of REPEATS runs of CALIBRATION_TOKENS tokens a row, less the
-    fastest of one token a row, so that neither the prefill nor the compile counts), the largest tree's drafts' confidences and measured acceptance,
-    and the target's forward timed at every candidate size. run(spec, max_new_tokens=n) -> (SpecState,
-    proposer), as generate's."""
+    fastest of one token a row, so that neither the prefill nor the compile counts), the largest tree's
+    drafts' confidences and measured acceptance, and the target's forward timed at every candidate size.
+    run(spec, max_new_tokens=n) -> (SpecState, proposer), as run_speculative with the request bound."""
     sizes = spec.auto_tree_sizes
 
     def calibrate(size):
@@ -392,9 +392,9 @@ def choose_tree_size(run, model: Transformer, spec: SpecConfig, batch: int) -> t
 
         timed(1)  # compiles
         # The first run of each budget is slower (allocation): the fastest of a few runs counts.
-        short, _, short_s = min((timed(1) for _ in range(tree_size.REPEATS)), key=lambda run: run[2])
+        short, _, short_s = min((timed(1) for _ in range(tree_size.REPEATS)), key=lambda timing: timing[2])
         state, proposer, long_s = min((timed(tree_size.CALIBRATION_TOKENS) for _ in range(tree_size.REPEATS)),
-                                      key=lambda run: run[2])
+                                      key=lambda timing: timing[2])
         steps = int(state.counters.steps.max()) - int(short.counters.steps.max())
         return state, proposer, (long_s - short_s) / max(steps, 1)
 

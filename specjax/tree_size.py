@@ -3,8 +3,8 @@
 A step of n nodes emits tau(n) tokens in T_verify(n + 1) + T_rest(n) seconds: the target's forward over the
 root and the nodes, and the rest of the step (the drafter's depth levels, which expand top_k nodes a level
 whatever the size, and the tree's selection, masks, verification and cache moves, which grow with it).
-The size picked is the
-candidate (SpecConfig.auto_tree_sizes) of highest tau(n) / (T_verify(n + 1) + T_rest), with
+The size picked is the candidate (SpecConfig.auto_tree_sizes) of highest tau(n) / (T_verify(n + 1) +
+T_rest(n)), with
 
 - T_verify(n + 1) measured on the device for every candidate: the target's forward under a tree mask, at
   the request's batch and cache size (`verify_seconds`);
@@ -16,10 +16,10 @@ candidate (SpecConfig.auto_tree_sizes) of highest tau(n) / (T_verify(n + 1) + T_
   candidate's estimate equals the calibration run's measured mean acceptance length (the shape of the
   curve from the drafter, its level from the target).
 
-`specjax.decoding.generate` runs the calibration (a few steps of the request's own prompts) and uses the
-choice; `TreeSizeChoice.table()` shows the figures it rests on. EAGLE's `total_token=-1` measures the
-same forward times but weighs them with a fixed prior curve of acceptance; Sequoia sizes trees for the
-hardware from an offline acceptance profile.
+`specjax.decoding.choose_tree_size`, which `generate` calls, runs the calibration (a few steps of the
+request's own prompts) and `choose` picks; `TreeSizeChoice.table()` shows the figures it rests on.
+EAGLE's `total_token=-1` measures the same forward times but weighs them with a fixed prior curve of
+acceptance; Sequoia sizes trees for the hardware from an offline acceptance profile.
 """
 
 from __future__ import annotations

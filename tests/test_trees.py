@@ -16,7 +16,7 @@ from specjax import tree_size
 from specjax import verify as verify_registry
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
-from specjax.proposers import UnsupportedSpeculation
+from specjax.proposers import UnsupportedSpeculation, build_proposer
 from specjax.verify import tree as tree_verify
 
 # Medusa-style sparse trees: 2 candidates at depth 1, 2 + 1 under them, one more level under the best.
@@ -334,3 +334,5 @@ def test_total_tokens_auto_chooses_a_size_and_its_output_is_the_autoregressive_o
     choice = result.tree_size_choice
     assert choice.sizes == (8, 16) and choice.total_tokens in choice.sizes and choice.batch == 16
     assert all(t > 0 for t in choice.verify_s) and 1.0 <= choice.acceptance[0] <= choice.acceptance[1]
+    with pytest.raises(UnsupportedSpeculation, match="total_tokens 'auto' is a choice generate makes"):
+        build_proposer(spec, SamplingConfig(), 64, drafter)

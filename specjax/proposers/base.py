@@ -217,6 +217,9 @@ def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int, 
         raise UnsupportedSpeculation(
             f"method {spec.method!r} drafts no dynamic trees: total_tokens / top_k are allowed with "
             f"{sorted(name for name, c in PROPOSERS.items() if c.drafts_dynamic_trees)}")
+    if spec.total_tokens == "auto":
+        raise UnsupportedSpeculation("total_tokens 'auto' is a choice generate makes before the loop: pass the spec "
+                                     "to specjax.decoding.generate, or a size chosen by decoding.choose_tree_size")
     settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)
     build = getattr(cls, "build", None)
     return build(settings, drafter) if build is not None else cls(settings)
