@@ -51,11 +51,12 @@ import numpy as np
 
 from specjax import benchmarking, draft_tree, sharding
 from specjax.config import SamplingConfig, SpecConfig
+from specjax.decoding import decode_loop, speculative_loop
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Hidden
 from specjax.proposers.base import build_proposer
-from specjax.speed import (DRAFTERS, autoregressive_run, build_drafter, build_target, cache_size_for, generation_args,
-                           spec_method, speculative_run, synthetic_spec, tokens_per_s)
+from specjax.speed import (DRAFTERS, GREEDY, autoregressive_run, build_drafter, build_target, cache_size_for,
+                           generation_args, spec_method, speculative_run, synthetic_spec, tokens_per_s)
 
 
 def component_times(target, drafters: dict, batch: int, context: int, num_draft: int, cache_size: int,
@@ -142,6 +143,18 @@ def first_difference(model, got: np.ndarray, want: np.ndarray) -> tuple[int, flo
     logits, _, _ = jax.jit(lambda m, t: m(t, jnp.arange(t.shape[1])[None]))(model, prefix)
     last = np.asarray(logits[0, -1], np.float32)
     return int(col), float(abs(last[want[row, col]] - last[got[row, col]]))
+
+
+def step_collectives(target, drafter, spec: SpecConfig | None, cache_size: int, run_args) -> int:
+    """Collectives in one step of the compiled greedy loop (autoregressive when spec is None), the weights
+    passed as arguments (closed over, they would be constants of the program)."""
+    if spec is None:
+        lowered = decode_loop.lower(target, *run_args, sampling=GREEDY, eos_token_ids=(), cache_size=cache_size)
+    else:
+        proposer = build_proposer(spec, GREEDY, cache_size, drafter)
+        lowered = speculative_loop.lower(target, proposer.bind(drafter, target), *run_args, proposer=proposer,
+                                         eos_token_ids=())
+    return sum(sharding.step_collectives(lowered.compile().as_text()).values())
 
 
 def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args, tree: dict):
@@ -307,12 +320,11 @@ def main():
                 row["logit_gap_at_difference"] = max(d[1] for d in differing) if differing else None
             ar_tok_s, t_prefill = tokens_per_s(autoregressive_run(target, cache_size), run_args, one_args)
             if parallel > 1:  # what a step waits for: its collectives, counted in the compiled loops
-                for name, run in [("ar", autoregressive_run(target, cache_size)), *(
-                        (method, speculative_run(target, drafters[method], synthetic_spec(method, taus[0], num_draft,
-                                                                                          **tree), cache_size))
-                        for method in methods)]:
-                    compiled = jax.jit(run).lower(run_args).compile().as_text()
-                    row[f"{name}_step_collectives"] = sum(sharding.step_collectives(compiled).values())
+                row["ar_step_collectives"] = step_collectives(target, None, None, cache_size, run_args)
+                for method in methods:
+                    row[f"{method}_step_collectives"] = step_collectives(
+                        target, drafters[method], synthetic_spec(method, taus[0], num_draft, **tree), cache_size,
+                        run_args)
             context = prompt_len + new_tokens / 2
             # Per GPU: each reads its 1 / parallel of the weights and of the KV heads.
             floor_bytes = (benchmarking.weight_bytes(target, target_config, batch)
