@@ -167,8 +167,9 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 VERIFY_IMPLS = ("auto", "pallas", "xla")
 # The dynamic tree sizes `SpecConfig.total_tokens: auto` chooses from (specjax.tree_size).
 AUTO_TREE_SIZES = (8, 16, 24, 32, 48, 64)
-# Trees are verified by recursive rejection sampling (specjax.verify.tree), or in the benchmark mode.
-TREE_REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
+# Trees are verified by recursive rejection sampling ('standard'), traversal verification ('block': block
+# verification generalised to trees), or in the benchmark mode (specjax.verify.tree).
+TREE_REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
 
 
 def check_token_tree(tree, depth: int) -> tuple[tuple[int, ...], ...]:
@@ -280,8 +281,7 @@ class SpecConfig:
             object.__setattr__(self, "speculative_token_tree", check_token_tree(self.speculative_token_tree, k))
             require(self.rejection_sample_method in TREE_REJECTION_SAMPLE_METHODS, "SpecConfig",
                     "rejection_sample_method", self.rejection_sample_method,
-                    f"one of {TREE_REJECTION_SAMPLE_METHODS} with speculative_token_tree (recursive rejection "
-                    "sampling, or the benchmark mode; block verification of trees is not built)")
+                    f"one of {TREE_REJECTION_SAMPLE_METHODS} with speculative_token_tree")
         if (self.total_tokens is None) != (self.top_k is None):
             raise ConfigError(f"SpecConfig.total_tokens = {self.total_tokens!r} and top_k = {self.top_k!r}: allowed "
                               "both (a dynamic draft tree) or neither")

@@ -179,6 +179,8 @@ LOSSLESS_CASES = [
     # EAGLE-2 dynamic trees: each node's top-k (deterministic), recursive rejection sampling.
     *(lossless_case(name, "standard", "greedy", sampling, tag="tree5-top2", total_tokens=5, top_k=2)
       for name, sampling in zip(("eagle", "eagle3", "eagle_fr", "draft_model"), (*SAMPLINGS[:3], SAMPLINGS[1]))),
+    # ... and traversal verification ('block' on a tree).
+    lossless_case("eagle", "block", "greedy", tag="tree5-top2", total_tokens=5, top_k=2),
     *(lossless_case("medusa", verifier) for verifier in ("standard", "block")),
     # DFlash: both verifiers, greedy and probabilistic drafting, T 1 and top-k.
     lossless_case("dflash_fr", "block"),  # FR-Spec: drafts and their probabilities inside half the ids

@@ -42,25 +42,39 @@ def test_greedy_tree_output_is_identical_to_autoregressive(method):
     assert sum(histogram[2:]) > 0, histogram  # paths of depth >= 2 were accepted
 
 
+SAMPLINGS = {"T1": SamplingConfig(temperature=1.0), "T0.7": SamplingConfig(temperature=0.7),
+             "top_k2": SamplingConfig(temperature=1.0, top_k=2)}
+# Recursive rejection sampling ('standard') in every setting; traversal verification ('block') in each
+# sampling setting once, with both draftings.
+TREE_SAMPLING_CASES = [
+    *(pytest.param("standard", sampling, drafting, id=f"{sampling}-{drafting}")
+      for sampling in SAMPLINGS for drafting in ("greedy", "probabilistic")),
+    *(pytest.param("block", sampling, drafting, id=f"{sampling}-{drafting}-block")
+      for sampling, drafting in (("T1", "probabilistic"), ("T0.7", "greedy"), ("top_k2", "probabilistic")))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7),
-                                      SamplingConfig(temperature=1.0, top_k=2)], ids=["T1", "T0.7", "top_k2"])
-def test_tree_sampling_is_lossless(sampling, drafting):
+@pytest.mark.parametrize("verifier, sampling, drafting", TREE_SAMPLING_CASES)
+def test_tree_sampling_is_lossless(verifier, sampling, drafting):
     """Greedy drafting: each head's top-k (q one-hot); probabilistic: draws without replacement (with top-k 2,
     a third sibling's draw has no probability left and is fixed)."""
+    sampling = SAMPLINGS[sampling]
     heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
-    counts, metrics = speculative_joint_counts(tree_spec(SMALL_TREE, draft_sample_method=drafting), sampling, heads)
+    spec = tree_spec(SMALL_TREE, draft_sample_method=drafting, rejection_sample_method=verifier)
+    counts, metrics = speculative_joint_counts(spec, sampling, heads)
     assert 0 < metrics.summary()["acceptance_rate"] < 1
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5)],
-                         ids=["T1", "T0.7-top_k5"])
-def test_draft_model_tree_sampling_is_lossless(sampling):
+@pytest.mark.parametrize("sampling, verifier", [(SamplingConfig(temperature=1.0), "standard"),
+                                               (SamplingConfig(temperature=0.7, top_k=5), "standard"),
+                                               (SamplingConfig(temperature=1.0), "block")],
+                         ids=["T1", "T0.7-top_k5", "T1-block"])
+def test_draft_model_tree_sampling_is_lossless(sampling, verifier):
     """A draft model's tree (its top-k at each node, written into its own cache and moved after acceptance)."""
-    counts, metrics = speculative_joint_counts(tree_spec(SMALL_TREE, method="draft_model"), sampling, tiny_pair()[1])
+    spec = tree_spec(SMALL_TREE, method="draft_model", rejection_sample_method=verifier)
+    counts, metrics = speculative_joint_counts(spec, sampling, tiny_pair()[1])
     assert 0 < metrics.summary()["acceptance_rate"] < 1
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
 
@@ -87,7 +101,7 @@ def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
 
 def test_trees_are_refused_where_they_are_not_built():
     with pytest.raises(ConfigError, match="rejection_sample_method"):
-        tree_spec(rejection_sample_method="block")
+        tree_spec(rejection_sample_method="typical")
     target, _ = target_and_drafts()
     with pytest.raises(UnsupportedSpeculation, match="drafts chains only"):
         generate(target, [[1, 2]], max_new_tokens=4,
@@ -260,7 +274,7 @@ def test_a_dynamic_tree_drafts_each_nodes_top_k_as_the_head_computes_it_along_th
     (dict(total_tokens=4, top_k=0), r"top_k = 0 is invalid: allowed an integer >= 1"),
     (dict(total_tokens=4, top_k=2, draft_sample_method="probabilistic"),
      r"draft_sample_method .* 'greedy' with a dynamic"),
-    (dict(total_tokens=4, top_k=2, rejection_sample_method="block"), r"rejection_sample_method .* with a dynamic tree"),
+    (dict(total_tokens=4, top_k=2, rejection_sample_method="typical"), r"rejection_sample_method .* with a dynamic tree"),
     (dict(total_tokens=4, top_k=2, speculative_token_tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))),
      r"total_tokens = 4 is invalid: allowed None with speculative_token_tree"),
     (dict(total_tokens="big", top_k=2), r"total_tokens = 'big' is invalid: allowed a positive integer or 'auto'"),

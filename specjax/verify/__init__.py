@@ -77,4 +77,4 @@ def tree_verifier_for(spec: SpecConfig, sampling: SamplingConfig) -> Callable:
             vocabulary_argmax(logits), tokens, parents)
     if name == "synthetic":
         return functools.partial(tree.verify_tree_synthetic, rates=spec.synthetic_rates)
-    return tree.verify_tree
+    return tree.verify_tree_traversal if name == "block" else tree.verify_tree
