@@ -81,9 +81,10 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
                                          cache_size)
 
     block = (tree_nodes or num_draft) + 1
+    # The verification forward takes the tree's mask as the loop gives it (the attention kernel's form).
+    verify_mask = draft_tree.tree_mask(draft_tree.chain_parents(batch, block - 1)) if tree_nodes else None
     times = {"t_ar_forward_s": measure(forward, target, cache, jnp.zeros((batch, 1), jnp.int32), None),
-             "t_verify_s": measure(forward, target, cache, jnp.zeros((batch, block), jnp.int32),
-                                   tree_mask(block) if tree_nodes else None)}
+             "t_verify_s": measure(forward, target, cache, jnp.zeros((batch, block), jnp.int32), verify_mask)}
     for method, drafter in drafters.items():
         draft_cache = drafter.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
         if method == "draft_model":

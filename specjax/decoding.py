@@ -194,7 +194,7 @@ def speculative_loop(
             positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
         else:  # each node sees the cache, the root and its ancestors, at position fill + depth
             positions = draft_tree.block_positions(row_parents, fill)
-            mask = draft_tree.attention_mask(row_parents, fill, decode.cache.max_length)
+            mask = draft_tree.tree_mask(row_parents)
         logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
                                       attention_mask=mask)
         if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specjax.models.kv_cache import KVCache
+from specjax.models.transformer import NewTokenMask
 
 
 def chain_parents(batch: int, num_nodes: int) -> Int[Array, "B N"]:
@@ -46,24 +47,24 @@ def block_positions(parents: Int[Array, "B N"], root_positions: Int[Array, " B"]
     return root_positions[:, None] + offsets
 
 
-def attention_mask(parents: Int[Array, "B N"], fill_levels: Int[Array, " B"], cache_size: int) -> Bool[Array, "B N1 S"]:
-    """Which cache slots each of [root, nodes] sees when the block is written at slot fill_levels[b]:
-    every committed slot, the root, and the query's own ancestors and itself."""
+def tree_mask(parents: Int[Array, "B N"]) -> NewTokenMask:
+    """What each of [root, nodes] sees of the block: every committed slot, the root, and its own ancestors
+    and itself (the target's verification forward; the decoding layout's attention kernel takes it)."""
     batch, num_nodes = parents.shape
     in_block = jnp.concatenate([jnp.zeros((batch, num_nodes, 1), bool), ancestors(parents)], axis=2)  # [B, N, N1]
     in_block = jnp.concatenate([jnp.eye(1, num_nodes + 1, dtype=bool)[None].repeat(batch, 0), in_block], axis=1)
-    in_block = in_block.at[:, :, 0].set(True)  # every query sees the root
-    return block_mask(in_block, fill_levels, cache_size)
+    return NewTokenMask(in_block.at[:, :, 0].set(True))  # every query sees the root
+
+
+def attention_mask(parents: Int[Array, "B N"], fill_levels: Int[Array, " B"], cache_size: int) -> Bool[Array, "B N1 S"]:
+    """tree_mask as the dense mask over the cache, the block written at slot fill_levels[b]."""
+    return tree_mask(parents).dense(fill_levels, cache_size)
 
 
 def block_mask(in_block: Bool[Array, "B T M"], starts: Int[Array, " B"], cache_size: int) -> Bool[Array, "B T S"]:
     """Cache slots visible to T queries whose block of M slots starts at slot starts[b]: every slot before
     it (committed), and block slot j where in_block[b, t, j]."""
-    batch, num_queries, block = in_block.shape
-    offset = jnp.arange(cache_size)[None, :] - starts[:, None]  # [B, S]: the slot's index in the block
-    index = jnp.broadcast_to(jnp.clip(offset, 0, block - 1)[:, None, :], (batch, num_queries, cache_size))
-    sees_block = jnp.take_along_axis(in_block, index, axis=2)
-    return (offset < 0)[:, None, :] | (sees_block & (offset < block)[:, None, :])
+    return NewTokenMask(in_block).dense(starts, cache_size)
 
 
 def move_path(cache: KVCache, fill_levels: Int[Array, " B"], path: Int[Array, "B N"], length: Int[Array, " B"]):

@@ -74,7 +74,7 @@ def estimated_acceptance(log_probs: np.ndarray, sizes: Sequence[int], measured: 
 def tree_verify_forward(model, cache, tokens, parents):
     """The loop's verification forward over [root, nodes] under the tree's mask (logits only)."""
     positions = draft_tree.block_positions(parents, cache.lengths)
-    mask = draft_tree.attention_mask(parents, cache.lengths, cache.max_length)
+    mask = draft_tree.tree_mask(parents)
     logits, _, _ = model(tokens, positions, cache, attention_mask=mask)
     return logits
 

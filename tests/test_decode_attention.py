@@ -13,7 +13,7 @@ from conftest import fixture_dir, positions_like
 
 from specjax.config import ModelConfig
 from specjax.models import hf
-from specjax.models.transformer import attention, to_decoding_layout
+from specjax.models.transformer import NewTokenMask, attention, to_decoding_layout
 from specjax.pallas_kernels import decode_attention as attention_kernel
 from specjax.pallas_kernels.decode_attention import decode_attention
 
@@ -63,6 +63,33 @@ def test_the_kernel_writes_the_cache_and_computes_attention(batch, num_new, num_
         np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
 
 
+@pytest.mark.parametrize("batch, num_new, num_heads, num_kv, num_slots, num_splits, block", [
+    (2, 7, 8, 2, 100, None, 16),  # one tile of 28 rows
+    (2, 20, 8, 2, 100, 3, 16),  # 80 rows: two tiles, three splits
+    (1, 61, 32, 8, 256, None, 64),  # a 60-node tree at Llama-3.1-8B's grouping: 244 rows in four tiles
+])
+def test_a_trees_mask_gives_the_dense_masked_attention(batch, num_new, num_heads, num_kv, num_slots, num_splits, block):
+    """sees (transformer.NewTokenMask): every committed slot, and among the new tokens a random tree's
+    ancestors and itself, against transformer.attention with the same mask as a dense [B, T, S] array."""
+    q, k_new, v_new, k_cache, v_cache, rng = _inputs(num_new, batch, num_new, num_heads, num_kv, 16, num_slots)
+    parents = [[-1] + [int(rng.integers(-1, t)) for t in range(1, num_new)] for _ in range(batch)]
+    sees = np.eye(num_new, dtype=bool)[None].repeat(batch, 0)
+    for b, row in enumerate(parents):
+        for t, parent in enumerate(row):
+            if parent >= 0:
+                sees[b, t] |= sees[b, parent]
+    lengths = np.asarray([num_slots - num_new, block - num_new // 2][:batch])  # full; across a block boundary
+    slots = jnp.asarray(lengths[:, None] + np.arange(num_new)[None], jnp.int32)
+    mask = NewTokenMask(jnp.asarray(sees))
+    rows = jnp.arange(batch)[:, None]
+    written = k_cache.at[rows, slots].set(k_new), v_cache.at[rows, slots].set(v_new)
+    want = attention(q, *written, slots, _config(num_heads, num_kv, 16), visible=mask.dense(slots[:, 0], num_slots))
+    got = decode_attention(q, k_new, v_new, k_cache, v_cache, slots, sees=mask.sees, num_splits=num_splits, block=block)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), atol=2e-6, rtol=0)
+    for got_cache, want_cache in zip(got[1:], written):
+        np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
+
+
 @pytest.mark.parametrize("batch, num_heads, num_kv, head_dim, num_slots, fills", [
     (2, 8, 2, 16, 300, (100, 250)),
     (4, 32, 8, 128, 512, (200, 63, 0, 505)),  # Llama-3.1-8B's heads over four splits of two blocks
@@ -103,15 +130,19 @@ def test_bad_inputs_are_refused():
         decode_attention(q, k_new, v_new, k_cache.astype(jnp.bfloat16), v_cache, jnp.zeros((1, 1), jnp.int32))
 
 
-@pytest.mark.parametrize("num_new, num_splits, causal", [(1, None, True), (6, None, True), (6, 1, True),
-                                                         (16, None, False)])
-def test_the_kernel_lowers_through_triton_for_cuda(lower_for_cuda, num_new, num_splits, causal):
+@pytest.mark.parametrize("num_new, num_splits, causal, tree", [(1, None, True, False), (6, None, True, False),
+                                                               (6, 1, True, False), (16, None, False, False),
+                                                               (61, None, True, True)])
+def test_the_kernel_lowers_through_triton_for_cuda(lower_for_cuda, num_new, num_splits, causal, tree):
     batch, heads, kv, head_dim, slots = 2, 32, 8, 128, 512
     shapes = [(batch, num_new, heads, head_dim), (batch, num_new, kv, head_dim), (batch, num_new, kv, head_dim),
               (batch, slots, kv, head_dim), (batch, slots, kv, head_dim)]
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
     kernel = functools.partial(decode_attention, interpret=False, num_splits=num_splits, causal=causal)
-    module = lower_for_cuda(kernel, *args, jax.ShapeDtypeStruct((batch, num_new), jnp.int32))
+    if tree:
+        kernel = lambda *a, kernel=kernel: kernel(*a[:-1], sees=a[-1])  # noqa: E731
+    module = lower_for_cuda(kernel, *args, jax.ShapeDtypeStruct((batch, num_new), jnp.int32),
+                            *([jax.ShapeDtypeStruct((batch, num_new, num_new), jnp.bool_)] if tree else []))
     assert "__gpu$xla.gpu.triton" in module
 
 

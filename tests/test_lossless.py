@@ -101,6 +101,9 @@ GREEDY_CASES = [
     *(greedy_case(name, 4, accepts_sometimes, tag="tree12-top3", total_tokens=12, top_k=3)
       for name in ("eagle", "eagle3")),
     greedy_case("perturbed", 4, every_length_occurs, tag="tree12-top3", total_tokens=12, top_k=3),
+    # ... with the tree's mask in the Pallas kernel (the target's 13-token verification block).
+    greedy_case("perturbed", 4, accepts_often, requests="ragged16", attention_kernel=True,
+                tag="tree12-top3-attention_kernel", total_tokens=12, top_k=3),
     *(greedy_case("medusa", k, accepts_sometimes) for k in (1, 3)),
     # One forward drafts the block; K up to the block's 15. The fixture target is random, and a drafter
     # trained on its text accepts little (tests/test_train_dflash.py trains one for a target with structure).

@@ -103,6 +103,24 @@ def normalize(x: Float[Array, "... D"], scale, bias, config: ModelConfig):
     return out if bias is None else out + bias.astype(x.dtype)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("sees",), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class NewTokenMask:
+    """Which slots the new tokens of a call see, given among themselves: new token t sees new token j where
+    sees[b, t, j], and every slot before the row's first new slot (the committed cache). A draft tree's
+    verification block (draft_tree.tree_mask); the decoding layout's Pallas kernel takes it as it is,
+    XLA as the dense [B, T, S] mask (`dense`)."""
+    sees: Bool[Array, "B T M"]
+
+    def dense(self, first_slots: Int[Array, " B"], cache_size: int) -> Bool[Array, "B T S"]:
+        """The [B, T, S] mask with the M slots of the block starting at first_slots[b]."""
+        batch, num_queries, block = self.sees.shape
+        offset = jnp.arange(cache_size)[None, :] - first_slots[:, None]  # [B, S]: the slot's index in the block
+        index = jnp.broadcast_to(jnp.clip(offset, 0, block - 1)[:, None, :], (batch, num_queries, cache_size))
+        sees_block = jnp.take_along_axis(self.sees, index, axis=2)
+        return (offset < 0)[:, None, :] | (sees_block & (offset < block)[:, None, :])
+
+
 def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[Array, "B S K E"],
               query_slots: Int[Array, "B T"], config: ModelConfig, *, causal: bool = True,
               visible: Bool[Array, "B T S"] | None = None) -> Float[Array, "B T H E"]:
@@ -235,7 +253,7 @@ def project_qkv(h: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer, 
 def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer, index, positions: Int[Array, "B T"],
                   query_slots: Int[Array, "B T"], cache: KVCache | None, config: ModelConfig, *,
                   attn_input: Float[Array, "B T D2"] | None = None, causal: bool = True,
-                  visible: Bool[Array, "B T S"] | None = None) -> tuple[Float[Array, "B T D"], KVCache | None]:
+                  visible: Bool[Array, "B T S"] | NewTokenMask | None = None) -> tuple[Float[Array, "B T D"], KVCache | None]:
     """One pre-norm decoder layer (`layer` holds one layer's weights, `index` its cache layer).
 
     attn_input, when given, replaces the normalised residual stream as what q, k and v are projected
@@ -248,15 +266,21 @@ def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer
     q, k, v = project_qkv(h, layer, positions, c)
     # A cache in another dtype (kv_cache_dtype) stays with XLA, which fuses its conversion into the
     # attention; the kernel would read a converted copy of the whole cache.
-    if (cache is not None and visible is None and getattr(layer, "attention_kernel", False) and cache.dtype == q.dtype
-            and decode_attention.fits(q.shape[1], c.num_query_groups) and _on_one_device()):
+    # A tree's mask goes to the kernel as it is (without a sliding window, which XLA's masks leave out too).
+    tree = isinstance(visible, NewTokenMask) and c.sliding_window is None
+    if (cache is not None and (visible is None or tree) and getattr(layer, "attention_kernel", False)
+            and cache.dtype == q.dtype and decode_attention.fits(q.shape[1], c.num_query_groups, tree)
+            and _on_one_device()):
         attn, k_layer, v_layer = decode_attention.decode_attention(
-            q, k, v, *cache.layer(index), query_slots, sliding_window=c.sliding_window, causal=causal)
+            q, k, v, *cache.layer(index), query_slots, sliding_window=c.sliding_window, causal=causal,
+            sees=visible.sees if tree else None)
         cache = cache.with_layer(index, k_layer, v_layer)
     else:
         if cache is not None:
             cache = cache.write(index, k, v)
             k, v = cache.layer(index)
+        if isinstance(visible, NewTokenMask):
+            visible = visible.dense(query_slots[:, 0], k.shape[1])
         attn = attention(q, k.astype(dtype), v.astype(dtype), query_slots, c, causal=causal, visible=visible)
     x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
     h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
@@ -299,7 +323,7 @@ class Transformer(nnx.Module):
         hidden_layers: tuple[int, ...] = (),
         compute_logits: bool = True,
         causal: bool = True,
-        attention_mask: Bool[Array, "B T S"] | None = None,
+        attention_mask: Bool[Array, "B T S"] | NewTokenMask | None = None,
     ) -> tuple[Float[Array, "B T V"] | None, Hidden, KVCache | None]:
         """Runs T new tokens per row.
 
@@ -308,7 +332,7 @@ class Transformer(nnx.Module):
         drafts). Without one, the T tokens attend causally among themselves (a full forward).
         causal=False: the new tokens see one another (a DFlash draft block); attention_mask: which
         slots (of the cache after the write, or of the T tokens without one) each new token sees,
-        in place of both rules. Logits are float32; with compute_logits=False they are None (see `unembed`).
+        in place of both rules, or a NewTokenMask (a draft tree's). Logits are float32; with compute_logits=False they are None (see `unembed`).
         """
         c = self.config
         dtype = c.jnp_dtype
