@@ -191,3 +191,24 @@ def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypat
             logits.append(np.asarray(out))
         outputs.append(np.concatenate(logits, axis=1))
     np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_a_trees_verification_forward_attends_through_the_kernel_and_computes_xlas_logits():
+    """The loop's verification forward over a tree (tree_size.tree_verify_forward, as decoding runs it)
+    takes the kernel in the decoding layout, not a silent fallback to XLA, with the logits XLA computes."""
+    from conftest import primitives
+
+    from specjax.tree_size import tree_verify_forward
+
+    stacked = hf.load(fixture_dir("llama_gqa"))
+    parents = jnp.asarray([[-1, -1, 0, 0, 1], [-1, 0, 1, 2, 3]], jnp.int32)  # a tree and a chain
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, stacked.config.vocab_size, (2, 6)), jnp.int32)
+    logits = []
+    for attention_kernel in (True, False):
+        model = to_decoding_layout(stacked, attention_kernel=attention_kernel)
+        cache = model.create_cache(2, 32)
+        _, _, cache = model(tokens, positions_like(tokens), cache)  # a committed prefix of 6 tokens a row
+        jaxpr = jax.make_jaxpr(tree_verify_forward)(model, cache, tokens, parents)
+        assert (("pallas_call" in {name for name, _ in primitives(jaxpr.jaxpr)}) == attention_kernel)
+        logits.append(np.asarray(tree_verify_forward(model, cache, tokens, parents)))
+    np.testing.assert_allclose(logits[0], logits[1], atol=1e-4, rtol=0)

@@ -185,7 +185,7 @@ def one_hot_traversal_weights(target_probs: Float[Array, "B N1 V"], tokens: Int[
 
 
 def bonus_weights(target_probs: Float[Array, "B N1 V"], tokens: Int[Array, "B N"], parents: Int[Array, "B N"],
-                            residuals: Float[Array, "B N1 V"] | None, node: Int[Array, " B"]) -> Float[Array, "B V"]:
+                  residuals: Float[Array, "B N1 V"] | None, node: Int[Array, " B"]) -> Float[Array, "B V"]:
     """The unnormalised distribution the next token is drawn from after the accepted node (-1: the root):
     its residual, which for one-hot drafts is its target distribution without its children's tokens (all
     rejected before it was tested)."""
