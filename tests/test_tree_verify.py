@@ -196,39 +196,40 @@ def test_greedy_is_the_longest_argmax_path_and_matches_the_sampling_rule_on_one_
     assert max(lengths) >= 3 and min(lengths) == 0
 
 
-@pytest.mark.parametrize("one_hot_drafts", [False, True])
-def test_on_a_chain_it_is_the_standard_verifier_draw_for_draw(one_hot_drafts):
-    rows, k = 512, 4
-    key = jax.random.key(2)
+def random_chain(seed: int, rows: int = 512, k: int = 4):
+    """(target [R, k + 1, V], draft [R, k, V], tokens drawn from the draft, uniforms, exponentials, chain parents)."""
+    key = jax.random.key(seed)
     target = jax.nn.softmax(2 * jax.random.normal(key, (rows, k + 1, V)), -1)
     draft = jax.nn.softmax(2 * jax.random.normal(jax.random.fold_in(key, 1), (rows, k, V)), -1)
     tokens = jax.vmap(jax.vmap(jax.random.categorical))(jax.random.split(jax.random.fold_in(key, 2), (rows, k)),
                                                         jnp.log(draft)).astype(jnp.int32)
-    draft_probs = None if one_hot_drafts else draft
     uniforms, exponentials = make_tree_draws(jax.random.split(key, rows), k, V)
-    n, next_token = standard.verify_with_draws(target, tokens, draft_probs, Draws(uniforms, exponentials))
-    chain = jnp.broadcast_to(jnp.arange(-1, k - 1), (rows, k))
-    path, length, tree_next = verify_tree_with_draws(target, tokens, chain, draft_probs, uniforms, exponentials)
-    np.testing.assert_array_equal(length, n)
+    return target, draft, tokens, uniforms, exponentials, jnp.broadcast_to(jnp.arange(-1, k - 1), (rows, k))
+
+
+def assert_the_chain_verifier(tree_result, num_accepted, next_token):
+    path, length, tree_next = tree_result
+    np.testing.assert_array_equal(length, num_accepted)
     np.testing.assert_array_equal(tree_next, next_token)
-    np.testing.assert_array_equal(path, jnp.where(jnp.arange(k) < n[:, None], jnp.arange(k), -1))
+    k = path.shape[1]
+    np.testing.assert_array_equal(path, jnp.where(jnp.arange(k) < num_accepted[:, None], jnp.arange(k), -1))
+
+
+@pytest.mark.parametrize("one_hot_drafts", [False, True])
+def test_on_a_chain_it_is_the_standard_verifier_draw_for_draw(one_hot_drafts):
+    target, draft, tokens, uniforms, exponentials, chain = random_chain(2)
+    draft_probs = None if one_hot_drafts else draft
+    n, next_token = standard.verify_with_draws(target, tokens, draft_probs, Draws(uniforms, exponentials))
+    assert_the_chain_verifier(verify_tree_with_draws(target, tokens, chain, draft_probs, uniforms, exponentials),
+                              n, next_token)
     assert 0 < int(n.min()) or int(n.max()) > 0
 
 
 def test_traversal_verification_of_a_chain_is_block_verification_draw_for_draw():
-    rows, k = 512, 4
-    key = jax.random.key(3)
-    target = jax.nn.softmax(2 * jax.random.normal(key, (rows, k + 1, V)), -1)
-    draft = jax.nn.softmax(2 * jax.random.normal(jax.random.fold_in(key, 1), (rows, k, V)), -1)
-    tokens = jax.vmap(jax.vmap(jax.random.categorical))(jax.random.split(jax.random.fold_in(key, 2), (rows, k)),
-                                                        jnp.log(draft)).astype(jnp.int32)
-    uniforms, exponentials = make_tree_draws(jax.random.split(key, rows), k, V)
+    target, draft, tokens, uniforms, exponentials, chain = random_chain(3)
     n, next_token = block.verify_with_draws(target, tokens, draft, Draws(uniforms, exponentials))
-    chain = jnp.broadcast_to(jnp.arange(-1, k - 1), (rows, k))
-    path, length, tree_next = verify_tree_traversal_with_draws(target, tokens, chain, draft, uniforms, exponentials)
-    np.testing.assert_array_equal(length, n)
-    np.testing.assert_array_equal(tree_next, next_token)
-    np.testing.assert_array_equal(path, jnp.where(jnp.arange(k) < n[:, None], jnp.arange(k), -1))
+    assert_the_chain_verifier(verify_tree_traversal_with_draws(target, tokens, chain, draft, uniforms, exponentials),
+                              n, next_token)
     # Block verification accepts more than token by token on the same draws' tests (its reason to exist).
     assert float(n.mean()) > float(standard.verify_with_draws(target, tokens, draft, Draws(uniforms, exponentials))[0].mean())
 

@@ -332,7 +332,8 @@ class Transformer(nnx.Module):
         drafts). Without one, the T tokens attend causally among themselves (a full forward).
         causal=False: the new tokens see one another (a DFlash draft block); attention_mask: which
         slots (of the cache after the write, or of the T tokens without one) each new token sees,
-        in place of both rules, or a NewTokenMask (a draft tree's). Logits are float32; with compute_logits=False they are None (see `unembed`).
+        in place of both rules, or a NewTokenMask (a draft tree's). Logits are float32; with
+        compute_logits=False they are None (see `unembed`).
         """
         c = self.config
         dtype = c.jnp_dtype
@@ -345,6 +346,9 @@ class Transformer(nnx.Module):
         x = x.astype(dtype)
         num_new = tokens.shape[1]
         query_slots = query_slots_for(tokens.shape[0], num_new, cache)
+        if isinstance(attention_mask, NewTokenMask) and isinstance(self.layers, StackedLayers):
+            # Stacked layers attend through XLA: the dense mask once, not in every step of the scan.
+            attention_mask = attention_mask.dense(query_slots[:, 0], num_new if cache is None else cache.max_length)
 
         def layer_step(carry, layer, index):
             x, cache = carry
