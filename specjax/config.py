@@ -589,8 +589,10 @@ class DFlashTrainConfig(TrainingRun):
 
     # The target's Hugging Face folder or default:target (its tokenizer tokenizes the corpus).
     target: str
-    # Drafter layers: Qwen3 layers of the target's width, heads, head size and MLP width.
+    # Drafter layers: Qwen3 layers of the target's width, heads and head size.
     num_layers: int = 1
+    # The drafter's MLP width (None: the target's); narrower layers buy depth within a size budget.
+    intermediate_size: int | None = None
     # Target layers whose outputs make the context feature (None: spread from 1 to L - 3, as z-lab's).
     target_layer_ids: tuple[int, ...] | None = None
     # The block: the anchor and block_size - 1 masked slots, each predicting the token at its position.
@@ -622,6 +624,9 @@ class DFlashTrainConfig(TrainingRun):
         super().__post_init__()
         require_positive_ints(self, "num_layers", "num_anchors", "eval_prompts", "eval_prompt_len", "eval_new_tokens")
         require(self.block_size >= 2, "DFlashTrainConfig", "block_size", self.block_size, "an integer >= 2")
+        require(self.intermediate_size is None
+                or (isinstance(self.intermediate_size, int) and self.intermediate_size >= 1),
+                "DFlashTrainConfig", "intermediate_size", self.intermediate_size, "None or an integer >= 1")
         require(self.data.seq_len >= self.block_size, "DFlashTrainConfig", "data.seq_len", self.data.seq_len,
                 f"an integer >= block_size ({self.block_size}): every block lies inside its sequence")
         require(self.loss_decay_gamma is None or self.loss_decay_gamma > 0, "DFlashTrainConfig", "loss_decay_gamma",

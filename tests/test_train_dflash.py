@@ -109,3 +109,14 @@ def test_a_corrupt_checkpoint_is_refused(trained_tiny_target, dflash_run, tmp_pa
     victim.write_bytes(bytes(raw))
     with pytest.raises(CheckpointCorrupted, match=rf"checkpoint .*{TOTAL_STEPS}"):
         dflash_training.train_dflash(run_config(trained_tiny_target, copy, f"optimizer.total_steps={TOTAL_STEPS + 1}"))
+
+
+def test_the_drafters_depth_and_mlp_width_follow_the_config_and_a_bad_width_is_refused(trained_tiny_target, tmp_path):
+    target_config = hf.load_config(trained_tiny_target)
+    config = run_config(trained_tiny_target, tmp_path, "num_layers=3", "intermediate_size=40")
+    shape = dflash_training.drafter_config(config, target_config, mask_token_id=0).layer
+    assert (shape.num_layers, shape.intermediate_size, shape.hidden_size) == (3, 40, target_config.hidden_size)
+    default = dflash_training.drafter_config(run_config(trained_tiny_target, tmp_path), target_config, 0).layer
+    assert default.intermediate_size == target_config.intermediate_size
+    with pytest.raises(ValueError, match="intermediate_size.*0.*None or an integer >= 1"):
+        run_config(trained_tiny_target, tmp_path, "intermediate_size=0")

@@ -46,8 +46,9 @@ from specjax.training.lm import fit
 
 
 def drafter_config(config: DFlashTrainConfig, target_config: ModelConfig, mask_token_id: int) -> DFlashConfig:
-    """The untrained drafter's shape: Qwen3 layers as wide as the target's."""
+    """The untrained drafter's shape: Qwen3 layers as wide as the target's (MLP width config.intermediate_size)."""
     layer = dataclasses.replace(target_config, num_layers=config.num_layers, qk_norm=True, qkv_bias=False,
+                                intermediate_size=config.intermediate_size or target_config.intermediate_size,
                                 out_bias=False, mlp_bias=False, sliding_window=None, architecture="Qwen3ForCausalLM")
     ids = config.target_layer_ids
     if ids is None:
