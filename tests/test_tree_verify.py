@@ -5,6 +5,7 @@ a Markov target) under both, for deterministic top-k, i.i.d. and without-replace
 with negative controls that the same test catches."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from specjax.verify.common import Draws, race_sample
 from specjax.verify.tree import (deepest_path, make_tree_draws, bonus_weights, traversal_weights, verify_tree,
                                  verify_tree_greedy,
                                  verify_tree_traversal, verify_tree_traversal_with_draws, verify_tree_with_draws)
+from specjax.verify.testing import random_verify_inputs
 
 V = 5
 ROOT = 0
@@ -255,3 +257,13 @@ def test_traversal_with_one_hot_drafts_on_scalars_is_the_general_rule_with_one_h
     for got, want in zip(fast, general):
         assert np.mean(np.asarray(got) == np.asarray(want)) > 0.999  # float32 rounding at a test's edge aside
     assert int(fast[1].max()) >= 3
+
+
+def test_traversals_residual_update_is_in_place_at_batch_one():
+    """The compiled pass copies the [1, N + 1, V] residuals once (from the input), not in every step: with
+    the parent's row read in two fused consumers XLA copied it twice a step (docs/performance.md)."""
+    num_nodes, vocab = 8, 64
+    target, tokens, draft, _ = random_verify_inputs(1, num_nodes, vocab, seed=3)
+    parents = jnp.asarray([[-1, 0, 0, 1, 1, 2, 3, 3]], jnp.int32)
+    hlo = jax.jit(traversal_weights).lower(target, tokens, parents, draft).compile().as_text()
+    assert len(re.findall(rf"f32\[1,{num_nodes + 1},{vocab}\]\{{[0-9,]*\}} copy\(", hlo)) == 1

@@ -126,6 +126,9 @@ def traversal_weights(target_probs: Float[Array, "B N1 V"], tokens: Int[Array, "
         slot, token = parents[:, i] + 1, tokens[:, i]
         q = draft_probs[:, i].astype(jnp.float32)
         weight, residual, mass = weights[rows, slot], residuals[rows, slot], masses[rows, slot]
+        # The slot's row is read once, before the write below: fused into several consumers, XLA read
+        # [B, N + 1, V] there and copied it whole each step at B = 1 (docs/performance.md).
+        residual = jax.lax.optimization_barrier(residual)
         p = residual / mass[:, None]
         p_x, q_x = token_probs(p[:, None], token[:, None])[:, 0], token_probs(q[:, None], token[:, None])[:, 0]
         node_weight = jnp.minimum(1.0, weight * p_x / jnp.maximum(q_x, TINY))
