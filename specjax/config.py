@@ -236,6 +236,11 @@ class SpecConfig:
       total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and top_k can fill) that
       `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
       calibration run (specjax.tree_size); the cache has room for the largest.
+    dflash_full_block: method 'dflash' only. False: the drafter runs the anchor and K mask positions (vLLM's
+      meaning of num_speculative_tokens for DFlash). True: it runs its whole trained block (block_size - 1
+      mask positions) and proposes the first K drafts. A drafter trained on full blocks attends over a
+      shorter block it never saw, and drafts worse there (docs/performance.md, "Acceptance: DFlash on the
+      default models"); the full block costs what a short one does where the forward is memory bound.
     """
 
     method: str = "draft_model"
@@ -252,6 +257,7 @@ class SpecConfig:
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
     total_tokens: int | str | None = None
     top_k: int | None = None
+    dflash_full_block: bool = False
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
@@ -312,6 +318,9 @@ class SpecConfig:
                 f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
         if self.kv_cache_dtype is not None:
             dtype_from_name(self.kv_cache_dtype, "SpecConfig.kv_cache_dtype")
+        require(isinstance(self.dflash_full_block, bool) and (not self.dflash_full_block or self.method == "dflash"),
+                "SpecConfig", "dflash_full_block", self.dflash_full_block,
+                f"true or false with method 'dflash', false with method {self.method!r}")
         if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
             raise ConfigError(
                 f"SpecConfig.use_heterogeneous_vocab = True with method {self.method!r} and draft_sample_method "

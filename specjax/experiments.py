@@ -249,15 +249,17 @@ def point_fields(config: RunConfig) -> dict:
             "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature,
             "draft_vocab_size": config.draft_vocab_size,
             "tree_nodes": config.spec.num_draft_nodes if config.spec.drafts_tree else None,
-            "tree_top_k": config.spec.top_k}
+            "tree_top_k": config.spec.top_k, "dflash_full_block": config.spec.dflash_full_block or None}
 
 
 def drafter_name(row: dict) -> str:
-    """The method, with its draft vocabulary's size (FR-Spec) and its draft tree's nodes when set."""
+    """The method, with its draft vocabulary's size (FR-Spec), its draft tree's nodes and DFlash's full block
+    when set."""
     size, nodes, top_k = row.get("draft_vocab_size"), row.get("tree_nodes"), row.get("tree_top_k")
     auto = "auto: " if row.get("tree_size_auto") else ""
     tree = "" if nodes is None else f" ({auto}{nodes}-node tree{'' if top_k is None else f', top-{top_k}'})"
-    return "".join([row["method"], "" if size is None else f" ({size} ids)", tree])
+    full_block = " (full block)" if row.get("dflash_full_block") else ""
+    return "".join([row["method"], "" if size is None else f" ({size} ids)", tree, full_block])
 
 
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")

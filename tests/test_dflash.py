@@ -85,13 +85,18 @@ def test_greedy_speculative_output_is_zlabs(zlab):
     assert result.sequences()[0] == golden["greedy"].tolist()
 
 
-def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab):
+@pytest.mark.parametrize("full_block", [False, True], ids=["K_masks", "full_block"])
+def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab, full_block):
     """Draft probabilities inside the loop's bookkeeping (prefill, propose, accept n, propose) equal the
-    ones of a drafter forward from scratch over the same committed tokens, in both layouts."""
+    ones of a drafter forward from scratch over the same committed tokens, in both layouts: those of a
+    block of K + 1, or with dflash_full_block the first K slots of the drafter's whole block."""
     target, stacked, golden = zlab
     prompt = golden["prompt"].tolist()
+    block_size = stacked.config.block_size if full_block else 5
+    assert stacked.config.block_size > 5  # so that the full block differs from K + 1
     for drafter in (stacked, drafter_to_decoding_layout(stacked)):
-        spec = SpecConfig(method="dflash", num_speculative_tokens=4, draft_sample_method="probabilistic")
+        spec = SpecConfig(method="dflash", num_speculative_tokens=4, draft_sample_method="probabilistic",
+                          dflash_full_block=full_block)
         proposer = build_proposer(spec, SamplingConfig(temperature=1.0), 64, drafter)
         params = proposer.bind(drafter, target)
         positions = jnp.arange(len(prompt))[None]
@@ -104,7 +109,7 @@ def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab):
             padded = jnp.asarray([committed + [0] * 8])
             drafts, probs, state = proposer.propose(params, state, Context(padded, jnp.asarray([len(committed)])),
                                                     jax.random.split(jax.random.key(0), 1))
-            expected = jax.nn.softmax(block_logits(target, stacked, committed, block_size=5), -1)
+            expected = jax.nn.softmax(block_logits(target, stacked, committed, block_size=block_size)[:4], -1)
             np.testing.assert_allclose(np.asarray(probs[0]), expected, atol=1e-5, rtol=0)
             block = [committed[-1]] + np.asarray(drafts[0]).tolist()
             start = len(committed) - 1
@@ -143,6 +148,9 @@ def test_bad_drafters_and_settings_are_refused(zlab, tmp_path):
     with pytest.raises(UnsupportedSpeculation, match=r"num_speculative_tokens = 8 .*allowed 1..7"):
         generate(target, [[3, 4]], max_new_tokens=4, spec=SpecConfig(method="dflash", num_speculative_tokens=8),
                  drafter=drafter)
+    with pytest.raises(ValueError, match=r"SpecConfig.dflash_full_block = True is invalid: allowed true or false "
+                                         r"with method 'dflash', false with method 'eagle'"):
+        SpecConfig(method="eagle", dflash_full_block=True)
     with pytest.raises(ValueError, match=r"DFlashConfig.target_layer_ids = \(0, 4\) is invalid: allowed layers 0..3"):
         dataclasses.replace(drafter.config, target_layer_ids=(0, 4))
     with pytest.raises(ValueError, match=r"DFlashConfig.mask_token_id = 128 is invalid"):

@@ -108,6 +108,7 @@ GREEDY_CASES = [
     # One forward drafts the block; K up to the block's 15. The fixture target is random, and a drafter
     # trained on its text accepts little (tests/test_train_dflash.py trains one for a target with structure).
     *(greedy_case("dflash", k, accepts_sometimes) for k in (4, 8, 15)),
+    greedy_case("dflash", 4, accepts_sometimes, tag="full_block", dflash_full_block=True),
     greedy_case("dflash", 8, accepts_sometimes, requests="ragged16", attention_kernel=True, tag="attention_kernel"),
     greedy_case("dflash_fr", 8, emits_ids_the_head_cannot_draft),
     *(greedy_case("ngram", k, accepts_sometimes, requests="repeating", tag=f"lookup{lo}to{hi}",

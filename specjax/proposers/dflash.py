@@ -4,8 +4,9 @@ The drafter's cache holds one context feature per committed token but the last (
 in every layer: specjax.models.dflash). After a verify step the features of the verify block's
 positions 0..n (the last committed token and the n accepted drafts) are pending; the next propose
 writes them as a fixed window of K + 1 at the row's fill level, of which the first n + 1 count, then
-runs the block [last committed token, K mask tokens] at the slots after them, non-causally, which
-also overwrites the window's unused part. The block's own keys and values are dropped by resetting
+runs the block [last committed token, M mask tokens] at the slots after them, non-causally, which
+also overwrites the window's unused part (M = K, or block_size - 1 with SpecConfig.dflash_full_block,
+of which the first K drafts are proposed). The block's own keys and values are dropped by resetting
 the fill level. The block's slot i (i >= 1) gives draft i; the drafts are drawn independently, each
 from its slot's distribution, which is what the verifier's draft_probs are.
 """
@@ -90,6 +91,11 @@ class DFlashProposer(Proposer):
                 f"SpecConfig.num_speculative_tokens = {num_draft} is more than this DFlash drafter's block holds: "
                 f"allowed 1..{block_size - 1} (block_size - 1)")
 
+    def num_masks(self, drafter: DFlashDrafter) -> int:
+        """Mask positions of the drafted block: K, or the drafter's whole block."""
+        spec = self.settings.spec
+        return drafter.config.block_size - 1 if spec.dflash_full_block else spec.num_speculative_tokens
+
     def bind(self, params: DFlashDrafter, target: Transformer) -> DFlashParams:
         embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
         ids = params.draft_to_target
@@ -107,7 +113,8 @@ class DFlashProposer(Proposer):
         drafter, width = params.drafter, self.settings.spec.num_speculative_tokens + 1
         hidden = target_out.hidden  # over the padded prompt
         batch, num_positions = hidden.final.shape[:2]
-        cache = drafter.create_cache(batch, self.settings.cache_size + width, self.settings.cache_dtype)
+        room = max(width, self.num_masks(drafter) + 1)  # for the pending window and for the block
+        cache = drafter.create_cache(batch, self.settings.cache_size + room, self.settings.cache_dtype)
         positions = jnp.broadcast_to(jnp.arange(num_positions, dtype=jnp.int32), (batch, num_positions))
         cache = drafter.write_context(drafter.context(hidden), positions, cache)
         pending = jax.tree.map(lambda x: jnp.zeros((*x.shape[:-2], width, x.shape[-1]), x.dtype), hidden)
@@ -123,10 +130,11 @@ class DFlashProposer(Proposer):
         offsets = jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
         cache = drafter.write_context(drafter.context(state.pending), cache.lengths[:, None] + offsets, cache)
         cache = cache.with_lengths(anchor_slot)  # the window's unused part is overwritten by the block
-        block = jnp.full((rows.shape[0], num_draft + 1), drafter.config.mask_token_id, jnp.int32)
+        block_offsets = jnp.arange(self.num_masks(drafter) + 1, dtype=jnp.int32)[None, :]
+        block = jnp.full((rows.shape[0], block_offsets.shape[1]), drafter.config.mask_token_id, jnp.int32)
         block = block.at[:, 0].set(context.tokens[rows, anchor_slot])
-        hidden, cache = drafter(block, anchor_slot[:, None] + offsets, cache, params.embed)
-        logits = self.logits(params, hidden[:, 1:])  # [B, K, V]
+        hidden, cache = drafter(block, anchor_slot[:, None] + block_offsets, cache, params.embed)
+        logits = self.logits(params, hidden[:, 1:num_draft + 1])  # [B, K, V]
         slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
         drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings), in_axes=(1, 1),
                                        out_axes=(1, 1))(logits, slot_keys)
