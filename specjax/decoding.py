@@ -6,7 +6,10 @@ length to buckets (so a new prompt length in the same bucket reuses the compiled
 while loop that emits a token per active row per step until every row has hit EOS or its budget.
 
 Row b samples its i-th new token with `fold_in(key(seed_b), i)`, so a row's output depends on its
-seed and prompt only, never on what else is in the batch.
+seed, prompt and sampling settings only, never on what else is in the batch. Sampling settings are
+per-row data (specjax.verify.sampling), and so is the choice of lossless verifier: one compiled loop
+serves a drafter's whole grid of them. The loops are made of `prefill` / `decode_step` and
+`speculative_init` / `speculative_step`, which the serving engine (specjax.engine) runs too.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from specjax.models.transformer import Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
 from specjax import draft_tree, sharding, tree_size
 from specjax.sharding import BATCH, constrain
-from specjax.verify import tree_verifier_for, verifier_for, verifier_name
-from specjax.verify.sampling import processed_probs, sample
+from specjax.verify import SYNTHETIC, Verifier, lossless_verifiers, method_index, verify_drafts
+from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams, sample
 
 MIN_PROMPT_BUCKET = 16
 CACHE_ALIGNMENT = 64
@@ -43,18 +46,24 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("tokens", "lengths", "num_generated", "done", "cache"), meta_fields=())
+                   data_fields=("tokens", "lengths", "num_generated", "done", "cache", "budgets", "keys", "sampling"),
+                   meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
+    """Every row's decoding state; each field has the batch on its first axis (the cache: KVCache's)."""
+
     tokens: Int[Array, "B S"]  # prompt followed by the generated tokens
     lengths: Int[Array, " B"]  # tokens in `tokens`; the last one is not yet in the cache
     num_generated: Int[Array, " B"]
-    done: Bool[Array, " B"]
+    done: Bool[Array, " B"]  # hit EOS or its budget (padding rows and free engine slots are done)
     cache: KVCache
+    budgets: Int[Array, " B"]  # new tokens the row may emit
+    keys: PRNGKeyArray  # the row's seed key: every draw of the row derives from it (split_streams)
+    sampling: SamplingParams  # the row's temperature, top-k, top-p
 
 
-def _commit(state: DecodeState, block: Int[Array, "B W"], num_candidates: Int[Array, " B"],
-            budgets: Int[Array, " B"], eos_token_ids: tuple[int, ...]) -> tuple[DecodeState, Int[Array, " B"]]:
+def commit(state: DecodeState, block: Int[Array, "B W"], num_candidates: Int[Array, " B"],
+           eos_token_ids: tuple[int, ...]) -> tuple[DecodeState, Int[Array, " B"]]:
     """Appends the first num_candidates[b] tokens of block to each active row, cut after the first
     EOS and at the row's budget; marks rows that hit either as done. Returns the tokens kept."""
     active = ~state.done
@@ -64,7 +73,7 @@ def _commit(state: DecodeState, block: Int[Array, "B W"], num_candidates: Int[Ar
     is_eos = jnp.isin(block, jnp.asarray(eos_token_ids, jnp.int32)) if eos_token_ids else jnp.zeros_like(candidate)
     eos_at = jnp.argmax(is_eos & candidate, axis=1)  # first EOS (0 if none, then masked below)
     has_eos = jnp.any(is_eos & candidate, axis=1)
-    room = budgets - state.num_generated
+    room = state.budgets - state.num_generated
     kept = jnp.minimum(jnp.minimum(num_candidates, room), jnp.where(has_eos, eos_at + 1, width))
     kept = jnp.where(active, kept, 0)
     # Tokens not kept are written out of bounds, which a scatter drops.
@@ -72,15 +81,29 @@ def _commit(state: DecodeState, block: Int[Array, "B W"], num_candidates: Int[Ar
     tokens = state.tokens.at[jnp.arange(block.shape[0])[:, None], slots].set(block)
     num_generated = state.num_generated + kept
     stopped_at_eos = has_eos & (eos_at < kept)
-    done = state.done | (active & (stopped_at_eos | (num_generated >= budgets)))
+    done = state.done | (active & (stopped_at_eos | (num_generated >= state.budgets)))
     return dataclasses.replace(state, tokens=tokens, lengths=state.lengths + kept,
                                num_generated=num_generated, done=done), kept
 
 
-def _prefill(model: Transformer, prompt_tokens, prompt_lengths, budgets, token_keys, *, sampling, eos_token_ids,
-             cache_size, cache_dtype, hidden_layers=()) -> tuple[DecodeState, TargetOutput]:
-    """Runs every prompt through the model in one call and emits the first new token of each row,
-    drawn with fold_in(token_keys[b], 0) in both loops."""
+def split_streams(keys: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray]:
+    """Two independent key streams per row: one for tokens sampled from the target alone (indexed by
+    the token's number), one for speculative steps (indexed by the row's step number)."""
+    streams = jax.vmap(jax.random.split)(keys)
+    return streams[:, 0], streams[:, 1]
+
+
+def token_keys(state: DecodeState) -> PRNGKeyArray:
+    """The keys that draw each row's next token from the target alone."""
+    return jax.vmap(jax.random.fold_in)(split_streams(state.keys)[0], state.num_generated)
+
+
+def prefill(model: Transformer, prompt_tokens: Int[Array, "B T"], prompt_lengths: Int[Array, " B"],
+            budgets: Int[Array, " B"], keys: PRNGKeyArray, sampling: SamplingParams, *, mode: SamplingMode,
+            eos_token_ids: tuple[int, ...], cache_size: int, cache_dtype: str | None,
+            hidden_layers: tuple[int, ...] = ()) -> tuple[DecodeState, TargetOutput]:
+    """Runs every (right-padded) prompt through the model in one call and emits the first new token of
+    each row, drawn with fold_in(its token stream, 0) in both loops. Budgets may be 0 (padding rows)."""
     batch, prompt_len = prompt_tokens.shape
     rows = jnp.arange(batch)
     cache = model.create_cache(batch, cache_size, cache_dtype and DTYPES[cache_dtype])
@@ -89,49 +112,44 @@ def _prefill(model: Transformer, prompt_tokens, prompt_lengths, budgets, token_k
     logits = model.unembed(hidden.final[rows, prompt_lengths - 1])
     tokens = constrain(jnp.zeros((batch, cache_size), jnp.int32), BATCH).at[:, :prompt_len].set(prompt_tokens)
     state = DecodeState(tokens=tokens, lengths=prompt_lengths, num_generated=jnp.zeros_like(budgets),
-                        done=budgets <= 0, cache=cache.with_lengths(prompt_lengths))
-    first = sample(logits, jax.vmap(jax.random.fold_in)(token_keys, state.num_generated), sampling)
-    state, _ = _commit(state, first[:, None], jnp.ones_like(budgets), budgets, eos_token_ids)
+                        done=budgets <= 0, cache=cache.with_lengths(prompt_lengths), budgets=budgets, keys=keys,
+                        sampling=sampling)
+    first = sample(logits, token_keys(state), sampling, mode)
+    state, _ = commit(state, first[:, None], jnp.ones_like(budgets), eos_token_ids)
     return state, TargetOutput(logits=None, hidden=hidden)
 
 
-def _split_streams(keys: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray]:
-    """Two independent key streams per row: one for tokens sampled from the target alone (indexed by
-    the token's number), one for speculative steps (indexed by the step's number)."""
-    streams = jax.vmap(jax.random.split)(keys)
-    return streams[:, 0], streams[:, 1]
+def decode_step(model: Transformer, state: DecodeState, *, mode: SamplingMode,
+                eos_token_ids: tuple[int, ...]) -> DecodeState:
+    """One autoregressive token for every active row."""
+    rows = jnp.arange(state.tokens.shape[0])
+    last = state.tokens[rows, state.lengths - 1]
+    logits, _, cache = model(last[:, None], (state.lengths - 1)[:, None], state.cache)
+    cache = cache.with_lengths(jnp.where(state.done, state.cache.lengths, cache.lengths))
+    token = sample(logits[:, 0], token_keys(state), state.sampling, mode)
+    state, _ = commit(dataclasses.replace(state, cache=cache), token[:, None], jnp.ones_like(state.budgets),
+                      eos_token_ids)
+    return state
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "eos_token_ids", "cache_size", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("mode", "eos_token_ids", "cache_size", "cache_dtype"))
 def decode_loop(
     model: Transformer,
     prompt_tokens: Int[Array, "B T"],
     prompt_lengths: Int[Array, " B"],
     budgets: Int[Array, " B"],
     keys: PRNGKeyArray,
+    sampling: SamplingParams,
     *,
-    sampling: SamplingConfig,
+    mode: SamplingMode,
     eos_token_ids: tuple[int, ...],
     cache_size: int,
     cache_dtype: str | None = None,
 ) -> DecodeState:
-    """Autoregressive prefill and decode as one program. Prompts are right-padded; budgets may be 0
-    (padding rows)."""
-    token_keys, _ = _split_streams(keys)
-    state, _ = _prefill(model, prompt_tokens, prompt_lengths, budgets, token_keys, sampling=sampling,
-                        eos_token_ids=eos_token_ids, cache_size=cache_size, cache_dtype=cache_dtype)
-    rows = jnp.arange(prompt_tokens.shape[0])
-
-    def step(state: DecodeState) -> DecodeState:
-        last = state.tokens[rows, state.lengths - 1]
-        logits, _, cache = model(last[:, None], (state.lengths - 1)[:, None], state.cache)
-        cache = cache.with_lengths(jnp.where(state.done, state.cache.lengths, cache.lengths))
-        step_keys = jax.vmap(jax.random.fold_in)(token_keys, state.num_generated)
-        token = sample(logits[:, 0], step_keys, sampling)
-        state, _ = _commit(dataclasses.replace(state, cache=cache), token[:, None], jnp.ones_like(budgets),
-                           budgets, eos_token_ids)
-        return state
-
+    """Autoregressive prefill and decode as one program: rows of any sampling settings that `mode` covers."""
+    state, _ = prefill(model, prompt_tokens, prompt_lengths, budgets, keys, sampling, mode=mode,
+                       eos_token_ids=eos_token_ids, cache_size=cache_size, cache_dtype=cache_dtype)
+    step = functools.partial(decode_step, model, mode=mode, eos_token_ids=eos_token_ids)
     return jax.lax.while_loop(lambda state: ~jnp.all(state.done), step, state)
 
 
@@ -144,7 +162,71 @@ class SpecState:
     counters: AcceptanceCounters
 
 
-@functools.partial(jax.jit, static_argnames=("proposer", "eos_token_ids", "cache_dtype", "gather_logits"))
+def speculative_init(model: Transformer, draft_params: Any, prompt_tokens: Int[Array, "B T"],
+                     prompt_lengths: Int[Array, " B"], budgets: Int[Array, " B"], keys: PRNGKeyArray,
+                     sampling: SamplingParams, *, proposer: Proposer, eos_token_ids: tuple[int, ...],
+                     cache_dtype: str | None = None) -> SpecState:
+    """The target's prefill, its first token, and the proposer's state for it."""
+    decode, target_out = prefill(model, prompt_tokens, prompt_lengths, budgets, keys, sampling,
+                                 mode=proposer.settings.sampling, eos_token_ids=eos_token_ids,
+                                 cache_size=proposer.settings.cache_size, cache_dtype=cache_dtype,
+                                 hidden_layers=proposer.hidden_layers)
+    # The proposer sees each prompt followed by the prefill's token: tokens[b, :lengths[b]].
+    committed = decode.tokens[:, :prompt_tokens.shape[1] + 1]
+    return SpecState(decode=decode, proposer=proposer.init(draft_params, committed, decode.lengths, target_out),
+                     counters=AcceptanceCounters.zeros(prompt_tokens.shape[0],
+                                                       proposer.settings.spec.num_speculative_tokens))
+
+
+def speculative_step(model: Transformer, draft_params: Any, state: SpecState, method: Int[Array, ""], *,
+                     proposer: Proposer, verifiers: tuple[Verifier, ...], eos_token_ids: tuple[int, ...],
+                     gather_logits: bool = False) -> SpecState:
+    """One speculative step of every active row: propose K drafts, score the last committed token and
+    the drafts in one target forward over K + 1 positions, verify (rule verifiers[method] for sampled
+    rows), commit the accepted drafts plus one target token, and roll both caches back by their lengths."""
+    spec, num_draft = proposer.settings.spec, proposer.settings.spec.num_speculative_tokens
+    decode, active = state.decode, ~state.decode.done
+    batch = decode.tokens.shape[0]
+    rows = jnp.arange(batch)
+    step_keys = jax.vmap(jax.random.fold_in)(split_streams(decode.keys)[1], state.counters.steps)
+    draft_keys, verify_keys = split_streams(step_keys)
+    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
+    draft_tokens, draft_probs, proposer_state = proposer.propose(draft_params, state.proposer, context, draft_keys)
+
+    last = decode.tokens[rows, decode.lengths - 1]
+    block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1], or [B, N + 1] for a tree
+    fill = decode.cache.lengths  # the block's first slot: the last committed token is not cached yet
+    row_parents = proposer.tree_parents(proposer_state, batch)
+    if row_parents is None:
+        positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
+    else:  # each node sees the cache, the root and its ancestors, at position fill + depth
+        positions = draft_tree.block_positions(row_parents, fill)
+        mask = draft_tree.tree_mask(row_parents)
+    logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
+                                  attention_mask=mask)
+    if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
+        logits = constrain(logits, BATCH)
+    synthetic_rates = spec.synthetic_rates if spec.rejection_sample_method == SYNTHETIC else None
+    path, num_accepted, next_token = verify_drafts(
+        logits, draft_tokens, draft_probs, verify_keys, row_parents, sampling=decode.sampling,
+        mode=proposer.settings.sampling, verifiers=verifiers, method=method, synthetic_rates=synthetic_rates)
+    if path is not None:  # the accepted path into contiguous slots; from here on it reads as a chain
+        path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
+        cache = draft_tree.move_path(cache, fill, path, num_accepted)
+        draft_tokens = jnp.take_along_axis(draft_tokens, jnp.maximum(path, 0), axis=1)
+        logits, hidden = draft_tree.along_path((logits, hidden), path)
+
+    # The target cache keeps the last committed token and the accepted drafts: rollback is lengths.
+    cache = cache.with_lengths(jnp.where(active, decode.lengths + num_accepted, decode.cache.lengths))
+    emitted = jnp.concatenate([draft_tokens, jnp.zeros_like(last)[:, None]], axis=1)
+    emitted = emitted.at[rows, num_accepted].set(next_token)
+    decode, kept = commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, eos_token_ids)
+    target_out = TargetOutput(logits=logits, hidden=hidden, path=path)
+    return SpecState(decode=decode, proposer=proposer.accept(proposer_state, num_accepted, next_token, target_out),
+                     counters=state.counters.update(active, num_accepted, kept))
+
+
+@functools.partial(jax.jit, static_argnames=("proposer", "verifiers", "eos_token_ids", "cache_dtype", "gather_logits"))
 def speculative_loop(
     model: Transformer,
     draft_params: Any,
@@ -152,75 +234,36 @@ def speculative_loop(
     prompt_lengths: Int[Array, " B"],
     budgets: Int[Array, " B"],
     keys: PRNGKeyArray,
+    sampling: SamplingParams,
+    method: Int[Array, ""] | int = 0,
     *,
     proposer: Proposer,
+    verifiers: tuple[Verifier, ...] | None = None,
     eos_token_ids: tuple[int, ...],
     cache_dtype: str | None = None,
     gather_logits: bool = False,
 ) -> SpecState:
-    """Speculative prefill and decode as one program: each step proposes K drafts, scores the last
-    committed token and the drafts in one target forward over K + 1 positions, verifies, commits
-    the accepted drafts plus one target token, and rolls both caches back by their lengths.
-    draft_params: the drafter's weights as proposer.bind made them (the protocol's `params`)."""
-    settings = proposer.settings
-    sampling, num_draft = settings.sampling, settings.spec.num_speculative_tokens
-    verifier = verifier_for(settings.spec, sampling)
-    # A draft tree's verifier (specjax.draft_tree); None for a chain.
-    tree_verifier = tree_verifier_for(settings.spec, sampling) if settings.spec.drafts_tree else None
-    scores_are_logits = verifier_name(settings.spec, sampling) == "greedy"
-    token_keys, step_keys = _split_streams(keys)
-    decode, target_out = _prefill(model, prompt_tokens, prompt_lengths, budgets, token_keys, sampling=sampling,
-                                  eos_token_ids=eos_token_ids, cache_size=settings.cache_size,
-                                  cache_dtype=cache_dtype, hidden_layers=proposer.hidden_layers)
-    batch = prompt_tokens.shape[0]
-    rows = jnp.arange(batch)
-    # The proposer sees each prompt followed by the prefill's token: tokens[b, :lengths[b]].
-    committed = decode.tokens[:, :prompt_tokens.shape[1] + 1]
-    state = SpecState(decode=decode, proposer=proposer.init(draft_params, committed, decode.lengths, target_out),
-                      counters=AcceptanceCounters.zeros(batch, num_draft))
-
-    def step(state: SpecState) -> SpecState:
-        decode, active = state.decode, ~state.decode.done
-        keys = jax.vmap(jax.random.fold_in)(step_keys, state.counters.steps)
-        draft_keys, verify_keys = _split_streams(keys)
-        context = Context(tokens=decode.tokens, lengths=decode.lengths)
-        draft_tokens, draft_probs, proposer_state = proposer.propose(draft_params, state.proposer, context, draft_keys)
-
-        last = decode.tokens[rows, decode.lengths - 1]
-        block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1], or [B, N + 1] for a tree
-        fill = decode.cache.lengths  # the block's first slot: the last committed token is not cached yet
-        row_parents = proposer.tree_parents(proposer_state, batch)
-        if row_parents is None:
-            positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
-        else:  # each node sees the cache, the root and its ancestors, at position fill + depth
-            positions = draft_tree.block_positions(row_parents, fill)
-            mask = draft_tree.tree_mask(row_parents)
-        logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
-                                      attention_mask=mask)
-        if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
-            logits = constrain(logits, BATCH)
-        scores = logits if scores_are_logits else processed_probs(logits, sampling)
-        if row_parents is None:
-            num_accepted, next_token = verifier(scores, draft_tokens, draft_probs, verify_keys)
-        else:  # the accepted path into contiguous slots; from here on it reads as a chain
-            path, num_accepted, next_token = tree_verifier(scores, draft_tokens, row_parents, draft_probs, verify_keys)
-            path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
-            cache = draft_tree.move_path(cache, fill, path, num_accepted)
-            draft_tokens = jnp.take_along_axis(draft_tokens, jnp.maximum(path, 0), axis=1)
-            logits, hidden = draft_tree.along_path((logits, hidden), path)
-
-        # The target cache keeps the last committed token and the accepted drafts: rollback is lengths.
-        cache = cache.with_lengths(jnp.where(active, decode.lengths + num_accepted, decode.cache.lengths))
-        emitted = jnp.concatenate([draft_tokens, jnp.zeros_like(last)[:, None]], axis=1)
-        emitted = emitted.at[rows, num_accepted].set(next_token)
-        decode, kept = _commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, budgets,
-                               eos_token_ids)
-        target_out = TargetOutput(logits=logits, hidden=hidden, path=None if row_parents is None else path)
-        return SpecState(decode=decode,
-                         proposer=proposer.accept(proposer_state, num_accepted, next_token, target_out),
-                         counters=state.counters.update(active, num_accepted, kept))
-
+    """Speculative prefill and decode as one program (speculative_init, then speculative_step until
+    every row is done). draft_params: the drafter's weights as proposer.bind made them (the protocol's
+    `params`); sampling: per-row settings that proposer.settings.sampling covers; method: the index in
+    `verifiers` (default: specjax.verify.lossless_verifiers of the proposer's spec) of the rule for sampled
+    rows (specjax.verify.method_index)."""
+    verifiers = verifiers if verifiers is not None else lossless_verifiers(proposer.settings.spec)
+    state = speculative_init(model, draft_params, prompt_tokens, prompt_lengths, budgets, keys, sampling,
+                             proposer=proposer, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype)
+    step = functools.partial(speculative_step, model, draft_params, method=method, proposer=proposer,
+                             verifiers=verifiers, eos_token_ids=eos_token_ids, gather_logits=gather_logits)
     return jax.lax.while_loop(lambda state: ~jnp.all(state.decode.done), step, state)
+
+
+def static_spec(spec: SpecConfig, mode: SamplingMode) -> SpecConfig:
+    """spec with what the loop takes as data normalised away, so that one program serves every value of it:
+    the lossless rule (an argument of the loop) and, for all-greedy rows, the block implementation."""
+    if spec.rejection_sample_method != SYNTHETIC:
+        spec = dataclasses.replace(spec, rejection_sample_method="standard")
+    if not mode.sampled:
+        spec = dataclasses.replace(spec, verify_impl="auto")
+    return spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,12 +343,26 @@ def pad_request(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
                        cache_size=cache_size, batch_size=batch)
 
 
+def loop_arrays(request: PaddedBatch, sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig()
+                ) -> tuple[tuple, SamplingMode]:
+    """The loops' array arguments (tokens, lengths, budgets, keys, sampling params) for a padded request
+    whose rows all sample with one SamplingConfig or each with its own, and the mode that covers them."""
+    configs = [sampling] * request.batch_size if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(configs) != request.batch_size:
+        raise ValueError(f"sampling has {len(configs)} settings for {request.batch_size} prompts: allowed one "
+                         "SamplingConfig, or one per prompt")
+    args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
+            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)),
+            jax.tree.map(jnp.asarray, SamplingParams.of(configs, len(request.lengths))))
+    return args, SamplingMode.of(configs)
+
+
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int | Sequence[int],
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
     eos_token_ids: Sequence[int] = (),
     seeds: int | Sequence[int] = 0,
     cache_size: int | None = None,
@@ -318,8 +375,9 @@ def generate(
     """Generation for a batch of ragged prompts (lists of token ids): autoregressive, or speculative
     when `spec` is given (`drafter` is then the proposer's weights, e.g. the draft Transformer).
 
-    max_new_tokens and seeds are one value or one per prompt. A row stops after its budget or at the
-    first EOS (which is kept in its output). cache_size defaults to what the padded request needs.
+    max_new_tokens, sampling and seeds are one value or one per prompt (rows of different sampling
+    settings run in one program). A row stops after its budget or at the first EOS (which is kept in
+    its output). cache_size defaults to what the padded request needs.
     mesh (specjax.sharding.make_mesh) runs the same program over several devices: weights split by
     specjax.sharding's rules (placed once: pass models already `sharding.shard`ed to skip the check),
     rows over the data axis. The verifier then works on vocabulary-split logits, or, with
@@ -333,19 +391,16 @@ def generate(
     lookahead = 0 if spec is None else spec.num_draft_nodes + 1
     request = pad_request(model, prompts, max_new_tokens, seeds, cache_size, lookahead,
                           batch_multiple=1 if mesh is None else mesh.shape[sharding.DATA])
-    args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
-            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+    args, mode = loop_arrays(request, sampling)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         if mesh is not None:
             model, args = sharding.shard(model, mesh), sharding.put(args, mesh)
         if spec is None:
-            state = decode_loop(model, *args, sampling=sampling, eos_token_ids=eos_token_ids,
+            state = decode_loop(model, *args, mode=mode, eos_token_ids=eos_token_ids,
                                 cache_size=request.cache_size, cache_dtype=cache_dtype)
             return _result(state, request, eos_token_ids)
-        if verifier_name(spec, sampling) == "greedy":  # every lossless verifier: one program at T = 0
-            spec = dataclasses.replace(spec, rejection_sample_method="standard", verify_impl="auto")
         run = functools.partial(run_speculative, model, drafter, args, cache_size=request.cache_size,
-                                sampling=sampling, mesh=mesh, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype,
+                                mode=mode, mesh=mesh, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype,
                                 gather_logits=gather_logits)
         choice = None
         if spec.total_tokens == "auto":
@@ -357,21 +412,23 @@ def generate(
 
 
 def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecConfig, *, cache_size: int,
-                    sampling: SamplingConfig = SamplingConfig(), mesh: Mesh | None = None,
-                    eos_token_ids: tuple[int, ...] = (), cache_dtype: str | None = None, gather_logits: bool = False,
+                    mode: SamplingMode = GREEDY, mesh: Mesh | None = None, eos_token_ids: tuple[int, ...] = (),
+                    cache_dtype: str | None = None, gather_logits: bool = False,
                     max_new_tokens: int | None = None) -> tuple[SpecState, Proposer]:
     """(the speculative loop's final SpecState, its proposer) for a padded request's device arrays
-    args = (tokens, lengths, budgets, keys), each row's budget capped at max_new_tokens when given; the
-    model (and args) already placed on the mesh when one is given. generate's speculative path."""
-    proposer = build_proposer(spec, sampling, cache_size, drafter)
+    args = (tokens, lengths, budgets, keys, sampling params), each row's budget capped at max_new_tokens
+    when given; mode covers the rows' sampling settings; the model (and args) already placed on the mesh
+    when one is given. generate's speculative path."""
+    proposer = build_proposer(static_spec(spec, mode), mode, cache_size, drafter)
     proposer.check(drafter, model.config)
     draft_params = proposer.bind(drafter, model)
     if mesh is not None:
         draft_params = sharding.shard(draft_params, mesh)
-    tokens, lengths, budgets, keys = args
+    tokens, lengths, budgets, keys, sampling = args
     if max_new_tokens is not None:
         budgets = jnp.minimum(budgets, max_new_tokens)
-    state = speculative_loop(model, draft_params, tokens, lengths, budgets, keys, proposer=proposer,
+    state = speculative_loop(model, draft_params, tokens, lengths, budgets, keys, sampling,
+                             jnp.int32(method_index(spec)), proposer=proposer, verifiers=lossless_verifiers(spec),
                              eos_token_ids=eos_token_ids, cache_dtype=cache_dtype, gather_logits=gather_logits)
     return state, proposer
 

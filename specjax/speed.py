@@ -25,12 +25,13 @@ import numpy as np
 
 from specjax import benchmarking
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
-from specjax.decoding import decode_loop, pad_request, speculative_loop
+from specjax.decoding import decode_loop, loop_arrays, pad_request, speculative_loop
 from specjax.models.dflash import (DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, init_dflash,
                                    with_draft_vocabulary)
 from specjax.models.eagle import EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle
 from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers.base import build_proposer
+from specjax.verify.sampling import SamplingMode
 
 DRAFTERS = {"eagle": "EAGLE-1 head", "eagle_fr": "EAGLE-1 head over 32000 draft ids (FR-Spec)",
             "eagle3": "EAGLE-3 head", "draft_model": "Llama-3.2-1B-shaped draft LM",
@@ -90,9 +91,7 @@ def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahe
     """decode_loop's array arguments for `batch` random prompts of prompt_len tokens (seeded by the shape)."""
     rng = np.random.default_rng(batch * 7919 + prompt_len)
     prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
-    request = pad_request(model, prompts, new_tokens, 0, cache_size, lookahead)
-    return (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
-            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+    return loop_arrays(pad_request(model, prompts, new_tokens, 0, cache_size, lookahead))[0]
 
 
 def synthetic_spec(drafter: str, tau: float, num_draft: int, total_tokens: int | None = None,
@@ -105,7 +104,7 @@ def synthetic_spec(drafter: str, tau: float, num_draft: int, total_tokens: int |
 
 def autoregressive_run(target, cache_size: int):
     """run(args) -> the final DecodeState of greedy autoregressive decoding of generation_args."""
-    return lambda args: decode_loop(target, *args, sampling=GREEDY, eos_token_ids=(), cache_size=cache_size)
+    return lambda args: decode_loop(target, *args, mode=SamplingMode(), eos_token_ids=(), cache_size=cache_size)
 
 
 def speculative_run(target, weights, spec: SpecConfig, cache_size: int, final_state: bool = False):

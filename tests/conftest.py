@@ -44,13 +44,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig  # noqa: E402
-from specjax.decoding import generate, pad_request  # noqa: E402
+from specjax.decoding import generate, loop_arrays, pad_request, static_spec  # noqa: E402
 from specjax.models import hf  # noqa: E402
 from specjax.models.dflash import DFlashConfig, DFlashDrafter, init_dflash  # noqa: E402
 from specjax.models.eagle import EagleConfig, init_eagle, with_draft_vocabulary  # noqa: E402
 from specjax.models.medusa import MedusaConfig, init_medusa  # noqa: E402
 from specjax.models.transformer import init_model  # noqa: E402
 from specjax.proposers import build_proposer  # noqa: E402
+from specjax.verify import lossless_verifiers, method_index  # noqa: E402
 from specjax.verify.sampling import processed_probs  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -260,10 +261,10 @@ def speculative_loop_args(target, drafter, prompts, max_new_tokens, spec: SpecCo
     """(args, static keyword arguments) of `decoding.speculative_loop` for a request, as generate builds
     them (the proposer built for the drafter, its weights bound to the target)."""
     request = pad_request(target, prompts, max_new_tokens, lookahead=spec.num_draft_nodes + 1)
-    proposer = build_proposer(spec, sampling, request.cache_size, drafter)
-    args = (target, proposer.bind(drafter, target), jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-            jnp.asarray(request.budgets), jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
-    return args, dict(proposer=proposer, eos_token_ids=tuple(eos_token_ids))
+    arrays, mode = loop_arrays(request, sampling)
+    proposer = build_proposer(static_spec(spec, mode), mode, request.cache_size, drafter)
+    args = (target, proposer.bind(drafter, target), *arrays, jnp.int32(method_index(spec)))
+    return args, dict(proposer=proposer, verifiers=lossless_verifiers(spec), eos_token_ids=tuple(eos_token_ids))
 
 
 # ------------------------------------------------------------------- the target, drafts and requests
@@ -395,13 +396,23 @@ def exact_joint(model, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> 
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+def joint_counts_by_sampling(spec: SpecConfig, samplings, drafter, prompt: list[int] = PROMPT, greedy_rows: int = 0):
+    """Counts of the first NUM_TOKENS tokens from the tiny target, NUM_ROWS rows for each of `samplings`,
+    all in one batch (one program: the settings are data) with `greedy_rows` greedy rows among them.
+    Returns ([counts per sampling], metrics of the whole batch, the greedy rows' tokens [greedy_rows, N])."""
+    configs = [SamplingConfig()] * greedy_rows + [s for s in samplings for _ in range(NUM_ROWS)]
+    result = generate(tiny_pair()[0], [prompt] * len(configs), max_new_tokens=NUM_TOKENS, sampling=configs,
+                      seeds=np.arange(len(configs)), cache_size=32, spec=spec, drafter=drafter)
+    assert (result.num_generated == NUM_TOKENS).all()
+    codes = np.ravel_multi_index(result.tokens[greedy_rows:].T, (TINY.vocab_size,) * NUM_TOKENS)
+    counts = [np.bincount(part, minlength=TINY.vocab_size ** NUM_TOKENS) for part in np.split(codes, len(samplings))]
+    return counts, result.metrics, result.tokens[:greedy_rows]
+
+
 def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig, drafter, prompt: list[int] = PROMPT):
     """Counts of the first NUM_TOKENS tokens over NUM_ROWS rows (one batch) from the tiny target."""
-    result = generate(tiny_pair()[0], [prompt] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sampling,
-                      seeds=np.arange(NUM_ROWS), cache_size=32, spec=spec, drafter=drafter)
-    assert (result.num_generated == NUM_TOKENS).all()
-    codes = np.ravel_multi_index(result.tokens.T, (TINY.vocab_size,) * NUM_TOKENS)
-    return np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS), result.metrics
+    counts, metrics, _ = joint_counts_by_sampling(spec, [sampling], drafter, prompt)
+    return counts[0], metrics
 
 
 # ------------------------------------------------------------------------------------------ drafters

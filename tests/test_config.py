@@ -7,7 +7,7 @@ import pytest
 from specjax.config import ConfigError, HeadTrainConfig, ModelConfig, RopeScaling, SamplingConfig, SpecConfig, \
     dtype_from_name
 from specjax.proposers import build_proposer
-from specjax.verify import verifier_for
+from specjax.verify import check_method
 
 BASE = dict(vocab_size=32, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=4,
             intermediate_size=32)
@@ -61,7 +61,7 @@ def test_bad_head_train_config_names_the_field(changes, message):
     (dict(method="lookahead"), lambda spec: build_proposer(spec, SamplingConfig(), cache_size=16),
      r"SpecConfig.method = 'lookahead' is invalid: allowed one of \['dflash', 'draft_model', 'eagle', 'eagle3', "
      r"'medusa', 'ngram'\]"),
-    (dict(rejection_sample_method="typical"), lambda spec: verifier_for(spec, SamplingConfig()),
+    (dict(rejection_sample_method="typical"), check_method,
      r"SpecConfig.rejection_sample_method = 'typical' is invalid: allowed one of \('standard', 'block', "
      r"'synthetic'\)"),
 ])

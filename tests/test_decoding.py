@@ -10,7 +10,7 @@ import pytest
 from conftest import chi_square_pvalue, fixture_dir, golden, primitives
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding import decode_loop, generate, pad_request
+from specjax.decoding import decode_loop, generate, loop_arrays, pad_request
 from specjax.models import hf
 from specjax.models.transformer import init_model
 
@@ -78,10 +78,8 @@ def test_rows_stop_at_their_own_budget_and_eos():
 
 def _loop_args(model, prompts, max_new_tokens):
     request = pad_request(model, prompts, max_new_tokens)
-    keys = jax.vmap(jax.random.key)(jnp.asarray(request.seeds))
-    args = (model, jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets), keys)
-    return args, dict(sampling=SamplingConfig(temperature=0.9, top_k=5), eos_token_ids=(2,),
-                      cache_size=request.cache_size)
+    arrays, mode = loop_arrays(request, SamplingConfig(temperature=0.9, top_k=5))
+    return (model, *arrays), dict(mode=mode, eos_token_ids=(2,), cache_size=request.cache_size)
 
 
 def test_generation_is_one_program_with_one_while_loop_and_no_host_callback():

@@ -23,6 +23,8 @@ from specjax.models.dflash import (default_target_layer_ids, drafter_to_decoding
 from specjax.models.transformer import unembed
 from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer
 
+T1 = SamplingConfig(temperature=1.0)
+
 TARGET, DRAFTER = FIXTURES / "dflash" / "target", FIXTURES / "dflash" / "drafter"
 
 
@@ -107,7 +109,7 @@ def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab, fu
                               TargetOutput(logits=logits, hidden=hidden))
         for num_accepted in (2, 0, 4):
             padded = jnp.asarray([committed + [0] * 8])
-            drafts, probs, state = proposer.propose(params, state, Context(padded, jnp.asarray([len(committed)])),
+            drafts, probs, state = proposer.propose(params, state, Context.of(padded, jnp.asarray([len(committed)]), T1),
                                                     jax.random.split(jax.random.key(0), 1))
             expected = jax.nn.softmax(block_logits(target, stacked, committed, block_size=block_size)[:4], -1)
             np.testing.assert_allclose(np.asarray(probs[0]), expected, atol=1e-5, rtol=0)
@@ -197,7 +199,7 @@ def test_a_draft_vocabulary_keeps_drafts_and_their_probabilities_inside_it_and_i
         committed = jnp.asarray([prompt + [int(jnp.argmax(logits[0, -1]))]])
         lengths = jnp.asarray([committed.shape[1]])
         state = jax.jit(proposer.init)(params, committed, lengths, TargetOutput(logits=logits, hidden=hidden))
-        drafts, probs[name], _ = jax.jit(proposer.propose)(params, state, Context(committed, lengths),
+        drafts, probs[name], _ = jax.jit(proposer.propose)(params, state, Context.of(committed, lengths, T1),
                                                            jax.random.split(jax.random.key(0), 1))
     assert set(np.asarray(drafts).ravel().tolist()) <= set(ids.tolist())
     outside = np.setdiff1d(np.arange(target.config.vocab_size), ids)

@@ -57,7 +57,7 @@ def test_first_draft_is_the_heads_output_on_every_committed_pair(method):
     _, hidden, _ = target(prompt, positions, hidden_layers=proposer.hidden_layers)
     lengths = jnp.asarray([length + 1])
     state = jax.jit(proposer.init)(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
-    drafts, _, _ = jax.jit(proposer.propose)(params, state, Context(tokens=sequence, lengths=lengths),
+    drafts, _, _ = jax.jit(proposer.propose)(params, state, Context.of(sequence, lengths),
                                              jax.random.split(jax.random.key(0), 1))
 
     features = head.fuse(hidden)
@@ -104,7 +104,7 @@ def test_an_eagle1_head_with_a_draft_vocabulary_drafts_only_from_it(sampling):
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     _, hidden, _ = target(prompt, positions)
     state = jax.jit(proposer.init)(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
-    drafts, probs, _ = jax.jit(proposer.propose)(params, state, Context(tokens=sequence, lengths=lengths),
+    drafts, probs, _ = jax.jit(proposer.propose)(params, state, Context.of(sequence, lengths, sampling),
                                                  jax.random.split(jax.random.key(1), batch))
     assert np.isin(np.asarray(drafts), FR_IDS).all()
     if probs is not None:

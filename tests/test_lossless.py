@@ -9,9 +9,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import (EOS, FR_IDS, HEADS, METHOD, PROMPT, REQUESTS, TINY, autoregressive_outputs, chi_square_pvalue,
-                      dflash_config, eagle_config, exact_joint, head_for, medusa_for, speculative_joint_counts,
-                      target_and_drafts, tiny_pair, trained_dflash)
+from conftest import (EOS, FR_IDS, HEADS, METHOD, NUM_TOKENS, PROMPT, REQUESTS, TINY, autoregressive_outputs,
+                      chi_square_pvalue, dflash_config, eagle_config, exact_joint, head_for, joint_counts_by_sampling,
+                      medusa_for, speculative_joint_counts, target_and_drafts, tiny_pair, trained_dflash)
 
 from specjax import verify as verify_registry
 from specjax.config import SamplingConfig, SpecConfig
@@ -163,52 +163,61 @@ def sampling_id(sampling: SamplingConfig) -> str:
                      *([f"top_p{sampling.top_p}"] if sampling.top_p < 1 else [])])
 
 
-def lossless_case(drafter: str, verifier: str, drafting: str = "probabilistic", sampling: SamplingConfig = T1,
-                  prompt=PROMPT, tag: str = "", **options):
-    """A parameter set, named drafter-verifier-drafting-sampling[-tag], e.g. "eagle3-block-probabilistic-T1.0"."""
+def lossless_case(drafter: str, verifier: str, drafting: str = "probabilistic", samplings=(T1,), prompt=PROMPT,
+                  tag: str = "", **options):
+    """A parameter set, named drafter-verifier-drafting[-tag], e.g. "eagle3-block-probabilistic": every sampling
+    setting of `samplings` runs in one batch, beside greedy rows."""
     spec = SpecConfig(method=METHODS[drafter], num_speculative_tokens=2, rejection_sample_method=verifier,
                       draft_sample_method=drafting, **options)
-    parts = [drafter, verifier, drafting, sampling_id(sampling), *([tag] if tag else [])]
-    return pytest.param(drafter, spec, sampling, prompt, id="-".join(parts))
+    parts = [drafter, verifier, drafting, *([tag] if tag else [])]
+    return pytest.param(drafter, spec, tuple(samplings), prompt, id="-".join(parts))
 
 
 LOSSLESS_CASES = [
     # The draft model: both verifiers, greedy and probabilistic drafting, every sampling setting.
-    *(lossless_case("draft_model", verifier, drafting, sampling)
-      for drafting in ("greedy", "probabilistic") for verifier in ("standard", "block") for sampling in SAMPLINGS),
-    *(lossless_case("draft_model", "block", sampling=sampling, tag="pallas", verify_impl="pallas")
-      for sampling in SAMPLINGS[:3:2]),
+    *(lossless_case("draft_model", verifier, drafting, SAMPLINGS)
+      for drafting in ("greedy", "probabilistic") for verifier in ("standard", "block")),
+    lossless_case("draft_model", "block", samplings=SAMPLINGS[:3:2], tag="pallas", verify_impl="pallas"),
     lossless_case("draft_model", "block", tag="float8_cache", kv_cache_dtype="float8_e4m3fn"),
     *(lossless_case(name, "block") for name in ("eagle", "eagle3", "eagle_fr")),
     # EAGLE-2 dynamic trees: each node's top-k (deterministic), recursive rejection sampling.
-    *(lossless_case(name, "standard", "greedy", sampling, tag="tree5-top2", total_tokens=5, top_k=2)
-      for name, sampling in zip(("eagle", "eagle3", "eagle_fr", "draft_model"), (*SAMPLINGS[:3], SAMPLINGS[1]))),
+    *(lossless_case(name, "standard", "greedy", samplings, tag="tree5-top2", total_tokens=5, top_k=2)
+      for name, samplings in (("eagle", SAMPLINGS[:1]), ("eagle3", SAMPLINGS[1:2]), ("eagle_fr", SAMPLINGS[2:3]),
+                              ("draft_model", SAMPLINGS[1:2]))),
     # ... and traversal verification ('block' on a tree).
     lossless_case("eagle", "block", "greedy", tag="tree5-top2", total_tokens=5, top_k=2),
     *(lossless_case("medusa", verifier) for verifier in ("standard", "block")),
     # DFlash: both verifiers, greedy and probabilistic drafting, T 1 and top-k.
     lossless_case("dflash_fr", "block"),  # FR-Spec: drafts and their probabilities inside half the ids
-    *(lossless_case("dflash", verifier, drafting, sampling) for drafting in ("greedy", "probabilistic")
-      for verifier in ("standard", "block") for sampling in SAMPLINGS[:3:2]),
+    *(lossless_case("dflash", verifier, drafting, SAMPLINGS[:3:2]) for drafting in ("greedy", "probabilistic")
+      for verifier in ("standard", "block")),
     # N-gram lookup drafts one-hot (greedy) from the context.
     *(lossless_case("ngram", verifier, "greedy", prompt=REPEATING_PROMPT, prompt_lookup_min=1, prompt_lookup_max=3)
       for verifier in ("standard", "block")),
 ]
 
 
-# A lossless case fails below this p-value. With about 45 cases, 1e-4 each keeps a false alarm anywhere in
-# a run below 0.5% (1e-3 would be 4%: seeds 0..32767 at T 0.7 give p = 5e-4 for the draft model with
-# both verifiers, and 0.33-0.99 with three other seed sets: docs/testing.md); the negative controls
-# below fail with p < 1e-300 at the same size.
+# A lossless case fails below this p-value. With about 45 sampling settings checked, 1e-4 each keeps a false
+# alarm anywhere in a run below 0.5% (1e-3 would be 4%: seeds 0..32767 at T 0.7 give p = 5e-4 for the draft
+# model with both verifiers, and 0.33-0.99 with three other seed sets: docs/testing.md); the negative
+# controls below fail with p < 1e-300 at the same size.
 LOSSLESS_ALPHA = 1e-4
+GREEDY_ROWS = 64  # greedy rows in each batch: they must give the target's greedy tokens, whatever beside them
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter, spec, sampling, prompt", LOSSLESS_CASES)
-def test_speculative_sampling_is_lossless(drafter, spec, sampling, prompt):
-    counts, metrics = speculative_joint_counts(spec, sampling, tiny_drafter(drafter), prompt)
+@pytest.mark.parametrize("drafter, spec, samplings, prompt", LOSSLESS_CASES)
+def test_speculative_sampling_is_lossless(drafter, spec, samplings, prompt):
+    """Each sampling setting's rows follow the target's processed distribution exactly (chi-square), in
+    one batch that mixes them with each other and with greedy rows."""
+    counts, metrics, greedy_tokens = joint_counts_by_sampling(spec, samplings, tiny_drafter(drafter), prompt,
+                                                              GREEDY_ROWS)
     assert 0 < metrics.summary()["acceptance_rate"] < 1  # both paths taken
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling, prompt)) > LOSSLESS_ALPHA
+    expected_greedy = generate(tiny_pair()[0], [prompt], max_new_tokens=NUM_TOKENS).tokens[0]
+    assert (greedy_tokens == expected_greedy).all()
+    for sampling, sampling_counts in zip(samplings, counts):
+        p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling, prompt))
+        assert p_value > LOSSLESS_ALPHA, (sampling_id(sampling), p_value)
 
 
 def accept_all(target_probs, draft_tokens, draft_probs, keys):
@@ -219,8 +228,8 @@ def accept_all(target_probs, draft_tokens, draft_probs, keys):
 
 @pytest.mark.slow
 def test_negative_control_a_verifier_that_accepts_everything_fails(monkeypatch):
-    monkeypatch.setitem(verify_registry.VERIFIERS, "accept_all", accept_all)
-    monkeypatch.setattr(verify_registry, "REJECTION_SAMPLE_METHODS", ("accept_all",))
+    monkeypatch.setitem(verify_registry.VERIFIERS, "accept_all", verify_registry.Verifier(chain=accept_all,
+                                                                                          tree=None))
     spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="accept_all",
                       draft_sample_method="probabilistic")
     counts, _ = speculative_joint_counts(spec, T1, tiny_drafter("draft_model"))
@@ -235,8 +244,8 @@ def test_negative_control_draft_probabilities_not_zero_outside_the_draft_vocabul
 
     draw = eagle_proposer.draw_draft_tokens
 
-    def mislabelled(logits, keys, settings):
-        tokens, probs = draw(logits, keys, settings)
+    def mislabelled(logits, keys, settings, sampling):
+        tokens, probs = draw(logits, keys, settings, sampling)
         return tokens, 0.5 * probs + 0.5 / probs.shape[-1]
 
     monkeypatch.setattr(eagle_proposer, "draw_draft_tokens", mislabelled)

@@ -43,7 +43,7 @@ def test_drafts_read_the_feature_that_drew_the_newest_token(shared):
     assert (jnp.argmax(logits[rows, lengths - 2], axis=-1) != first).any()  # a neighbour's feature would show
     committed = jnp.concatenate([prompts, jnp.zeros((3, 1), jnp.int32)], axis=1).at[rows, lengths].set(first)
     state = jax.jit(proposer.init)(bound, committed, lengths + 1, TargetOutput(logits=None, hidden=hidden))
-    context = Context(tokens=committed, lengths=lengths + 1)
+    context = Context.of(committed, lengths + 1)
     drafts, probs, state = jax.jit(proposer.propose)(bound, state, context, jax.random.split(jax.random.key(0), 3))
     assert probs is None
     np.testing.assert_array_equal(drafts, jnp.repeat(first[:, None], num_draft, axis=1))

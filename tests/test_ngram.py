@@ -31,7 +31,7 @@ def propose(rows: list[list[int]], num_draft: int, lookup_min: int, lookup_max: 
     length would find (wrong) matches."""
     tokens = np.array([(row * width)[:width] for row in rows], np.int32)
     proposer = build_proposer(ngram_spec(num_draft, lookup_min, lookup_max), SamplingConfig(), width)
-    context = Context(tokens=jnp.asarray(tokens), lengths=jnp.array([len(row) for row in rows], jnp.int32))
+    context = Context.of(jnp.asarray(tokens), jnp.array([len(row) for row in rows], jnp.int32))
     keys = jax.random.split(jax.random.key(0), len(rows))
     draft, draft_probs, state = jax.jit(proposer.propose)(None, proposer.init(None, None, None, None), context, keys)
     assert draft_probs is None and state == ()

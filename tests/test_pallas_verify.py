@@ -14,7 +14,7 @@ import pytest
 
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.pallas_kernels import block_verify
-from specjax.verify import block, verifier_for
+from specjax.verify import block, block_chain_verifier
 from specjax.verify.testing import KINDS, random_verify_inputs
 
 TILE = 256  # small tiles: several per row, the last one partial (V below is not a multiple)
@@ -101,7 +101,7 @@ def test_without_a_working_lowering_pallas_falls_back_to_jnp_with_one_warning(on
         hide_the_triton_lowering(monkeypatch)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")  # so that a second warning would be seen
-        chosen = [verifier_for(PALLAS_SPEC, SamplingConfig(temperature=1.0)) for _ in range(3)]
+        chosen = [block_chain_verifier(PALLAS_SPEC) for _ in range(3)]
     assert chosen == [block.verify] * 3
     assert len(record) == 1
     assert re.search(r"the Pallas block verifier does not compile on gpu \(" + reason + r".*\); running the jnp "
@@ -118,4 +118,4 @@ def test_the_interpreted_kernel_needs_no_lowering(monkeypatch):
     hide_the_triton_lowering(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert verifier_for(PALLAS_SPEC, SamplingConfig(temperature=1.0)) is block_verify.verify
+        assert block_chain_verifier(PALLAS_SPEC) is block_verify.verify

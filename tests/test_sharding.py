@@ -17,12 +17,13 @@ from jax.sharding import PartitionSpec
 from specjax import sharding
 from specjax.config import (DataConfig, MeshConfig, ModelConfig, OptimizerConfig, SamplingConfig, SpecConfig,
                             TrainConfig)
-from specjax.decoding import decode_loop, generate, pad_request, speculative_loop
+from specjax.decoding import decode_loop, generate, loop_arrays, pad_request, speculative_loop
 from specjax.models.eagle import EagleConfig, init_eagle, head_to_decoding_layout, with_draft_vocabulary
 from specjax.models.medusa import MedusaConfig, init_medusa
 from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers import build_proposer
 from specjax.training.lm import fit, next_token_loss
+from specjax.verify.sampling import GREEDY as GREEDY_MODE
 
 MESHES = [(8, 1), (1, 8), (2, 4)]  # (data, model)
 # 8 query heads split on every model axis; 4 KV heads split on 2x4 and replicated on 1x8.
@@ -222,15 +223,14 @@ def test_the_compiled_loops_all_reduce_activations_and_never_gather_weights(mode
     split = (lambda m: to_decoding_layout(m, model_shards=4)) if layout == "decoding" else (lambda m: m)  # noqa: E731
     target, draft_model = split(models["target"]), split(models["draft_model"])
     request = pad_request(target, prompts, 12, 0, None, 4, batch_multiple=2)
-    args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
-            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
-    proposer = build_proposer(SpecConfig(method="draft_model", num_speculative_tokens=3), T1, request.cache_size,
+    args, mode = loop_arrays(request, T1)
+    proposer = build_proposer(SpecConfig(method="draft_model", num_speculative_tokens=3), mode, request.cache_size,
                               draft_model)
     with jax.set_mesh(mesh):
         placed, placed_args = sharding.shard(target, mesh), sharding.put(args, mesh)
         draft = sharding.shard(proposer.bind(draft_model, target), mesh)
         programs = {
-            "autoregressive": compiled_text(decode_loop.lower(placed, *placed_args, sampling=GREEDY,
+            "autoregressive": compiled_text(decode_loop.lower(placed, *placed_args, mode=GREEDY_MODE,
                                                               eos_token_ids=(), cache_size=request.cache_size)),
             "speculative": compiled_text(speculative_loop.lower(placed, draft, *placed_args, proposer=proposer,
                                                                 eos_token_ids=())),
@@ -270,11 +270,10 @@ def test_a_decode_step_makes_two_all_reduces_a_layer_one_for_the_embedding_and_o
     mesh = sharding.make_mesh(1, 2)
     target = to_decoding_layout(models["target"], model_shards=2)
     request = pad_request(target, prompts, 8, 0, None, 4)
-    args = (jnp.asarray(request.tokens), jnp.asarray(request.lengths), jnp.asarray(request.budgets),
-            jax.vmap(jax.random.key)(jnp.asarray(request.seeds)))
+    args, mode = loop_arrays(request, sampling)
     with jax.set_mesh(mesh):
         text = compiled_text(decode_loop.lower(sharding.shard(target, mesh), *sharding.put(args, mesh),
-                                               sampling=sampling, eos_token_ids=(), cache_size=request.cache_size))
+                                               mode=mode, eos_token_ids=(), cache_size=request.cache_size))
     counts = {op: n for op, n in sharding.step_collectives(text).items() if n}
     assert counts == {"all-reduce": 2 * TARGET.num_layers + 1, "all-gather": 1}
 

@@ -1,6 +1,7 @@
 """Speculative decoding in the loop: synthetic acceptance, metric identities, one compiled program,
 and refusals. Greedy equality and the exact output distribution of every drafter: tests/test_lossless.py."""
 
+import dataclasses
 import functools
 
 import jax
@@ -153,18 +154,37 @@ def test_at_temperature_zero_nothing_over_the_vocabulary_is_exponentiated():
     assert vocab in _exp_output_widths(SamplingConfig(temperature=1.0))  # the check can see it
 
 
-def test_at_temperature_zero_every_lossless_verifier_shares_one_program():
-    """At T = 0 standard and block are greedy verification: a sweep over both compiles once."""
+MIXED = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9), SamplingConfig(temperature=1.0, top_k=5)]
+
+
+def test_one_program_serves_greedy_and_sampled_rows_with_either_lossless_verifier():
+    """Sampling settings and the lossless rule are data: greedy, T 0.7 top-p 0.9 and T 1 top-k 5 rows share
+    one loop with standard and with block verification; each row is what it is alone."""
     target, drafts = target_and_drafts()
-    prompts = [[3, 9, 27], [5, 1]]
-    kwargs = dict(max_new_tokens=9, drafter=drafts["perturbed"])
-    first = generate(target, prompts, spec=SpecConfig(method="draft_model", num_speculative_tokens=3), **kwargs)
+    prompts = [[3, 9, 27], [5, 1], [2, 2, 2]]
+    spec = SpecConfig(num_speculative_tokens=3, draft_sample_method="probabilistic")
+    kwargs = dict(max_new_tokens=9, drafter=drafts["perturbed"], seeds=[0, 1, 2])
+    standard = generate(target, prompts, spec=spec, sampling=MIXED, **kwargs)
     compiled = speculative_loop._cache_size()
-    second = generate(target, prompts, spec=SpecConfig(method="draft_model", num_speculative_tokens=3,
-                                                       rejection_sample_method="block"), **kwargs)
+    block = generate(target, prompts, spec=dataclasses.replace(spec, rejection_sample_method="block"),
+                     sampling=MIXED, **kwargs)
+    assert speculative_loop._cache_size() == compiled  # the same program
+    autoregressive = generate(target, prompts[:1], max_new_tokens=9).sequences()[0]
+    assert standard.sequences()[0] == block.sequences()[0] == autoregressive
+    for row in (1, 2):  # a row's tokens depend on its prompt, seed and settings, not on its batch mates
+        alone = generate(target, [prompts[row]], spec=spec, sampling=MIXED[row], max_new_tokens=9,
+                         drafter=drafts["perturbed"], seeds=[row])
+        assert alone.sequences()[0] == standard.sequences()[row]
+
+
+def test_a_temperature_sweep_compiles_the_loop_once():
+    target, drafts = target_and_drafts()
+    spec = SpecConfig(num_speculative_tokens=3, draft_sample_method="probabilistic")
+    outputs = []
+    for point, temperature in enumerate((0.2, 0.4, 0.6, 0.8, 1.0)):
+        outputs.append(generate(target, [[3, 9, 27]], spec=spec, sampling=SamplingConfig(temperature=temperature),
+                                max_new_tokens=12, drafter=drafts["perturbed"]).sequences()[0])
+        if point == 0:
+            compiled = speculative_loop._cache_size()
     assert speculative_loop._cache_size() == compiled
-    assert second.sequences() == first.sequences()
-    generate(target, prompts, spec=SpecConfig(method="draft_model", num_speculative_tokens=3,
-                                              rejection_sample_method="block"), sampling=SamplingConfig(1.0),
-             **kwargs)
-    assert speculative_loop._cache_size() == compiled + 1  # sampling: block is its own program
+    assert len({tuple(o) for o in outputs}) > 1  # the temperature reached the program

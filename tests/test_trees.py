@@ -89,7 +89,9 @@ def first_ranked(target_probs, tokens, parents, draft_probs, keys):
 
 @pytest.mark.slow
 def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
-    monkeypatch.setattr(verify_registry.tree, "verify_tree", first_ranked)
+    rule = verify_registry.VERIFIERS["standard"]
+    monkeypatch.setitem(verify_registry.VERIFIERS, "standard", verify_registry.Verifier(chain=rule.chain,
+                                                                                        tree=first_ranked))
     jax.clear_caches()
     try:
         heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
@@ -159,7 +161,7 @@ def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill(tree)
     committed = jnp.asarray([[5, 9, 2, 7, 1, 3]])
     hidden = target(committed[:, :-1], jnp.arange(5)[None])[1]
     state = jax.jit(proposer.init)(draft, committed, jnp.asarray([6]), TargetOutput(None, hidden))
-    tokens, _, state = jax.jit(proposer.propose)(draft, state, Context(committed, jnp.asarray([6])),
+    tokens, _, state = jax.jit(proposer.propose)(draft, state, Context.of(committed, jnp.asarray([6])),
                                                  jax.random.key(0)[None])
     parents = np.asarray(proposer.tree_parents(state, 1))[0].tolist()
     depths = [len(path_of(parents, i)) for i in range(len(parents))]
@@ -212,7 +214,7 @@ def dynamic_tree_and_reference(name: str, top_k: int, total_tokens: int, depth: 
     committed, lengths = jnp.asarray([[5, 9, 2, 7, 1, 3], [4, 4, 8, 1, 0, 0]]), jnp.asarray([6, 4])
     hidden = target(committed[:, :-1], jnp.arange(5)[None].repeat(2, 0), hidden_layers=proposer.hidden_layers)[1]
     state = jax.jit(proposer.init)(params, committed, lengths, TargetOutput(None, hidden))
-    tokens, probs, drafted = jax.jit(proposer.propose)(params, state, Context(committed, lengths),
+    tokens, probs, drafted = jax.jit(proposer.propose)(params, state, Context.of(committed, lengths),
                                                        jax.random.key(0)[None])
     assert probs is None  # top-k drafts: q = 1 to the verifier
 

@@ -40,6 +40,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from specjax import draft_tree
 from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig, require
 from specjax.models.transformer import Hidden
+from specjax.verify.sampling import SamplingMode, SamplingParams
 
 
 class UnsupportedSpeculation(ValueError):
@@ -47,13 +48,21 @@ class UnsupportedSpeculation(ValueError):
     as opposed to a mistake in it; a sweep records such points as skipped and goes on."""
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths", "sampling"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """Committed tokens of every row: tokens[b, :lengths[b]]; the last one is not in any cache yet."""
+    """Committed tokens of every row: tokens[b, :lengths[b]]; the last one is not in any cache yet.
+    sampling: each row's settings (drafters that sample draw with them under settings.sampling's mode)."""
 
     tokens: Int[Array, "B S"]
     lengths: Int[Array, " B"]
+    sampling: SamplingParams
+
+    @classmethod
+    def of(cls, tokens: Int[Array, "B S"], lengths: Int[Array, " B"],
+           sampling: SamplingConfig = SamplingConfig()) -> Context:
+        """A context whose rows all sample with one SamplingConfig (a proposer called on its own)."""
+        return cls(tokens=tokens, lengths=lengths, sampling=SamplingParams.uniform(sampling))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("logits", "hidden", "path"), meta_fields=())
@@ -75,7 +84,8 @@ class ProposerSettings:
     """What every proposer is built from; all static (hashable) so the proposer is a jit static arg."""
 
     spec: SpecConfig
-    sampling: SamplingConfig
+    # What the rows' sampling settings need of the program (the settings themselves are Context.sampling).
+    sampling: SamplingMode
     cache_size: int  # slots of any cache the proposer keeps, as the target's
 
     @property
@@ -206,9 +216,11 @@ def proposer_class(method: str) -> type[Proposer]:
     return PROPOSERS[method]
 
 
-def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int, drafter: Any = None) -> Proposer:
-    """The proposer of spec.method. A proposer class whose static settings depend on its weights
-    (EAGLE-3 reads the target layers its head fuses) defines `build(settings, drafter)`."""
+def build_proposer(spec: SpecConfig, sampling: SamplingConfig | SamplingMode, cache_size: int,
+                   drafter: Any = None) -> Proposer:
+    """The proposer of spec.method, for rows whose sampling settings the mode covers (a SamplingConfig:
+    its own mode). A proposer class whose static settings depend on its weights (EAGLE-3 reads the
+    target layers its head fuses) defines `build(settings, drafter)`."""
     cls = proposer_class(spec.method)
     if spec.speculative_token_tree is not None and not cls.drafts_trees:
         raise UnsupportedSpeculation(f"method {spec.method!r} drafts chains only: speculative_token_tree is allowed "
@@ -220,6 +232,8 @@ def build_proposer(spec: SpecConfig, sampling: SamplingConfig, cache_size: int, 
     if spec.total_tokens == "auto":
         raise UnsupportedSpeculation("total_tokens 'auto' is a choice generate makes before the loop: pass the spec "
                                      "to specjax.decoding.generate, or a size chosen by decoding.choose_tree_size")
+    if isinstance(sampling, SamplingConfig):
+        sampling = SamplingMode.of([sampling])
     settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)
     build = getattr(cls, "build", None)
     return build(settings, drafter) if build is not None else cls(settings)

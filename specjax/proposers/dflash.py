@@ -136,7 +136,7 @@ class DFlashProposer(Proposer):
         hidden, cache = drafter(block, anchor_slot[:, None] + block_offsets, cache, params.embed)
         logits = self.logits(params, hidden[:, 1:num_draft + 1])  # [B, K, V]
         slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
-        drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings), in_axes=(1, 1),
+        drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings, context.sampling), in_axes=(1, 1),
                                        out_axes=(1, 1))(logits, slot_keys)
         state = dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),  # the block's entries dropped
                                     num_pending=jnp.zeros_like(state.num_pending))

@@ -26,7 +26,7 @@ from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetO
                                     register)
 from specjax.proposers.heterogeneous import HeterogeneousDraft
 from specjax.sharding import vocabulary_argmax
-from specjax.verify.sampling import categorical, processed_logits, processed_probs
+from specjax.verify.sampling import SamplingParams, processed_probs, sample
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots", "tree_log_probs"),
@@ -40,12 +40,13 @@ class DraftModelState:
     tree_log_probs: Float[Array, "B N"] | None = None  # its path log-probabilities, highest first (grow)
 
 
-def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings):
-    """The next draft token per row and, for probabilistic drafting, its processed distribution."""
-    if settings.sampling.is_greedy or settings.spec.draft_sample_method == "greedy":
+def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings,
+                      sampling: SamplingParams):
+    """The next draft token per row and, for probabilistic drafting, its processed distribution (greedy
+    rows of a sampled batch: the argmax, one-hot)."""
+    if not settings.sampling.sampled or settings.spec.draft_sample_method == "greedy":
         return vocabulary_argmax(logits), None
-    probs = processed_probs(logits, settings.sampling)
-    return categorical(keys, processed_logits(logits, settings.sampling)), probs
+    return sample(logits, keys, sampling, settings.sampling), processed_probs(logits, sampling, settings.sampling)
 
 
 @register("draft_model")
@@ -126,7 +127,8 @@ class DraftModelProposer(Proposer):
         step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
         def draw(logits, step_key):  # in the draft's own ids
-            return draw_draft_tokens(logits if bridge is None else bridge.mask(logits), step_key, self.settings)
+            return draw_draft_tokens(logits if bridge is None else bridge.mask(logits), step_key, self.settings,
+                                     context.sampling)
 
         def draft_step(carry, step_key):
             cache, logits = carry

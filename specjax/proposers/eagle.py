@@ -160,13 +160,15 @@ class EagleProposer(Proposer):
 
         def draft_step(carry, step_key):
             cache, feature = carry
-            token, probs = draw_draft_tokens(self.logits(params, feature), step_key, self.settings)
+            token, probs = draw_draft_tokens(self.logits(params, feature), step_key, self.settings,
+                                             context.sampling)
             out, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, params.embed)
             return (cache, out[:, 0]), (token, probs)
 
         (cache, feature), (tokens, probs) = jax.lax.scan(
             draft_step, (cache.with_lengths(committed), feature), step_keys[:-1])
-        last_token, last_probs = draw_draft_tokens(self.logits(params, feature), step_keys[-1], self.settings)
+        last_token, last_probs = draw_draft_tokens(self.logits(params, feature), step_keys[-1], self.settings,
+                                                     context.sampling)
         drafts = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
         draft_probs = None
         if last_probs is not None:

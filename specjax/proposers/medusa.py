@@ -26,7 +26,7 @@ from specjax.models.transformer import Transformer
 from specjax.proposers.base import (Context, Proposer, TargetOutput, UnsupportedSpeculation, register,
                                     require_target_sizes)
 from specjax.proposers.draft_model import draw_draft_tokens
-from specjax.verify.sampling import processed_probs
+from specjax.verify.sampling import SamplingParams, processed_probs
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("heads", "lm_head"), meta_fields=())
@@ -84,23 +84,24 @@ class MedusaProposer(Proposer):
         num_draft, tree = self.settings.spec.num_speculative_tokens, self.settings.spec.speculative_token_tree
         logits = params.heads(state.feature, params.lm_head, num_heads=num_draft)  # [B, K, V]
         if tree is not None:
-            return (*self.draft_tree(logits, tree, keys), state)
+            return (*self.draft_tree(logits, tree, keys, context.sampling), state)
         head_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
         # Each head drafts on its own, as draft_model's steps do one at a time.
-        draw = jax.vmap(functools.partial(draw_draft_tokens, settings=self.settings), in_axes=1, out_axes=1)
+        draw = jax.vmap(functools.partial(draw_draft_tokens, settings=self.settings, sampling=context.sampling),
+                        in_axes=1, out_axes=1)
         draft_tokens, draft_probs = draw(logits, head_keys)  # [B, K], [B, K, V] or None
         return draft_tokens, draft_probs, state
 
-    def draft_tree(self, logits: Float[Array, "B K V"], tree, keys: PRNGKeyArray):
+    def draft_tree(self, logits: Float[Array, "B K V"], tree, keys: PRNGKeyArray, sampling: SamplingParams):
         """Node (r_1 .. r_d) of the tree: head d's r_d-th ranked token, or its r_d-th draw without replacement
         in its parent's race; (tokens [B, N], q [B, N, V] or None)."""
         heads = [len(path) - 1 for path in tree]
         ranks = [path[-1] for path in tree]
         width = 1 + max(ranks)
-        if self.settings.sampling.is_greedy or self.settings.spec.draft_sample_method == "greedy":
+        if not self.settings.sampling.sampled or self.settings.spec.draft_sample_method == "greedy":
             ranked = jax.lax.top_k(logits, width)[1]  # [B, K, R]
             return ranked[:, jnp.asarray(heads), jnp.asarray(ranks)].astype(jnp.int32), None
-        probs = processed_probs(logits, self.settings.sampling)  # [B, K, V]
+        probs = processed_probs(logits, sampling, self.settings.sampling)  # [B, K, V]; greedy rows one-hot
         parents = sorted({path[:-1] for path in tree}, key=len)
         race_of = [parents.index(path[:-1]) for path in tree]
         head_of_race = jnp.asarray([len(parent) for parent in parents])

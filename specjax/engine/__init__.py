@@ -1,0 +1,10 @@
+"""A serving engine: continuous batching with speculative decoding (docs/serving.md).
+
+    engine = Engine(target, EngineConfig(max_num_seqs=16, spec=SpecConfig(method="eagle")), drafter=head)
+    outputs = engine.run([Request.make("r0", prompt, 64, temperature=0.7, seed=1), ...])
+"""
+
+from specjax.engine._engine import Engine, EngineConfig
+from specjax.engine._request import Request, RequestError, RequestOutput
+
+__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "RequestOutput"]

@@ -1,0 +1,310 @@
+"""The engine: requests in, slots of one loop state, a jitted run of steps between host visits.
+
+    add_request ──> waiting (FIFO) ──admit──> slot b of the state ──run──> finished ──> RequestOutput
+                                  prefill of the admitted rows       K-step rounds until a row ends
+                                  (decoding.speculative_init),       (decoding.speculative_step),
+                                  written into free slots            the host reads the new tokens
+
+The device state is the same pytree `generate` runs (decoding.SpecState, or DecodeState without
+speculation) with `max_num_seqs` rows; a free slot is a done row, which every step skips. The host
+visits between device calls: it admits waiting requests into free slots, reads the tokens each slot
+emitted, and finishes requests. Each row's draws come from its request's seed, numbered by its own
+tokens and steps, and its sampling settings are data: a request's output is what `generate` gives it
+alone, and one compiled program serves greedy and sampled requests together.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decoding
+from specjax.config import SamplingConfig, SpecConfig
+from specjax.engine._request import Request, RequestError, RequestOutput, check_request
+from specjax.engine._slots import batch_axes, insert_rows, release_slots
+from specjax.metrics import AcceptanceMetrics
+from specjax.models.transformer import Transformer
+from specjax.proposers import build_proposer
+from specjax.verify import lossless_verifiers, method_index
+from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams
+
+log = logging.getLogger("specjax.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs; each field's allowed values are checked when it is built."""
+
+    # Requests decoded at once (the state's rows, vLLM's max_num_seqs).
+    max_num_seqs: int = 16
+    # Cache slots a request may use: prompt + max_tokens + drafts scored per step + 1 (vLLM's max_model_len).
+    max_model_len: int = 512
+    # Speculative decoding (vLLM's SpeculativeConfig names); None decodes autoregressively.
+    spec: SpecConfig | None = None
+    # Device steps between host visits at most; a visit comes sooner when a row ends and requests wait.
+    steps_per_visit: int = 16
+    # The model's EOS ids: a row ends after emitting one (requests add their own stop_token_ids).
+    eos_token_ids: tuple[int, ...] = ()
+    # Requests admitted by one prefill call at most (its rows are padded to a power of two).
+    max_prefill_batch: int = 8
+    kv_cache_dtype: str | None = None  # the target's cache dtype (None: the model's)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed an integer >= 1")
+
+    @property
+    def lookahead(self) -> int:
+        """Cache slots a step may write past the last committed token."""
+        return 0 if self.spec is None else self.spec.num_draft_nodes + 1
+
+
+@dataclasses.dataclass
+class _Running:
+    """A request in a slot, as the host follows it."""
+
+    request: Request
+    arrival: float
+    emitted: int = 0  # tokens already read from the slot
+    tokens: list = dataclasses.field(default_factory=list)
+    token_times: list = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+
+
+class Engine:
+    """Continuous batching with speculative decoding over one model (and drafter) on one device.
+
+    engine.add_request(Request(...)); while engine.has_work(): outputs += engine.step(). `step` admits
+    what fits, runs one device call of up to steps_per_visit steps, and returns the requests that ended.
+    `on_tokens(request_id, new_token_ids)` is called with each request's new tokens at every visit."""
+
+    def __init__(self, model: Transformer, config: EngineConfig, drafter: Any = None,
+                 on_tokens: Callable[[str, list[int]], None] | None = None):
+        self.model, self.config, self.drafter, self.on_tokens = model, config, drafter, on_tokens
+        self.waiting: collections.deque[tuple[Request, float]] = collections.deque()
+        self.running: dict[int, _Running] = {}  # slot -> request
+        self.finished: list[RequestOutput] = []  # refused requests wait here for the next step's return
+        self.mode = GREEDY  # what the compiled programs can sample; grows with the requests seen
+        self.steps_run = 0  # device steps, all visits together
+        self.visits = 0
+        spec = config.spec
+        self._method = None if spec is None else jnp.int32(method_index(spec))
+        self._verifiers = None if spec is None else lossless_verifiers(spec)
+        self._programs: dict[SamplingMode, tuple] = {}
+        self.state = None
+        self._draft_params = None
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request; one the engine cannot serve ends at the next step as finish_reason 'error'."""
+        now = time.perf_counter()
+        try:
+            check_request(request, vocab_size=self.model.config.vocab_size, max_model_len=self.config.max_model_len,
+                          lookahead=self.config.lookahead)
+        except RequestError as error:
+            log.warning("refused %s", error)
+            self.finished.append(RequestOutput(request_id=request.request_id, tokens=(), finish_reason="error",
+                                               error=str(error), arrival_time=now, finish_time=now))
+            return
+        self.waiting.append((request, now))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.finished)
+
+    def run(self, requests=()) -> list[RequestOutput]:
+        """Adds the requests and steps until every request has ended; outputs in the order they ended."""
+        for request in requests:
+            self.add_request(request)
+        outputs = []
+        while self.has_work():
+            outputs += self.step()
+        return outputs
+
+    # ------------------------------------------------------------------ programs
+
+    def _program(self, mode: SamplingMode):
+        """(proposer, prefill, run) compiled for rows that mode covers."""
+        if mode in self._programs:
+            return self._programs[mode]
+        config, model = self.config, self.model
+        eos = tuple(config.eos_token_ids)
+        if config.spec is None:
+            proposer = None
+
+            def init(tokens, lengths, budgets, keys, sampling):
+                return decoding.prefill(model, tokens, lengths, budgets, keys, sampling, mode=mode, eos_token_ids=eos,
+                                        cache_size=config.max_model_len, cache_dtype=config.kv_cache_dtype)[0]
+
+            step = functools.partial(decoding.decode_step, model, mode=mode, eos_token_ids=eos)
+        else:
+            proposer = build_proposer(decoding.static_spec(config.spec, mode), mode, config.max_model_len, self.drafter)
+            if self._draft_params is None:
+                proposer.check(self.drafter, model.config)
+                self._draft_params = proposer.bind(self.drafter, model)
+            draft_params = self._draft_params
+
+            def init(tokens, lengths, budgets, keys, sampling):
+                return decoding.speculative_init(model, draft_params, tokens, lengths, budgets, keys, sampling,
+                                                 proposer=proposer, eos_token_ids=eos, cache_dtype=config.kv_cache_dtype)
+
+            step = functools.partial(decoding.speculative_step, model, draft_params, method=self._method,
+                                     proposer=proposer, verifiers=self._verifiers, eos_token_ids=eos)
+
+        def rows_at(batch):  # the initialiser's output at a batch size, for batch_axes
+            return init(jnp.zeros((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32),
+                        jnp.zeros((batch,), jnp.int32), jax.random.split(jax.random.key(0), batch),
+                        jax.tree.map(jnp.asarray, SamplingParams.of([], batch)))
+
+        axes = batch_axes(rows_at)
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def run(state, max_steps, stop_at_done):
+            """Steps until max_steps, every row done, or stop_at_done rows done (a free slot to fill)."""
+            def cond(carry):
+                steps, state = carry
+                done = _decode(state).done
+                return (steps < max_steps) & ~jnp.all(done) & (jnp.sum(done) < stop_at_done)
+
+            return jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(carry[1])), (jnp.int32(0), state))
+
+        program = (proposer, jax.jit(init), run, axes)
+        self._programs[mode] = program
+        return program
+
+    def step_programs(self) -> dict[SamplingMode, int]:
+        """Compiled step programs by the sampling mode they serve (a count > 1 would be a recompile)."""
+        return {mode: program[2]._cache_size() for mode, program in self._programs.items()}
+
+    def _ensure_state(self, mode: SamplingMode) -> None:
+        """The engine's state: every slot free (done), built by the initialiser over zero-budget rows."""
+        if self.state is None:
+            _, init, _, _ = self._program(mode)
+            rows = self.config.max_num_seqs
+            self.state = init(jnp.zeros((rows, 16), jnp.int32), jnp.ones((rows,), jnp.int32),
+                              jnp.zeros((rows,), jnp.int32), jax.random.split(jax.random.key(0), rows),
+                              jax.tree.map(jnp.asarray, SamplingParams.of([], rows)))
+
+    # ------------------------------------------------------------------ one visit
+
+    def step(self) -> list[RequestOutput]:
+        """Admits waiting requests into free slots, runs one device call, and returns the requests that
+        ended (and those refused since the last step)."""
+        ended, self.finished = self.finished, []
+        free = [slot for slot in range(self.config.max_num_seqs) if slot not in self.running]
+        while self.waiting and free:  # one prefill call per max_prefill_batch requests
+            free = free[self._admit(free):]
+        if not self.running:
+            return ended
+        mode = SamplingMode.of([r.request.sampling for r in self.running.values()])
+        if not self.mode.covers(mode):
+            self.mode = self.mode.union(mode)
+        # All-greedy rows run the greedy program; sampled ones the one that covers every mode seen.
+        mode = GREEDY if not mode.sampled else self.mode
+        _, _, run, _ = self._program(mode)
+        done_now = self.config.max_num_seqs - len(self.running)
+        stop_at = done_now + 1 if self.waiting else self.config.max_num_seqs + 1
+        steps, self.state = run(self.state, jnp.int32(self.config.steps_per_visit), jnp.int32(stop_at))
+        self.steps_run += int(steps)
+        self.visits += 1
+        return ended + self._collect()
+
+    def _admit(self, free: list[int]) -> int:
+        """Prefills the first waiting requests into the free slots; how many were admitted."""
+        count = min(len(free), len(self.waiting), self.config.max_prefill_batch)
+        admitted = [self.waiting.popleft() for _ in range(count)]
+        slots = free[:count]
+        mode = SamplingMode.of([request.sampling for request, _ in admitted])
+        self.mode = self.mode.union(mode)
+        mode = GREEDY if not mode.sampled else self.mode
+        self._ensure_state(mode)
+        _, init, _, axes = self._program(mode)
+        batch = decoding.bucket(count)
+        width = min(decoding.bucket(max(len(r.prompt) for r, _ in admitted), decoding.MIN_PROMPT_BUCKET),
+                    self.config.max_model_len)
+        tokens = np.zeros((batch, width), np.int32)
+        lengths, budgets, seeds = np.ones(batch, np.int32), np.zeros(batch, np.int32), np.zeros(batch, np.uint32)
+        for row, (request, _) in enumerate(admitted):
+            tokens[row, :len(request.prompt)] = request.prompt
+            lengths[row], budgets[row], seeds[row] = len(request.prompt), request.max_tokens, request.seed
+        sampling = SamplingParams.of([r.sampling for r, _ in admitted], batch)
+        rows = init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets),
+                    jax.vmap(jax.random.key)(jnp.asarray(seeds)), jax.tree.map(jnp.asarray, sampling))
+        # Padding rows go to an index past the state's rows, which the scatter drops.
+        targets = np.full(batch, self.config.max_num_seqs, np.int32)
+        targets[:count] = slots
+        self.state = insert_rows(self.state, rows, jnp.asarray(targets), axes=axes)
+        for slot, (request, arrival) in zip(slots, admitted):
+            self.running[slot] = _Running(request=request, arrival=arrival)
+            log.debug("admitted %s into slot %d (%d prompt tokens, max_tokens %d)", request.request_id, slot,
+                      len(request.prompt), request.max_tokens)
+        return count
+
+    def _collect(self) -> list[RequestOutput]:
+        """Reads each running slot's new tokens; ends requests that are done or hit a stop id."""
+        decode = _decode(self.state)
+        tokens, lengths, generated, done = jax.device_get((decode.tokens, decode.lengths, decode.num_generated,
+                                                           decode.done))
+        counters = None if self.config.spec is None else jax.device_get(self.state.counters)
+        now = time.perf_counter()
+        ended, released = [], []
+        eos = set(self.config.eos_token_ids)
+        for slot, running in list(self.running.items()):
+            request = running.request
+            total, start = int(generated[slot]), int(lengths[slot]) - int(generated[slot])
+            new = tokens[slot, start + running.emitted:start + total].tolist()
+            stop = set(request.stop_token_ids)
+            hit = next((i for i, t in enumerate(new) if t in stop), None)
+            if hit is not None:  # a request's own stop id: the device does not know it
+                new = new[:hit + 1]
+            if new:
+                if running.first_token_time is None:
+                    running.first_token_time = now
+                running.tokens += new
+                running.token_times += [now] * len(new)
+                running.emitted += len(new)
+                if self.on_tokens is not None:
+                    self.on_tokens(request.request_id, new)
+            if hit is None and not done[slot]:
+                continue
+            last = running.tokens[-1] if running.tokens else None
+            reason = "stop" if hit is not None or last in eos else "length"
+            metrics = None
+            if counters is not None:
+                row = AcceptanceMetrics(**{f.name: np.asarray(getattr(counters, f.name))[slot:slot + 1].astype(np.int64)
+                                           for f in dataclasses.fields(counters)})
+                metrics = row.per_request()[0]
+            ended.append(RequestOutput(request_id=request.request_id, tokens=tuple(running.tokens),
+                                       finish_reason=reason, metrics=metrics, arrival_time=running.arrival,
+                                       first_token_time=running.first_token_time, finish_time=now,
+                                       token_times=tuple(running.token_times)))
+            log.debug("finished %s: %d tokens (%s)%s", request.request_id, len(running.tokens), reason,
+                     "" if metrics is None else f", mean acceptance length {metrics['mean_acceptance_length']:.2f}")
+            del self.running[slot]
+            if not done[slot]:
+                released.append(slot)
+        if released:
+            self._release(released)
+        return ended
+
+    def _release(self, slots: list[int]) -> None:
+        """Marks slots done on the device (their requests ended on the host)."""
+        decode = _decode(self.state)
+        done = release_slots(decode.done, jnp.asarray(slots, jnp.int32))
+        decode = dataclasses.replace(decode, done=done)
+        self.state = decode if self.config.spec is None else dataclasses.replace(self.state, decode=decode)
+
+
+def _decode(state) -> decoding.DecodeState:
+    """The DecodeState of either loop's state."""
+    return state if isinstance(state, decoding.DecodeState) else state.decode

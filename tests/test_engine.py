@@ -1,0 +1,200 @@
+"""The serving engine: each request's output is what `generate` gives it alone, whatever runs beside it and
+whenever it arrives (greedy: equal to autoregressive for every drafter; sampled: the target's distribution
+exactly, chi-square with a negative control), one program for any mix of sampling settings, bad requests
+refused alone."""
+
+import re
+
+import numpy as np
+import pytest
+from conftest import (EOS, NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, dflash_config, exact_joint, head_for,
+                      medusa_for, target_and_drafts, tiny_pair)
+
+from specjax import verify as verify_registry
+from specjax.config import SamplingConfig, SpecConfig
+from specjax.decoding import generate
+from specjax.engine import Engine, EngineConfig, Request, RequestError
+from specjax.models.dflash import init_dflash
+from specjax.verify import standard
+
+STOP = 5  # a stop id some requests add to the EOS
+
+
+def drafter_for(name: str):
+    target, drafts = target_and_drafts()
+    if name in ("draft_model", "draft_model_tree"):
+        return drafts["perturbed"]
+    if name.startswith("medusa"):
+        return medusa_for(target, num_heads=3, scale=0.05)
+    if name == "dflash":
+        return init_dflash(dflash_config(target.config, (0, 1), 8))
+    if name in ("ngram", "autoregressive"):
+        return None
+    return head_for(name.removesuffix("_tree"))
+
+
+SPECS = {
+    "autoregressive": None,
+    "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=3),
+    "draft_model_tree": SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=6, top_k=2),
+    "eagle": SpecConfig(method="eagle", num_speculative_tokens=3),
+    "eagle_tree": SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=6, top_k=2),
+    "eagle3": SpecConfig(method="eagle3", num_speculative_tokens=3),
+    "medusa": SpecConfig(method="medusa", num_speculative_tokens=3),
+    "medusa_tree": SpecConfig(method="medusa", num_speculative_tokens=3,
+                              speculative_token_tree=((0,), (1,), (0, 0), (0, 1), (0, 0, 0))),
+    "ngram": SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3),
+    "dflash": SpecConfig(method="dflash", num_speculative_tokens=3),
+}
+
+
+def random_requests(count: int, seed: int = 0) -> list[Request]:
+    """Ragged prompts (some repeating, so that n-gram lookup drafts), budgets 1..20, every third with a stop id."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(count):
+        length = int(rng.integers(2, 15))
+        prompt = rng.integers(1, 100, length).tolist() if i % 2 else ([3, 9, 27] * 5)[:length]
+        requests.append(Request.make(f"r{i}", prompt, int(rng.integers(1, 21)),
+                                     stop_token_ids=(STOP,) if i % 3 == 0 else ()))
+    return requests
+
+
+def serve_arriving(engine: Engine, requests: list[Request], seed: int = 0) -> dict:
+    """Adds the requests a few at a time between engine steps, in a random order; outputs by id."""
+    rng = np.random.default_rng(seed)
+    pending = [requests[i] for i in rng.permutation(len(requests))]
+    outputs = {}
+    while pending or engine.has_work():
+        for _ in range(int(rng.integers(0, 4))):
+            if pending:
+                engine.add_request(pending.pop())
+        outputs.update({o.request_id: o for o in engine.step()})
+    return outputs
+
+
+def truncated_at_stop(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
+    hits = [i for i, t in enumerate(tokens) if t in stop]
+    return tokens[:hits[0] + 1] if hits else tokens
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_request_gets_its_autoregressive_output_under_load(name):
+    """32 requests arriving at random steps in a random order, 4 slots: greedy output equal to generate's
+    autoregressive output for each prompt alone, EOS and stop ids inside draft blocks."""
+    target, _ = target_and_drafts()
+    requests = random_requests(32)
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=SPECS[name], eos_token_ids=(EOS,),
+                          steps_per_visit=3, max_prefill_batch=4)
+    outputs = serve_arriving(Engine(target, config, drafter=drafter_for(name)), requests)
+    expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
+                        eos_token_ids=(EOS,)).sequences()
+    for request, want in zip(requests, expected):
+        got = outputs[request.request_id]
+        assert list(got.tokens) == truncated_at_stop(want, request.stop_token_ids), request.request_id
+        assert got.finish_reason == ("stop" if got.tokens[-1] in (EOS, *request.stop_token_ids) else "length")
+    assert any(o.finish_reason == "stop" for o in outputs.values())
+    assert any(o.finish_reason == "length" for o in outputs.values())
+    if SPECS[name] is not None:  # per-request acceptance counts, as vLLM names them
+        metrics = outputs["r1"].metrics
+        assert metrics["mean_acceptance_length"] == 1 + metrics["accepted"] / metrics["steps"]
+        assert sum(metrics["length_histogram"]) == metrics["steps"]
+
+
+# ------------------------------------------------------------------------------ exact distribution
+
+ENGINE_ROWS = 8192  # requests of each sampling setting (the chi-square tests' size, a quarter of generate's)
+ENGINE_SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5))
+
+
+def engine_joint_counts(spec: SpecConfig, drafter):
+    """Counts of the first NUM_TOKENS tokens of ENGINE_ROWS requests of each of ENGINE_SAMPLINGS, served with
+    64 greedy requests among them by one engine of 2,048 slots; and the greedy requests' tokens."""
+    configs = [SamplingConfig()] * 64 + [s for s in ENGINE_SAMPLINGS for _ in range(ENGINE_ROWS)]
+    requests = [Request(request_id=str(i), prompt=tuple(PROMPT), max_tokens=NUM_TOKENS, sampling=sampling, seed=i)
+                for i, sampling in enumerate(configs)]
+    order = np.random.default_rng(0).permutation(len(requests))  # greedy and sampled requests interleaved
+    engine = Engine(tiny_pair()[0], EngineConfig(max_num_seqs=2048, max_model_len=32, spec=spec, steps_per_visit=8,
+                                                 max_prefill_batch=512), drafter=drafter)
+    outputs = {o.request_id: o.tokens for o in engine.run([requests[i] for i in order])}
+    tokens = np.array([outputs[str(i)] for i in range(len(requests))])
+    codes = np.ravel_multi_index(tokens[64:].T, (TINY.vocab_size,) * NUM_TOKENS)
+    return np.split(codes, len(ENGINE_SAMPLINGS)), tokens[:64]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verifier", ["standard", "block"])
+def test_sampled_requests_follow_the_target_distribution_beside_other_requests(verifier):
+    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method=verifier, draft_sample_method="probabilistic")
+    parts, greedy = engine_joint_counts(spec, tiny_pair()[1])
+    assert (greedy == generate(tiny_pair()[0], [PROMPT], max_new_tokens=NUM_TOKENS).tokens[0]).all()
+    for sampling, codes in zip(ENGINE_SAMPLINGS, parts):
+        counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
+        assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4, sampling
+
+
+def accept_all(target_probs, draft_tokens, draft_probs, keys):
+    """Deliberately wrong: accepts every draft (then samples the bonus token from the target)."""
+    n = np.full(draft_tokens.shape[:1], draft_tokens.shape[1], np.int32)
+    return n, standard.verify(target_probs, draft_tokens, draft_probs, keys)[1]
+
+
+@pytest.mark.slow
+def test_negative_control_the_engine_with_a_verifier_that_accepts_everything_fails(monkeypatch):
+    monkeypatch.setitem(verify_registry.VERIFIERS, "accept_all", verify_registry.Verifier(chain=accept_all, tree=None))
+    spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="accept_all",
+                      draft_sample_method="probabilistic")
+    parts, _ = engine_joint_counts(spec, tiny_pair()[1])
+    counts = np.bincount(parts[0], minlength=TINY.vocab_size ** NUM_TOKENS)
+    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], ENGINE_SAMPLINGS[0])) < 1e-6
+
+
+# ------------------------------------------------------------------------------------ one program
+
+def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
+    target, drafts = target_and_drafts()
+    engine = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=64, spec=SPECS["draft_model"],
+                                         steps_per_visit=4), drafter=drafts["perturbed"])
+    settings = [dict(), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=5)]
+    requests = [Request.make(f"r{i}", [3, 9, 27, i], 12, seed=i, **settings[i % 3]) for i in range(9)]
+    for request in requests[:3]:  # the three kinds admitted together: the first program covers them all
+        engine.add_request(request)
+    outputs = engine.step()
+    for request in requests[3:]:
+        engine.add_request(request)
+    outputs += engine.run()
+    assert len(outputs) == 9
+    assert engine.step_programs()[engine.mode] == 1  # one compiled step program, whatever the mix in the slots
+    by_id = {o.request_id: o.tokens for o in outputs}
+    autoregressive = generate(target, [[3, 9, 27, 0]], max_new_tokens=12).sequences()[0]
+    assert list(by_id["r0"]) == autoregressive
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(prompt=[]), r"request bad: prompt is empty: allowed at least one token id"),
+    (dict(max_tokens=60), r"request bad: prompt \(3 tokens\) \+ max_tokens \(60\) \+ drafts scored per step \+ 1 "
+                          r"\(4\) = 67 exceeds max_model_len 64: allowed at most 57 new tokens"),
+    (dict(stop_token_ids=[999]), r"request bad: stop_token_ids has 999: allowed ids 0..127"),
+    (dict(prompt=[1, 500]), r"request bad: prompt has token id 500: allowed 0..127"),
+])
+def test_a_bad_request_is_refused_alone_naming_the_field(request_kwargs, message):
+    target, drafts = target_and_drafts()
+    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, spec=SPECS["draft_model"]),
+                    drafter=drafts["perturbed"])
+    kwargs = dict(prompt=[1, 2, 3], max_tokens=4) | request_kwargs
+    outputs = {o.request_id: o for o in engine.run([Request.make("good", [1, 2, 3], 4),
+                                                    Request.make("bad", kwargs.pop("prompt"), **kwargs),
+                                                    Request.make("also_good", [4, 5], 4)])}
+    assert outputs["bad"].finish_reason == "error"
+    assert outputs["bad"].tokens == ()
+    assert re.search(message, outputs["bad"].error), outputs["bad"].error
+    assert len(outputs["good"].tokens) == 4 and len(outputs["also_good"].tokens) == 4
+
+
+def test_sampling_settings_out_of_range_are_refused_naming_the_field():
+    with pytest.raises(RequestError, match=r"request r: SamplingConfig.temperature = -1.0 is invalid"):
+        Request.make("r", [1], 4, temperature=-1.0)
+    with pytest.raises(RequestError, match=r"request r: SamplingConfig.top_p = 1.5 is invalid"):
+        Request.make("r", [1], 4, top_p=1.5)
