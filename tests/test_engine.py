@@ -198,3 +198,17 @@ def test_sampling_settings_out_of_range_are_refused_naming_the_field():
         Request.make("r", [1], 4, temperature=-1.0)
     with pytest.raises(RequestError, match=r"request r: SamplingConfig.top_p = 1.5 is invalid"):
         Request.make("r", [1], 4, top_p=1.5)
+
+
+def test_an_aborted_request_frees_its_slot_for_the_next():
+    """A running request aborted (a client that went away) ends with what it had; the one waiting for its slot
+    then gets its full, autoregressive output."""
+    target, _ = target_and_drafts()
+    engine = Engine(target, EngineConfig(max_num_seqs=1, max_model_len=64, steps_per_visit=2))
+    engine.add_request(Request.make("long", [3, 9, 27], 40))
+    engine.add_request(Request.make("next", [5, 1], 10))
+    assert engine.step() == []  # "long" runs two steps; "next" waits for the one slot
+    engine.abort_request("long")
+    outputs = {o.request_id: o for o in engine.run()}
+    assert outputs["long"].finish_reason == "abort" and 0 < len(outputs["long"].tokens) < 40
+    assert list(outputs["next"].tokens) == generate(target, [[5, 1]], max_new_tokens=10).sequences()[0]

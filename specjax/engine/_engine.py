@@ -94,6 +94,7 @@ class Engine:
         self.waiting: collections.deque[tuple[Request, float]] = collections.deque()
         self.running: dict[int, _Running] = {}  # slot -> request
         self.finished: list[RequestOutput] = []  # refused requests wait here for the next step's return
+        self.aborted: set[str] = set()  # ids to end at the next step (a client went away)
         self.mode = GREEDY  # what the compiled programs can sample; grows with the requests seen
         self.steps_run = 0  # device steps, all visits together
         self.visits = 0
@@ -119,8 +120,13 @@ class Engine:
             return
         self.waiting.append((request, now))
 
+    def abort_request(self, request_id: str) -> None:
+        """Ends a waiting or running request at the next step (finish_reason 'abort'), freeing its slot.
+        Safe to call from another thread than the one that steps."""
+        self.aborted.add(request_id)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished)
+        return bool(self.waiting or self.running or self.finished or self.aborted)
 
     def run(self, requests=()) -> list[RequestOutput]:
         """Adds the requests and steps until every request has ended; outputs in the order they ended."""
@@ -201,6 +207,8 @@ class Engine:
         """Admits waiting requests into free slots, runs one device call, and returns the requests that
         ended (and those refused since the last step)."""
         ended, self.finished = self.finished, []
+        if self.aborted:
+            ended += self._abort()
         free = [slot for slot in range(self.config.max_num_seqs) if slot not in self.running]
         while self.waiting and free:  # one prefill call per max_prefill_batch requests
             free = free[self._admit(free):]
@@ -295,6 +303,25 @@ class Engine:
                 released.append(slot)
         if released:
             self._release(released)
+        return ended
+
+    def _abort(self) -> list[RequestOutput]:
+        """Ends the aborted requests that are waiting or running (ids of neither are forgotten)."""
+        aborted, self.aborted = self.aborted, set()
+        now = time.perf_counter()
+        ended = [RequestOutput(request_id=request.request_id, tokens=(), finish_reason="abort", arrival_time=arrival,
+                               finish_time=now) for request, arrival in self.waiting if request.request_id in aborted]
+        self.waiting = collections.deque((r, t) for r, t in self.waiting if r.request_id not in aborted)
+        slots = [slot for slot, running in self.running.items() if running.request.request_id in aborted]
+        for slot in slots:
+            running = self.running.pop(slot)
+            ended.append(RequestOutput(request_id=running.request.request_id, tokens=tuple(running.tokens),
+                                       finish_reason="abort", arrival_time=running.arrival,
+                                       first_token_time=running.first_token_time, finish_time=now,
+                                       token_times=tuple(running.token_times)))
+            log.info("aborted %s in slot %d after %d tokens", running.request.request_id, slot, len(running.tokens))
+        if slots:
+            self._release(slots)
         return ended
 
     def _release(self, slots: list[int]) -> None:
