@@ -175,7 +175,8 @@ def speculative_init(model: Transformer, draft_params: Any, prompt_tokens: Int[A
     committed = decode.tokens[:, :prompt_tokens.shape[1] + 1]
     return SpecState(decode=decode, proposer=proposer.init(draft_params, committed, decode.lengths, target_out),
                      counters=AcceptanceCounters.zeros(prompt_tokens.shape[0],
-                                                       proposer.settings.spec.num_speculative_tokens))
+                                                       proposer.settings.spec.num_speculative_tokens,
+                                                       max_steps=proposer.settings.cache_size))
 
 
 def speculative_step(model: Transformer, draft_params: Any, state: SpecState, method: Int[Array, ""], *,

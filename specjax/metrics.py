@@ -20,7 +20,8 @@ from specjax import sharding
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("steps", "drafted", "accepted", "emitted", "length_histogram", "accepted_at"),
+                   data_fields=("steps", "drafted", "accepted", "emitted", "length_histogram", "accepted_at",
+                                "per_step_accepted"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class AcceptanceCounters:
@@ -30,13 +31,17 @@ class AcceptanceCounters:
     emitted: Int[Array, " B"]  # tokens kept from speculative steps
     length_histogram: Int[Array, "B K1"]  # steps that accepted exactly n drafts, n = 0..K
     accepted_at: Int[Array, "B K"]  # steps whose i-th draft was accepted
+    # Drafts accepted at each of the row's steps (vLLM's detailed per-request metrics); steps past the
+    # array's width (the cache's slots, which bound a row's steps) are not recorded.
+    per_step_accepted: Int[Array, "B S"]
 
     @classmethod
-    def zeros(cls, batch: int, num_draft: int) -> AcceptanceCounters:
+    def zeros(cls, batch: int, num_draft: int, max_steps: int = 0) -> AcceptanceCounters:
         zeros = jnp.zeros((batch,), jnp.int32)
         return cls(steps=zeros, drafted=zeros, accepted=zeros, emitted=zeros,
                    length_histogram=jnp.zeros((batch, num_draft + 1), jnp.int32),
-                   accepted_at=jnp.zeros((batch, num_draft), jnp.int32))
+                   accepted_at=jnp.zeros((batch, num_draft), jnp.int32),
+                   per_step_accepted=jnp.zeros((batch, max_steps), jnp.int16))
 
     def update(self, active: Bool[Array, " B"], num_accepted: Int[Array, " B"],
                num_emitted: Int[Array, " B"]) -> AcceptanceCounters:
@@ -51,6 +56,9 @@ class AcceptanceCounters:
                 num_accepted, num_draft + 1, dtype=jnp.int32),
             accepted_at=self.accepted_at + step[:, None] * (
                 jnp.arange(num_draft)[None, :] < num_accepted[:, None]).astype(jnp.int32),
+            per_step_accepted=self.per_step_accepted.at[
+                jnp.arange(active.shape[0]), jnp.where(active, self.steps, self.per_step_accepted.shape[1])].set(
+                num_accepted.astype(jnp.int16), mode="drop"),
         )
 
 
@@ -64,6 +72,7 @@ class AcceptanceMetrics:
     emitted: np.ndarray
     length_histogram: np.ndarray  # [B, K + 1]
     accepted_at: np.ndarray  # [B, K]
+    per_step_accepted: np.ndarray  # [B, S]: row b's first steps[b] entries are its steps' accepted drafts
 
     @classmethod
     def from_counters(cls, counters: AcceptanceCounters, num_rows: int) -> AcceptanceMetrics:
@@ -96,6 +105,12 @@ class AcceptanceMetrics:
             "mean_acceptance_length": 1 + self.accepted[b] / self.steps[b] if self.steps[b] else float("nan"),
             "length_histogram": self.length_histogram[b].tolist(),
         } for b in range(len(self.steps))]
+
+    def per_step(self, row: int) -> dict:
+        """vLLM's detailed per-request arrays for one row: drafts accepted and drafted at each step."""
+        steps = min(int(self.steps[row]), self.per_step_accepted.shape[1])
+        return {"per_step_accepted": [int(n) for n in self.per_step_accepted[row, :steps]],
+                "per_step_drafted": [self.num_speculative_tokens] * steps}
 
     def format_summary(self) -> str:
         s = self.summary()

@@ -99,6 +99,8 @@ def test_every_request_gets_its_autoregressive_output_under_load(name):
         metrics = outputs["r1"].metrics
         assert metrics["mean_acceptance_length"] == 1 + metrics["accepted"] / metrics["steps"]
         assert sum(metrics["length_histogram"]) == metrics["steps"]
+        assert sum(metrics["per_step_accepted"]) == metrics["accepted"]  # vLLM's detailed arrays
+        assert sum(metrics["per_step_drafted"]) == metrics["drafted"]
 
 
 # ------------------------------------------------------------------------------ exact distribution

@@ -291,7 +291,7 @@ class Engine:
             if counters is not None:
                 row = AcceptanceMetrics(**{f.name: np.asarray(getattr(counters, f.name))[slot:slot + 1].astype(np.int64)
                                            for f in dataclasses.fields(counters)})
-                metrics = row.per_request()[0]
+                metrics = row.per_request()[0] | row.per_step(0)
             ended.append(RequestOutput(request_id=request.request_id, tokens=tuple(running.tokens),
                                        finish_reason=reason, metrics=metrics, arrival_time=running.arrival,
                                        first_token_time=running.first_token_time, finish_time=now,
