@@ -98,6 +98,10 @@ class Engine:
         self.mode = GREEDY  # what the compiled programs can sample; grows with the requests seen
         self.steps_run = 0  # device steps, all visits together
         self.visits = 0
+        # Seconds of step() the host waited for the device (reading a visit's results) and all of it:
+        # the difference is host work between device calls (admission, bookkeeping, streaming).
+        self.device_wait_s = 0.0
+        self.step_s = 0.0
         spec = config.spec
         self._method = None if spec is None else jnp.int32(method_index(spec))
         self._verifiers = None if spec is None else lossless_verifiers(spec)
@@ -203,9 +207,36 @@ class Engine:
 
     # ------------------------------------------------------------------ one visit
 
+    def warmup(self, prompt_len: int, sampling: SamplingConfig = SamplingConfig()) -> None:
+        """Compiles what requests with prompts of up to prompt_len tokens and these sampling settings will
+        run (every admission bucket, the step program), changing no slot, so that timed runs compile nothing."""
+        mode = SamplingMode.of([sampling])
+        mode = GREEDY if not mode.sampled else self.mode.union(mode)
+        self.mode = self.mode.union(mode)
+        self._ensure_state(mode)
+        _, init, run, axes = self._program(mode)
+        width = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len)
+        batch = 1
+        while batch <= decoding.bucket(min(self.config.max_prefill_batch, self.config.max_num_seqs)):
+            rows = init(jnp.zeros((batch, width), jnp.int32), jnp.ones((batch,), jnp.int32),
+                        jnp.zeros((batch,), jnp.int32), jax.random.split(jax.random.key(0), batch),
+                        jax.tree.map(jnp.asarray, SamplingParams.of([], batch)))
+            nowhere = jnp.full((batch,), self.config.max_num_seqs, jnp.int32)  # every row dropped
+            self.state = insert_rows(self.state, rows, nowhere, axes=axes)
+            batch *= 2
+        _, self.state = run(self.state, jnp.int32(0), jnp.int32(self.config.max_num_seqs + 1))
+        jax.block_until_ready(self.state)
+
     def step(self) -> list[RequestOutput]:
         """Admits waiting requests into free slots, runs one device call, and returns the requests that
         ended (and those refused since the last step)."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_s += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         ended, self.finished = self.finished, []
         if self.aborted:
             ended += self._abort()
@@ -261,8 +292,10 @@ class Engine:
     def _collect(self) -> list[RequestOutput]:
         """Reads each running slot's new tokens; ends requests that are done or hit a stop id."""
         decode = _decode(self.state)
+        wait = time.perf_counter()
         tokens, lengths, generated, done = jax.device_get((decode.tokens, decode.lengths, decode.num_generated,
                                                            decode.done))
+        self.device_wait_s += time.perf_counter() - wait
         counters = None if self.config.spec is None else jax.device_get(self.state.counters)
         now = time.perf_counter()
         ended, released = [], []

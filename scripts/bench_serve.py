@@ -1,0 +1,215 @@
+"""Load on the serving engine, in process: TTFT, TPOT, ITL, end-to-end latency and throughput against load.
+
+    python scripts/bench_serve.py --models bundled --methods none,eagle,dflash --concurrency 1,4,16 \\
+        --num-requests 64 --new-tokens 64 --output benchmarks/results/bench_serve_cpu
+    python scripts/bench_serve.py --models 8b --methods none,eagle:5:4,dflash:15:6 --concurrency 1,16,64,256 \\
+        --prompt-len 128 --new-tokens 128 --output $OUT
+
+--models bundled: the bundled target and drafters, prompts from the bundled held-out set (windows of
+the standard library's sources), real acceptance. --models 8b: Llama-3.1-8B-shaped random bfloat16
+weights (specjax.speed's), random prompts, synthetic acceptance: each method is NAME:K:TAU, the
+verifier accepting a mean of TAU tokens a step (rejection_sample_method 'synthetic'; said in the
+results). Load is a fixed number of requests in flight (--concurrency, a closed loop: a new request
+arrives when one ends) or Poisson arrivals at --rate requests/s (--burstiness: gamma-distributed
+gaps of that shape, 1 = Poisson, as vLLM's bench serve). Each point is measured after the engine has
+compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
+(arrival to first token), TPOT ((last - first token) / (tokens - 1)), ITL (gaps between a request's
+successive token deliveries; the engine delivers each visit's tokens together), E2E latency, output
+tokens/s over the point's wall time; host overhead = the share of step time not spent waiting for the
+device. Writes NAME.json, NAME.md and NAME.png (throughput and TPOT against load, one line per method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specjax import benchmarking, speed
+from specjax.config import SpecConfig
+from specjax.engine import Engine, EngineConfig, Request
+
+COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "requests"),
+           ("output_tok_s", "output tok/s"), ("request_s", "req/s"),
+           ("ttft_mean_ms", "TTFT mean ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+           ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
+           ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
+           ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str  # none (autoregressive) or a SpecConfig method
+    num_speculative_tokens: int = 0
+    tau: float | None = None  # synthetic acceptance (8b models)
+
+    @classmethod
+    def parse(cls, text: str) -> Method:
+        name, *rest = text.split(":")
+        if name == "none":
+            return cls("none")
+        return cls(name, int(rest[0]) if rest else 4, float(rest[1]) if len(rest) > 1 else None)
+
+    def spec(self) -> SpecConfig | None:
+        if self.name == "none":
+            return None
+        if self.tau is not None:
+            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens)
+        return SpecConfig(method=self.name, num_speculative_tokens=self.num_speculative_tokens)
+
+
+def bundled_models(methods: list[Method]):
+    """(target, {method: drafter}, prompts) of the bundled models, in float32 as runs are, and the held-out
+    prompts runs use (64 tokens each)."""
+    from specjax import experiments
+
+    target, tokenizer, _ = experiments.load_models("default:target", dtype="float32")
+    drafters = {m.name: None if m.name in ("none", "ngram") else
+                experiments.load_models("default:target", m.name, dtype="float32")[2] for m in methods}
+    prompts = experiments.load_prompts(experiments.RunConfig(target="default:target", num_prompts=256, prompt_len=64), tokenizer)
+    return target, drafters, prompts
+
+
+def shaped_models(methods: list[Method], prompt_len: int):
+    """Random 8B-shaped target and drafters (speed's), random prompts."""
+    target_config, draft_config = benchmarking.SHAPES["8b"]
+    target = speed.build_target(target_config)
+    drafters = {m.name: (None if m.name == "none" else speed.build_drafter(m.name, target_config, draft_config))
+                for m in methods}
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, target_config.vocab_size, (1024, prompt_len)).tolist()
+    return target, drafters, prompts
+
+
+def percentile(values, q) -> float | None:
+    return float(np.percentile(values, q)) * 1e3 if len(values) else None
+
+
+def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None,
+              rate: float | None, burstiness: float, seed: int) -> dict:
+    """Serves num_requests requests under the load; the point's metrics."""
+    rng = np.random.default_rng(seed)
+    requests = [Request.make(f"q{i}", prompts[i % len(prompts)], new_tokens) for i in range(num_requests)]
+    if rate is not None:  # open loop: arrival times drawn up front
+        gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+        arrivals = np.cumsum(gaps) - gaps[0]
+    steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
+    outputs, sent, start = [], 0, time.perf_counter()
+    while len(outputs) < num_requests:
+        now = time.perf_counter() - start
+        if rate is None:
+            while sent < num_requests and sent - len(outputs) < concurrency:
+                engine.add_request(requests[sent])
+                sent += 1
+        else:
+            while sent < num_requests and arrivals[sent] <= now:
+                engine.add_request(requests[sent])
+                sent += 1
+            if not engine.has_work():  # idle until the next arrival
+                time.sleep(max(0.0, arrivals[sent] - now))
+                continue
+        outputs += engine.step()
+    wall = time.perf_counter() - start
+    bad = [o for o in outputs if o.finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests were refused: {bad[0].error}")
+    ttft = [o.first_token_time - o.arrival_time for o in outputs]
+    tpot = [(o.finish_time - o.first_token_time) / (len(o.tokens) - 1) for o in outputs if len(o.tokens) > 1]
+    itl = [gap for o in outputs for gap in np.diff(sorted(set(o.token_times)))]
+    e2e = [o.finish_time - o.arrival_time for o in outputs]
+    metrics = [o.metrics for o in outputs if o.metrics]
+    steps = sum(m["steps"] for m in metrics)
+    step_s, wait_s = engine.step_s - step0, engine.device_wait_s - wait0
+    return {
+        "requests": num_requests, "output_tok_s": sum(len(o.tokens) for o in outputs) / wall,
+        "request_s": num_requests / wall,
+        "ttft_mean_ms": float(np.mean(ttft)) * 1e3, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+        "tpot_mean_ms": float(np.mean(tpot)) * 1e3 if tpot else None, "tpot_p50_ms": percentile(tpot, 50),
+        "tpot_p99_ms": percentile(tpot, 99), "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
+        "e2e_mean_ms": float(np.mean(e2e)) * 1e3, "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+        "mean_acceptance_length": 1 + sum(m["accepted"] for m in metrics) / steps if steps else None,
+        "steps": engine.steps_run - steps0, "visits": engine.visits - visits0, "wall_s": wall,
+        "host_share": (step_s - wait_s) / step_s if step_s else None,
+        "host_ms_per_step": (step_s - wait_s) / max(engine.steps_run - steps0, 1) * 1e3,
+    }
+
+
+def plot(rows: list[dict], path: Path, load_label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label in dict.fromkeys(row["label"] for row in rows):
+        points = [row for row in rows if row["label"] == label]
+        loads = [row["load"] for row in points]
+        left.plot(loads, [row["output_tok_s"] for row in points], marker="o", label=label)
+        right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label)
+    for axis, title in ((left, "output tokens/s"), (right, "TPOT mean (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel(load_label)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", choices=("bundled", "8b"), default="bundled")
+    parser.add_argument("--methods", default="none,eagle", help="comma-separated: none or NAME[:K[:TAU]]")
+    parser.add_argument("--concurrency", default="1,4,16", help="requests in flight (a closed loop)")
+    parser.add_argument("--rate", default=None, help="Poisson arrival rates (requests/s) instead of --concurrency")
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128, help="8b models' random prompts")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="slots (default: the largest load)")
+    parser.add_argument("--steps-per-visit", type=int, default=16)
+    parser.add_argument("--name", default="bench_serve")
+    parser.add_argument("--output", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    methods = [Method.parse(text) for text in args.methods.split(",")]
+    rates = None if args.rate is None else [float(r) for r in args.rate.split(",")]
+    loads = rates or [int(c) for c in args.concurrency.split(",")]
+    if args.models == "bundled":
+        target, drafters, prompts = bundled_models(methods)
+    else:
+        target, drafters, prompts = shaped_models(methods, args.prompt_len)
+    prompt_len = max(len(p) for p in prompts)
+    slots = args.max_num_seqs or (max(loads) if rates is None else 64)
+    rows = []
+    for method in methods:
+        spec = method.spec()
+        lookahead = 0 if spec is None else spec.num_draft_nodes + 1
+        config = EngineConfig(max_num_seqs=slots, max_model_len=-(-(prompt_len + args.new_tokens + lookahead) // 64) * 64,
+                              spec=spec, steps_per_visit=args.steps_per_visit, max_prefill_batch=min(slots, 16))
+        engine = Engine(target, config, drafter=drafters[method.name])
+        engine.warmup(prompt_len)
+        for load in loads:
+            point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                              new_tokens=args.new_tokens, concurrency=None if rates else int(load),
+                              rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+            label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
+            rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
+                         "label": label, "synthetic_tau": method.tau, **point})
+            print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "
+                  f"TTFT {point['ttft_mean_ms']:.1f} ms, tau {point['mean_acceptance_length'] or 1:.2f}, "
+                  f"host {point['host_ms_per_step']:.2f} ms/step", flush=True)
+    load_label = "request rate (req/s)" if rates else "requests in flight"
+    meta = {**benchmarking.environment(), "models": args.models, "load": load_label, "slots": slots,
+            "prompt_len": prompt_len, "new_tokens": args.new_tokens, "steps_per_visit": args.steps_per_visit,
+            "dtype": "bfloat16" if args.models == "8b" else "float32",
+            "acceptance": "synthetic (tau per method)" if args.models == "8b" else "measured"}
+    json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output)
+    plot(rows, json_path.with_suffix(".png"), load_label)
+    print(f"wrote {json_path} and its .md, .png")
+
+
+if __name__ == "__main__":
+    main()
