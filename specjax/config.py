@@ -236,11 +236,14 @@ class SpecConfig:
       total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and top_k can fill) that
       `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
       calibration run (specjax.tree_size); the cache has room for the largest.
-    dflash_full_block: method 'dflash' only. False: the drafter runs the anchor and K mask positions (vLLM's
-      meaning of num_speculative_tokens for DFlash). True: it runs its whole trained block (block_size - 1
-      mask positions) and proposes the first K drafts. A drafter trained on full blocks attends over a
-      shorter block it never saw, and drafts worse there (docs/performance.md, "Acceptance: DFlash on the
-      default models"); the full block costs what a short one does where the forward is memory bound.
+    dflash_full_block: method 'dflash' only. True: the drafter runs its whole trained block (block_size - 1
+      mask positions) and proposes the first K drafts. False: it runs the anchor and K mask positions (vLLM's
+      meaning of num_speculative_tokens for DFlash). None (default, auto): the whole block where K + 1 is
+      smaller than the drafter's block. A drafter trained on full blocks attends over a shorter block it never
+      saw and drafts worse there: the full block accepted 41-45% more at K 3 and 7 on the default models for
+      +0.6% a step at batch 1 and +7-10% at batch 16 at the 8B shape (docs/performance.md, "Acceptance:
+      DFlash on the default models"; benchmarks/results/dflash_block_cost); set False where a step's cost
+      grows with the block (large batches).
     """
 
     method: str = "draft_model"
@@ -257,7 +260,7 @@ class SpecConfig:
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
     total_tokens: int | str | None = None
     top_k: int | None = None
-    dflash_full_block: bool = False
+    dflash_full_block: bool | None = None
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
@@ -318,9 +321,10 @@ class SpecConfig:
                 f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
         if self.kv_cache_dtype is not None:
             dtype_from_name(self.kv_cache_dtype, "SpecConfig.kv_cache_dtype")
-        require(isinstance(self.dflash_full_block, bool) and (not self.dflash_full_block or self.method == "dflash"),
+        require(self.dflash_full_block is None or (isinstance(self.dflash_full_block, bool)
+                                                   and (not self.dflash_full_block or self.method == "dflash")),
                 "SpecConfig", "dflash_full_block", self.dflash_full_block,
-                f"true or false with method 'dflash', false with method {self.method!r}")
+                f"null (auto), true or false with method 'dflash'; null or false with method {self.method!r}")
         if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
             raise ConfigError(
                 f"SpecConfig.use_heterogeneous_vocab = True with method {self.method!r} and draft_sample_method "

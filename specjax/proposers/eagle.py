@@ -122,7 +122,9 @@ class EagleProposer(Proposer):
              target_out: TargetOutput) -> EagleState:
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens
         batch, width = prompt.shape[0], num_draft + 1
-        features = head.fuse(target_out.hidden)  # [B, T, D] over the padded prompt
+        # [B, T, D] over the padded prompt; a prompt padded to the whole cache leaves prompt one column short
+        # of T + 1 (the last pair's token lies past the cache), and that pair is past every row's prompt.
+        features = head.fuse(target_out.hidden)[:, :prompt.shape[1] - 1]
         prompt_len = lengths - 1
         # Pairs 0 .. L-2 go to the cache now; pair L-1 (with the prefill's token) waits for propose. Past
         # the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
