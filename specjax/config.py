@@ -559,7 +559,8 @@ class HeadTrainConfig(TrainingRun):
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = False
-    # EAGLE-3: the target layers whose inputs are fused (None: layers 2, L//2, L-3).
+    # EAGLE-3: the target layers whose inputs are fused, three distinct ones (None: layers 2, L//2, L-3, or on
+    # targets under 7 layers, where that repeats one, 1, L//2, L-1: models.eagle.default_fuse_layers).
     fuse_layers: tuple[int, ...] | None = None
     # EAGLE-1 or EAGLE-3: the most frequent training ids that drafts are drawn from (None: the target's
     # vocabulary). EAGLE-3 trains its own LM head over them; EAGLE-1 is trained as without one and
@@ -584,6 +585,9 @@ class HeadTrainConfig(TrainingRun):
         require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")
         require(self.fuse_layers is None or self.kind == "eagle3", "HeadTrainConfig", "fuse_layers",
                 self.fuse_layers, f"only with kind 'eagle3' (kind is {self.kind!r}), else None")
+        require(self.fuse_layers is None or len(set(self.fuse_layers)) == len(self.fuse_layers) == 3,
+                "HeadTrainConfig", "fuse_layers", self.fuse_layers,
+                "None or three distinct target layers (a repeated layer adds no information to the fused feature)")
         require(self.draft_vocab_size is None or self.kind in ("eagle1", "eagle3"), "HeadTrainConfig",
                 "draft_vocab_size", self.draft_vocab_size,
                 f"only with kind 'eagle1' or 'eagle3' (kind is {self.kind!r}), else None")

@@ -48,6 +48,8 @@ def test_head_train_config_takes_a_draft_vocabulary_for_either_eagle_kind():
 @pytest.mark.parametrize("changes, message", [
     ({"kind": "eagle1", "fuse_layers": (0, 1, 2)},
      r"HeadTrainConfig.fuse_layers = \(0, 1, 2\) is invalid: allowed only with kind 'eagle3' \(kind is 'eagle1'\)"),
+    ({"kind": "eagle3", "fuse_layers": (2, 3, 3)},
+     r"HeadTrainConfig.fuse_layers = \(2, 3, 3\) is invalid: allowed None or three distinct target layers"),
     ({"kind": "medusa", "draft_vocab_size": 200},
      r"HeadTrainConfig.draft_vocab_size = 200 is invalid: allowed only with kind 'eagle1' or 'eagle3'"),
     ({"kind": "eagle1", "draft_vocab_size": 0}, r"HeadTrainConfig.draft_vocab_size = 0 is invalid: allowed None or"),
