@@ -81,16 +81,31 @@ class SweepConfig:
 
 # ------------------------------------------------------------------------------------------ loading
 
-def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1):
+def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1,
+                 method_option: str = "spec.method"):
     """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one), by the
     method's registered proposer (its `load`); None for a method without weights. dtype is the compute
-    dtype (None: the checkpoint's); modules come in transformer.for_decoding for model_shards."""
+    dtype (None: the checkpoint's); modules come in transformer.for_decoding for model_shards. A folder that
+    does not exist, or that another method's proposer recognizes, is a ConfigError saying so (method_option:
+    how the caller's user sets the method, named in it)."""
     proposer = proposer_class(method)
     if not proposer.needs_drafter:
         return None
     if folder is None:
         raise ConfigError(f"RunConfig.drafter is missing: method {method!r} needs a drafter folder")
-    return proposer.load(default_models.resolve(folder), target, dtype, model_shards)
+    path = default_models.resolve(folder)
+    if not path.is_dir():
+        raise ConfigError(f"drafter folder {folder} does not exist")
+    other = recognized_method(path)
+    if other is not None and other != method and not proposer.recognizes(path):
+        raise ConfigError(f"drafter folder {folder} holds {proposer_class(other).checkpoint_kind}, not "
+                          f"{proposer.checkpoint_kind}: use {method_option} {other}")
+    return proposer.load(path, target, dtype, model_shards)
+
+
+def recognized_method(folder) -> str | None:
+    """The registered method whose proposer recognizes a drafter folder by its files, None if none does."""
+    return next((name for name, proposer in PROPOSERS.items() if proposer.recognizes(Path(folder))), None)
 
 
 def default_drafter(target: str, method: str, drafter: str | None) -> str | None:

@@ -302,11 +302,20 @@ def save_eagle(head: EagleHead, folder: str | Path) -> None:
     hf.write_from_rules(head, _rules(config), folder, raw, extra)
 
 
-def _checkpoint_version(keys, folder: Path) -> int:
-    """The EAGLE version the weights are laid out for: 3 with `midlayer.*`, 1 with `layers.0.*`."""
+def checkpoint_version(keys) -> int | None:
+    """The EAGLE version tensor names are laid out for: 3 with `midlayer.*`, 1 with `fc.bias` and `layers.0.*`
+    (a draft LM's are `model.layers.0.*`; a DFlash drafter's fc has no bias), None for neither."""
     if any(key.startswith("midlayer.") for key in keys):
         return 3
-    if any(key.startswith("layers.0.") for key in keys):
+    if "fc.bias" in keys and any(key.startswith("layers.0.") for key in keys):
         return 1
-    raise hf.CheckpointError(f"{folder}: neither EAGLE-3 weights (midlayer.*) nor EAGLE-1 weights (layers.0.*) "
-                             "found: pass version= to load_eagle")
+    return None
+
+
+def _checkpoint_version(keys, folder: Path) -> int:
+    """checkpoint_version, or a CheckpointError naming the folder."""
+    version = checkpoint_version(keys)
+    if version is not None:
+        return version
+    raise hf.CheckpointError(f"{folder}: neither EAGLE-3 weights (midlayer.*) nor EAGLE-1 weights (fc.bias, "
+                             "layers.0.*) found: pass version= to load_eagle")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,6 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from specjax.config import SpecConfig
 from specjax.models.dflash import (ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash,
                                    with_draft_vocabulary)
+from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, einsum_f32, for_decoding, unembed
 from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary
@@ -72,6 +72,7 @@ def drafts_full_block(spec: SpecConfig, block_size: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class DFlashProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:dflash"
+    checkpoint_kind: ClassVar[str] = "a DFlash drafter"
     takes_draft_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -87,8 +88,7 @@ class DFlashProposer(Proposer):
 
     @classmethod
     def recognizes(cls, folder: Path) -> bool:
-        config = Path(folder) / "config.json"
-        return config.exists() and json.loads(config.read_text()).get("architectures") == [ARCHITECTURE]
+        return hf.config_json_or_empty(folder).get("architectures") == [ARCHITECTURE]
 
     def check(self, params: Any, target_config) -> None:
         if not isinstance(params, DFlashDrafter):

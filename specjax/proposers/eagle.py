@@ -29,7 +29,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax import draft_tree
-from specjax.models.eagle import EagleHead, head_to_decoding_layout, load_eagle, with_draft_vocabulary
+from specjax.models import hf
+from specjax.models.eagle import (EagleHead, checkpoint_version, head_to_decoding_layout, load_eagle,
+                                  with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, register,
@@ -87,6 +89,10 @@ class EagleProposer(Proposer):
         """The head computes in the target's dtype (dtype is not used)."""
         head = load_eagle(folder, target.config, version=cls.version)
         return for_decoding(head, model_shards, convert=head_to_decoding_layout)
+
+    @classmethod
+    def recognizes(cls, folder: Path) -> bool:
+        return checkpoint_version(hf.tensor_names(folder)) == cls.version
 
     def check(self, params: Any, target_config) -> None:
         method = self.settings.spec.method
@@ -231,6 +237,7 @@ def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
 class Eagle1Proposer(EagleProposer):
     version: ClassVar[int] = 1
     default_drafter: ClassVar[str | None] = "default:eagle1"
+    checkpoint_kind: ClassVar[str] = "an EAGLE-1 head"
     takes_draft_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -243,3 +250,4 @@ class Eagle1Proposer(EagleProposer):
 class Eagle3Proposer(EagleProposer):
     version: ClassVar[int] = 3
     default_drafter: ClassVar[str | None] = "default:eagle3"
+    checkpoint_kind: ClassVar[str] = "an EAGLE-3 head"
