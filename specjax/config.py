@@ -443,25 +443,59 @@ def _convert(hint, value, where: str):
 
 
 def load_yaml(cls, path, overrides=()):
-    """A config from a YAML file with `key.sub=value` overrides (values parsed as YAML)."""
+    """A config from a YAML file with `key.sub=value` overrides (values parsed as YAML; the command line's
+    --set). Malformed YAML and keys no field has are one-line ConfigErrors naming the file or the --set."""
     from pathlib import Path
-
-    import yaml
 
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = parse_yaml(path.read_text(), str(path)) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of {cls.__name__}'s fields, got {type(data).__name__}")
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep:
-            raise ConfigError(f"override {override!r} is invalid: allowed key=value (e.g. optimizer.lr=3e-4)")
+            raise ConfigError(f"--set {override!r} is invalid: allowed key=value (e.g. optimizer.lr=3e-4)")
+        check_field_path(cls, key, f"--set {override}")
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(raw)
-    return from_dict(cls, data, str(path))
+        node[leaf] = parse_yaml(raw, f"--set {override}")
+    return from_dict(cls, data, str(path) + (f" with --set {' '.join(overrides)}" if overrides else ""))
+
+
+def parse_yaml(text: str, where: str):
+    """YAML text parsed; a syntax error is a ConfigError naming where, the line and column and the problem."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = ": ".join(filter(None, (getattr(error, "context", None), getattr(error, "problem", None))))
+        raise ConfigError(f"{where}: malformed YAML{at}: {problem or error}") from None
+
+
+def check_field_path(cls, key: str, where: str) -> None:
+    """A ConfigError naming `where` unless the dotted key names a field of cls's (nested) dataclasses; below
+    a field that is no dataclass (e.g. a sweep's grid mapping) any key goes."""
+    import typing
+
+    node = cls
+    for depth, part in enumerate(key.split(".")):
+        if not dataclasses.is_dataclass(node):
+            return
+        fields = {f.name for f in dataclasses.fields(node)}
+        if part not in fields:
+            inside = ".".join(key.split(".")[:depth])
+            raise ConfigError(f"{where}: unknown key {part!r}{f' in {inside}' if inside else ''} "
+                              f"({node.__name__}): allowed {sorted(fields)}")
+        hint = typing.get_type_hints(node)[part]
+        options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        node = next((a for a in options if dataclasses.is_dataclass(a)), options[0])
 
 
 # -------------------------------------------------------------------------------------------- training

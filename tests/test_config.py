@@ -71,3 +71,29 @@ def test_registry_names_are_checked_where_the_registries_are(changes, build, mes
     spec = SpecConfig(**changes)  # config.py imports no registry, so it cannot know the names
     with pytest.raises(ConfigError, match=message):
         build(spec)
+
+
+def test_malformed_yaml_is_one_line_naming_the_file_line_and_column(tmp_path, capsys):
+    from specjax import cli
+
+    path = tmp_path / "broken.yaml"
+    path.write_text("base:\n  target: default:target\n  spec: {method: eagle\ngrid: {}\n")
+    assert cli.main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specjax sweep: error: {path}: malformed YAML at line 4, column 5: while parsing a flow "
+                          "mapping: expected") and "<unicode" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_an_unknown_set_key_is_blamed_on_the_set(tmp_path):
+    from specjax.config import load_yaml
+    from specjax.experiments import RunConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("target: default:target\n")
+    with pytest.raises(ConfigError, match=r"^--set spec.num_draft_tokens=3: unknown key 'num_draft_tokens' in spec "
+                                          r"\(SpecConfig\): allowed \["):
+        load_yaml(RunConfig, path, ["spec.num_draft_tokens=3"])
+    with pytest.raises(ConfigError, match=r"^--set max_tokens=3: unknown key 'max_tokens' \(RunConfig\)"):
+        load_yaml(RunConfig, path, ["max_tokens=3"])
+    assert load_yaml(RunConfig, path, ["spec.num_speculative_tokens=3"]).spec.num_speculative_tokens == 3

@@ -110,11 +110,15 @@ def test_a_truncated_checkpoint_is_refused(uninterrupted, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("optimizer.learning_rate=1e-3", r"tiny_lm.yaml: unknown key 'learning_rate' in OptimizerConfig: allowed \["),
-    ("data.seq_len=long", r"tiny_lm.yaml: DataConfig.seq_len = 'long' is invalid: allowed an integer"),
+    # An unknown key given with --set is blamed on the --set, not on the file.
+    ("optimizer.learning_rate=1e-3", r"^--set optimizer.learning_rate=1e-3: unknown key 'learning_rate' in optimizer "
+                                     r"\(OptimizerConfig\): allowed \["),
+    ("data.seq_len=long", r"tiny_lm.yaml with --set data.seq_len=long: DataConfig.seq_len = 'long' is invalid: "
+                          r"allowed an integer"),
+    ("data.seq_len=[1,", r"^--set data.seq_len=\[1,: malformed YAML at line 1, column 4: while parsing a flow node: expected the node content"),
     ("model.norm=batch", r"ModelConfig.norm = 'batch' is invalid: allowed one of \['rms', 'layer'\]"),
     ("optimizer.lr=fast", r"OptimizerConfig.lr = 'fast' is invalid: allowed a number"),
-    ("checkpoint_every", r"override 'checkpoint_every' is invalid: allowed key=value"),
+    ("checkpoint_every", r"--set 'checkpoint_every' is invalid: allowed key=value"),
 ])
 def test_bad_training_configs_name_the_key_and_file(override, message):
     with pytest.raises(ConfigError, match=message):
