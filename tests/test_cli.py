@@ -201,3 +201,13 @@ def test_bad_methods_and_drafters_exit_with_a_message(checkpoint, capsys):
     assert cli.main(["generate", "--model", str(folder), "--method", "eagle", "--prompt", "x"]) == 2
     assert ("--method eagle needs --draft FOLDER (it has a bundled one for --model default:target)"
             in capsys.readouterr().err)
+
+
+def test_importing_specjax_with_transformers_prints_no_pytorch_warning():
+    """transformers warns on import that PyTorch is absent; specjax needs only its tokenizers."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"}
+    run = subprocess.run([sys.executable, "-c", "import specjax.data.tokenizer"], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True)
+    assert "PyTorch was not found" not in run.stderr and run.stderr == "", run.stderr

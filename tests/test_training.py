@@ -4,6 +4,7 @@ refused, configs are strict."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -26,8 +27,9 @@ def train_command(output_dir):
     return [sys.executable, "-m", "specjax.cli", "train-lm", "--config", str(CONFIG), "--set", f"output_dir={output_dir}"]
 
 
-def run_to_end(output_dir):
-    subprocess.run(train_command(output_dir), check=True, cwd=REPO, capture_output=True, text=True)
+def run_to_end(output_dir) -> str:
+    """Runs (or resumes) the training command to its end; its stderr."""
+    return subprocess.run(train_command(output_dir), check=True, cwd=REPO, capture_output=True, text=True).stderr
 
 
 def final_params(output_dir):
@@ -61,7 +63,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(uninterrupted, tmp_pat
     process.wait()
     killed_at = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip())
     assert killed_at < TOTAL_STEPS, "the run finished before it could be killed"
-    run_to_end(tmp_path)  # resumes from the last checkpoint
+    stderr = run_to_end(tmp_path)  # resumes from the last checkpoint, and says so
+    resumed_from = re.search(rf"train-lm: resumed from step (\d+) of {TOTAL_STEPS} \(", stderr)
+    assert resumed_from and 0 < int(resumed_from.group(1)) <= killed_at, stderr
 
     # Same loss trajectory step by step, and the same final parameters, exactly: XLA is deterministic
     # on the CPU, and on GPUs with the deterministic ops tests/conftest.py asks for.
