@@ -237,11 +237,12 @@ class SpecConfig:
       total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and top_k can fill) that
       `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
       calibration run (specjax.tree_size); the cache has room for the largest.
-    dflash_full_block: whether a DFlash drafter drafts its whole trained block (method 'dflash' only; null: auto,
-      the whole block where K + 1 is smaller than it). True: the drafter runs its whole trained block (block_size - 1
-      mask positions) and proposes the first K drafts. False: it runs the anchor and K mask positions (vLLM's
-      meaning of num_speculative_tokens for DFlash). None (default, auto) is True where K + 1 < block_size. A drafter trained on full blocks attends over a shorter block it never
-      saw and drafts worse there: the full block accepted 41-45% more at K 3 and 7 on the default models for
+    dflash_full_block: whether a DFlash drafter drafts its whole trained block (method 'dflash' only; null:
+      auto, the whole block where K + 1 is smaller than it). True: the drafter runs its whole trained block
+      (block_size - 1 mask positions) and proposes the first K drafts. False: it runs the anchor and K mask
+      positions (vLLM's meaning of num_speculative_tokens for DFlash). None (default, auto) is True where
+      K + 1 < block_size. A drafter trained on full blocks attends over a shorter block it never saw and
+      drafts worse there: the full block accepted 41-45% more at K 3 and 7 on the default models for
       +0.6% a step at batch 1 and +7-10% at batch 16 at the 8B shape (docs/performance.md, "Acceptance:
       DFlash on the default models"; benchmarks/results/dflash_block_cost); set False where a step's cost
       grows with the block (large batches).

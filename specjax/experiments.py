@@ -241,7 +241,8 @@ class Runner:
         return {
             **point_fields(config),
             # What DFlash drafted (dflash_full_block null: the full block where K + 1 < block_size).
-            **({} if config.spec.method != "dflash" else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size)}),
+            **({} if config.spec.method != "dflash"
+               else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size)}),
             **({} if choice is None else {"tree_nodes": choice.total_tokens, "tree_size_auto": {
                 "sizes": choice.sizes, "estimated_acceptance": choice.acceptance, "verify_s": choice.verify_s,
                 "rest_s": choice.rest_s, "predicted_tokens_per_s": choice.predicted_tok_s}}),

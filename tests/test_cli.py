@@ -98,7 +98,8 @@ def test_every_registered_method_prints_the_autoregressive_text_by_default(metho
 def test_bfloat16_says_greedy_equality_is_up_to_rounding(capsys):
     assert cli.main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--dtype", "bfloat16"]) == 0
     err = capsys.readouterr().err
-    assert "note: computing in bfloat16: greedy speculative output then equals autoregressive only up to rounding" in err
+    assert ("note: computing in bfloat16: greedy speculative output then equals autoregressive only up to "
+            "rounding") in err
     assert 'docs/performance.md, "Rounding"' in err and "[autoregressive: up to 2 new tokens, bfloat16 on" in err
 
 

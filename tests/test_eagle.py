@@ -16,7 +16,8 @@ from safetensors.numpy import load_file
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.eagle import EagleConfig, default_fuse_layers, init_eagle, load_eagle, save_eagle, head_to_decoding_layout, with_draft_vocabulary
+from specjax.models.eagle import (EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle, load_eagle,
+                                  save_eagle, with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import init_model
 from specjax.proposers import build_proposer

@@ -119,7 +119,8 @@ def test_a_truncated_checkpoint_is_refused(uninterrupted, tmp_path):
                                      r"\(OptimizerConfig\): allowed \["),
     ("data.seq_len=long", r"tiny_lm.yaml with --set data.seq_len=long: DataConfig.seq_len = 'long' is invalid: "
                           r"allowed an integer"),
-    ("data.seq_len=[1,", r"^--set data.seq_len=\[1,: malformed YAML at line 1, column 4: while parsing a flow node: expected the node content"),
+    ("data.seq_len=[1,", r"^--set data.seq_len=\[1,: malformed YAML at line 1, column 4: while parsing a flow node: "
+                         r"expected the node content"),
     ("model.norm=batch", r"ModelConfig.norm = 'batch' is invalid: allowed one of \['rms', 'layer'\]"),
     ("optimizer.lr=fast", r"OptimizerConfig.lr = 'fast' is invalid: allowed a number"),
     ("checkpoint_every", r"--set 'checkpoint_every' is invalid: allowed key=value"),

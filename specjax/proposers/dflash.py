@@ -5,10 +5,10 @@ in every layer: specjax.models.dflash). After a verify step the features of the 
 positions 0..n (the last committed token and the n accepted drafts) are pending; the next propose
 writes them as a fixed window of K + 1 at the row's fill level, of which the first n + 1 count, then
 runs the block [last committed token, M mask tokens] at the slots after them, non-causally, which
-also overwrites the window's unused part (M = K, or block_size - 1 with SpecConfig.dflash_full_block, by default where K + 1 < block_size,
-of which the first K drafts are proposed). The block's own keys and values are dropped by resetting
-the fill level. The block's slot i (i >= 1) gives draft i; the drafts are drawn independently, each
-from its slot's distribution, which is what the verifier's draft_probs are.
+also overwrites the window's unused part (M = K, or block_size - 1 with SpecConfig.dflash_full_block, by
+default where K + 1 < block_size, of which the first K drafts are proposed). The block's own keys and
+values are dropped by resetting the fill level. The block's slot i (i >= 1) gives draft i; the drafts are
+drawn independently, each from its slot's distribution, which is what the verifier's draft_probs are.
 """
 
 from __future__ import annotations
