@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -12,12 +11,19 @@ from pathlib import Path
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 
 
+# Budgets above this generate in chunks of it, with a progress bar (one call is one compiled loop, silent until
+# it ends); each chunk's prompt is the text so far.
+CHUNK_TOKENS = 256
+ROUNDING_NOTE = ("greedy speculative output then equals autoregressive only up to rounding: the K + 1-position "
+                 "verify pass and the one-token pass round differently, and a near-tie can flip a token "
+                 "(docs/performance.md, \"Rounding\"); --dtype float32 makes them equal")
+
+
 def _generate(args: argparse.Namespace) -> int:
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences "PyTorch was not found"
+    import jax
     from transformers import AutoTokenizer
 
     from specjax import default_models
-    from specjax.decoding import generate
     from specjax.models import hf
     from specjax.models.transformer import for_decoding
 
@@ -30,48 +36,165 @@ def _generate(args: argparse.Namespace) -> int:
         mesh = sharding.make_mesh(data, model_shards)
 
     model_dir = default_models.resolve(args.model)
-    model = for_decoding(hf.load(model_dir, param_dtype=args.param_dtype, dtype=args.dtype), model_shards)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"--model {args.model}: folder {model_dir} does not exist")
+    # As runs compute (RunConfig.dtype): float32 on the CPU, where bfloat16 gains nothing and rounds greedy
+    # near-ties differently in the verify pass; elsewhere the checkpoint's dtype unless --dtype says.
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else None)
+    model = for_decoding(hf.load(model_dir, param_dtype=args.param_dtype, dtype=dtype), model_shards)
     spec = drafter = None
-    method = _method(args)
+    method = choose_method(args)
     if method is not None:
-        drafter = _drafter(method, args, model, model_shards)
-        spec = SpecConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
-                          rejection_sample_method=args.rejection_sample_method,
-                          draft_sample_method=args.draft_sample_method)
+        spec = spec_from_args(args, method)
+        drafter = _drafter(method, args, model, model_shards, dtype)
+    if model.config.dtype != "float32":
+        print(f"note: computing in {model.config.dtype}: {ROUNDING_NOTE}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(args.model))
     prompt = tokenizer.encode(args.prompt, add_special_tokens=False)
     if tokenizer.bos_token_id is not None:
         prompt = [tokenizer.bos_token_id, *prompt]
+    positions = model.config.max_position_embeddings
+    if len(prompt) + args.max_new_tokens > positions:
+        raise ValueError(f"the prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) = "
+                         f"{len(prompt) + args.max_new_tokens} exceeds the model's max_position_embeddings "
+                         f"({positions}): allowed at most {positions - len(prompt)} new tokens for this prompt")
+    what = "autoregressive" if spec is None else f"{method}, K={spec.num_speculative_tokens}"
+    print(f"[{what}: up to {args.max_new_tokens} new tokens, {model.config.dtype} on {jax.default_backend()}; "
+          "the first call compiles]", file=sys.stderr)
     start = time.perf_counter()
-    result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                      eos_token_ids=hf.eos_token_ids(model_dir), seeds=args.seed, spec=spec, drafter=drafter,
-                      mesh=mesh)
+    precision = "float32" if model.config.dtype == "float32" else None  # GPUs: no TF32 products (as runs)
+    with jax.default_matmul_precision(precision):
+        tokens, stopped, metrics = _generate_in_chunks(
+            model, prompt, args.max_new_tokens, sampling=sampling, eos_token_ids=hf.eos_token_ids(model_dir),
+            seed=args.seed, spec=spec, drafter=drafter, mesh=mesh)
     seconds = time.perf_counter() - start
-    tokens = result.sequences()[0]
     print(args.prompt + tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"\n[{len(tokens)} tokens in {seconds:.2f} s including compilation; "
-          f"{'stopped at EOS' if result.stopped_by_eos[0] else 'token budget reached'}]", file=sys.stderr)
-    if result.metrics is not None:
-        print(result.metrics.format_summary())
+          f"{'stopped at EOS' if stopped else 'token budget reached'}]", file=sys.stderr)
+    if metrics is not None:
+        print(metrics.format_summary())
     return 0
 
 
-def _method(args: argparse.Namespace) -> str | None:
+def _generate_in_chunks(model, prompt: list[int], max_new_tokens: int, *, seed: int, **kwargs):
+    """(tokens, stopped at EOS, AcceptanceMetrics or None): one generate call up to CHUNK_TOKENS new tokens;
+    above it, calls of CHUNK_TOKENS each continuing the text so far (chunk i samples with seed + i), under a
+    progress bar, their acceptance counts added up."""
+    import dataclasses
+
+    from tqdm.auto import tqdm
+
+    from specjax.decoding import generate
+
+    tokens, metrics = [], None
+    with tqdm(total=max_new_tokens, unit="tok", desc="generate", file=sys.stderr,
+              disable=max_new_tokens <= CHUNK_TOKENS) as bar:
+        for chunk in range(-(-max_new_tokens // CHUNK_TOKENS) or 1):
+            budget = min(CHUNK_TOKENS, max_new_tokens - len(tokens))
+            result = generate(model, [prompt + tokens], max_new_tokens=budget, seeds=seed + chunk, **kwargs)
+            new = result.sequences()[0]
+            tokens += new
+            bar.update(len(new))
+            if result.metrics is not None:
+                metrics = result.metrics if metrics is None else dataclasses.replace(metrics, **{
+                    f.name: getattr(metrics, f.name) + getattr(result.metrics, f.name)
+                    for f in dataclasses.fields(metrics)})
+            if result.stopped_by_eos[0]:
+                return tokens, True, metrics
+    return tokens, False, metrics
+
+
+# SpecConfig fields whose flag is not their dashed name: sampling's --top-k is the token filter, the tree's
+# top_k another option.
+SPEC_FLAGS = {"top_k": "--tree-top-k"}
+
+
+def spec_flag(name: str) -> str:
+    """The `specjax generate` flag of SpecConfig field `name`."""
+    return SPEC_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def spec_field_help() -> dict[str, str]:
+    """Each SpecConfig field's first sentence in its docstring ("name: text", "a / b: text", "a, b: text")."""
+    import re
+
+    def first_sentence(text: list[str]) -> str:  # "e.g. (0,)" does not end one: a capital letter follows
+        return re.split(r"\.\s+(?=[A-Z])", " ".join(text))[0].rstrip(".")
+
+    helps, current, text = {}, [], []
+    for line in (SpecConfig.__doc__ or "").splitlines():
+        match = re.match(r"    ([a-z_]+(?:(?: / |, )[a-z_]+)*): (.*)", line)
+        if match or not line.strip():
+            helps.update({name: first_sentence(text) for name in current})
+            current, text = (re.split(r" / |, ", match.group(1)), [match.group(2)]) if match else ([], [])
+        elif current:
+            text.append(line.strip())
+    helps.update({name: first_sentence(text) for name in current})
+    return helps
+
+
+def add_spec_flags(group) -> None:
+    """A flag for every SpecConfig field but method, from the dataclass's own fields: values are read as YAML
+    (e.g. 16, auto, true, [[0], [1], [0, 0]]) and checked by SpecConfig as a config file's are."""
+    import dataclasses
+
+    helps = spec_field_help()
+    for field in dataclasses.fields(SpecConfig):
+        if field.name == "method":
+            continue
+        flag_only = field.type in ("bool", bool)  # a plain switch: --use-heterogeneous-vocab alone means true
+        default = "null" if field.default is None else json.dumps(field.default)
+        renamed = "" if field.name not in SPEC_FLAGS else f"; not --{field.name.replace('_', '-')}, sampling's"
+        text = helps.get(field.name, "see SpecConfig's docstring")
+        group.add_argument(spec_flag(field.name), dest=f"spec_{field.name}", default=None,
+                           nargs="?" if flag_only else None, const="true" if flag_only else None, metavar="VALUE",
+                           help=f"{text} (SpecConfig.{field.name}{renamed}; default: {default})".replace("%", "%%"))
+
+
+def spec_from_args(args: argparse.Namespace, method: str) -> SpecConfig:
+    """The SpecConfig of --method and the spec flags given (spec_flag), each value read as YAML; a bad value is
+    a ConfigError naming the field and its flag."""
+    import dataclasses
+
+    import yaml
+
+    from specjax.config import from_dict
+
+    given = {f.name: getattr(args, f"spec_{f.name}") for f in dataclasses.fields(SpecConfig) if f.name != "method"}
+    values = {}
+    for name, raw in given.items():
+        if raw is not None:
+            try:
+                values[name] = yaml.safe_load(raw)
+            except yaml.YAMLError as error:
+                raise ConfigError(f"{spec_flag(name)} {raw!r} is not a YAML value: {error}") from None
+    try:
+        return from_dict(SpecConfig, {"method": method, **values}, "command line")
+    except ConfigError as error:
+        flags = [f"{spec_flag(name)} sets SpecConfig.{name}" for name in values if f"SpecConfig.{name}" in str(error)]
+        raise ConfigError(str(error) + (f" ({'; '.join(flags)})" if flags else "")) from None
+
+
+def choose_method(args: argparse.Namespace) -> str | None:
     """--method; with only --draft, the method whose bundled drafter it names or which recognizes its
-    folder (e.g. a DFlash drafter's config.json), else draft_model."""
+    folder by its files (each proposer's `recognizes`), else draft_model."""
     if args.method is not None or args.draft is None:
         return args.method
     from specjax import default_models
+    from specjax.experiments import recognized_method
     from specjax.proposers import PROPOSERS
 
     folder = default_models.resolve(args.draft)
-    return next((name for name, proposer in PROPOSERS.items()
-                 if proposer.default_drafter == args.draft or proposer.recognizes(folder)), "draft_model")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--draft {args.draft}: folder {folder} does not exist")
+    named = next((name for name, proposer in PROPOSERS.items() if proposer.default_drafter == args.draft), None)
+    return named or recognized_method(folder) or "draft_model"
 
 
-def _drafter(method: str, args: argparse.Namespace, target, model_shards: int):
+def _drafter(method: str, args: argparse.Namespace, target, model_shards: int, dtype: str | None):
     """The weights of --method's drafter: from --draft, else the method's bundled one (with the bundled
-    target), loaded by its registered proposer in the target's compute dtype."""
+    target), loaded by its registered proposer in the target's compute dtype; a folder of another method's
+    kind is refused naming the method."""
     from specjax import default_models
     from specjax.experiments import default_drafter, load_drafter
     from specjax.proposers import proposer_class
@@ -83,7 +206,7 @@ def _drafter(method: str, args: argparse.Namespace, target, model_shards: int):
     if proposer.needs_drafter and folder is None:
         bundled = "" if proposer.default_drafter is None else f" (it has a bundled one for --model {default_models.TARGET})"
         raise ValueError(f"--method {method} needs --draft FOLDER{bundled}")
-    return load_drafter(method, folder, target, args.dtype or args.param_dtype, model_shards)
+    return load_drafter(method, folder, target, dtype, model_shards, method_option="--method")
 
 
 def _mesh_shape(text: str) -> tuple[int, int]:
@@ -161,26 +284,30 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder with config.json, safetensors, tokenizer; default:NAME for a bundled model "
                           "(default: default:target)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64,
+                     help=f"at most the model's max_position_embeddings less the prompt; above {CHUNK_TOKENS}, "
+                          "generated in chunks under a progress bar (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="0 disables")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 disables")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--param-dtype", default=None, help="weights dtype (default: the checkpoint's)")
-    gen.add_argument("--dtype", default=None, help="compute dtype (default: the weights')")
+    gen.add_argument("--dtype", default=None,
+                     help="compute dtype (default: float32 on the CPU, as runs and sweeps compute, where bfloat16 "
+                          "gains nothing; elsewhere the weights'). In bfloat16 greedy speculative output equals "
+                          "autoregressive only up to rounding (docs/performance.md, \"Rounding\")")
     gen.add_argument("--mesh", default=None, metavar="DATA,MODEL",
                      help="run on a data x model device mesh, e.g. 1,2 (default: one device)")
-    spec = gen.add_argument_group("speculative decoding (with --method or --draft)")
+    spec = gen.add_argument_group("speculative decoding (with --method or --draft; every SpecConfig field, "
+                                  "values read as YAML)")
     spec.add_argument("--method", default=None,
                       help="a registered drafter (specjax.proposers), e.g. eagle or ngram (default with --draft: "
-                           "the method of the bundled drafter it names, else draft_model; without: none, "
+                           "the method whose checkpoint the folder holds, else draft_model; without: none, "
                            "autoregressive)")
     spec.add_argument("--draft", default=None,
                       help="the drafter's folder, e.g. default:draft (default: the method's bundled drafter with "
                            "the bundled target)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="K, tokens drafted per step")
-    spec.add_argument("--rejection-sample-method", default="standard", help="standard | block | synthetic")
-    spec.add_argument("--draft-sample-method", default="greedy", help="greedy | probabilistic")
+    add_spec_flags(spec)
     gen.set_defaults(run=_generate)
     for name, (config_class, _, help_text, example) in TRAINERS.items():
         train = commands.add_parser(name, help=f"{help_text} (resumes a killed run)")

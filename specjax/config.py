@@ -207,8 +207,9 @@ class SpecConfig:
       `specjax.verify.REJECTION_SAMPLE_METHODS`, checked when the verifier is chosen. At temperature 0
       the greedy verifier runs whatever is chosen here, except 'synthetic'.
     synthetic_acceptance_rates: unconditional acceptance rate of each draft position (K values,
-      non-increasing, in [0, 1]); or synthetic_acceptance_length: a mean acceptance length L in
-      [1, K + 1], turned into rates as vLLM does. Exactly one of them with 'synthetic', neither otherwise.
+      non-increasing, in [0, 1]).
+    synthetic_acceptance_length: or a mean acceptance length L in [1, K + 1], turned into rates as vLLM
+      does. Exactly one of them with 'synthetic', neither otherwise.
     draft_sample_method: 'greedy' drafts the argmax (the draft is one-hot to the verifier);
       'probabilistic' samples the processed draft distribution and verifies against it.
     prompt_lookup_min / prompt_lookup_max: n-gram lengths tried by method 'ngram', longest first.
@@ -236,11 +237,15 @@ class SpecConfig:
       total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and top_k can fill) that
       `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
       calibration run (specjax.tree_size); the cache has room for the largest.
-    dflash_full_block: method 'dflash' only. False: the drafter runs the anchor and K mask positions (vLLM's
-      meaning of num_speculative_tokens for DFlash). True: it runs its whole trained block (block_size - 1
-      mask positions) and proposes the first K drafts. A drafter trained on full blocks attends over a
-      shorter block it never saw, and drafts worse there (docs/performance.md, "Acceptance: DFlash on the
-      default models"); the full block costs what a short one does where the forward is memory bound.
+    dflash_full_block: whether a DFlash drafter drafts its whole trained block (method 'dflash' only; null:
+      auto, the whole block where K + 1 is smaller than it). True: the drafter runs its whole trained block
+      (block_size - 1 mask positions) and proposes the first K drafts. False: it runs the anchor and K mask
+      positions (vLLM's meaning of num_speculative_tokens for DFlash). None (default, auto) is True where
+      K + 1 < block_size. A drafter trained on full blocks attends over a shorter block it never saw and
+      drafts worse there: the full block accepted 41-45% more at K 3 and 7 on the default models for
+      +0.6% a step at batch 1 and +7-10% at batch 16 at the 8B shape (docs/performance.md, "Acceptance:
+      DFlash on the default models"; benchmarks/results/dflash_block_cost); set False where a step's cost
+      grows with the block (large batches).
     """
 
     method: str = "draft_model"
@@ -257,7 +262,7 @@ class SpecConfig:
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
     total_tokens: int | str | None = None
     top_k: int | None = None
-    dflash_full_block: bool = False
+    dflash_full_block: bool | None = None
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
@@ -318,9 +323,10 @@ class SpecConfig:
                 f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})")
         if self.kv_cache_dtype is not None:
             dtype_from_name(self.kv_cache_dtype, "SpecConfig.kv_cache_dtype")
-        require(isinstance(self.dflash_full_block, bool) and (not self.dflash_full_block or self.method == "dflash"),
+        require(self.dflash_full_block is None or (isinstance(self.dflash_full_block, bool)
+                                                   and (not self.dflash_full_block or self.method == "dflash")),
                 "SpecConfig", "dflash_full_block", self.dflash_full_block,
-                f"true or false with method 'dflash', false with method {self.method!r}")
+                f"null (auto), true or false with method 'dflash'; null or false with method {self.method!r}")
         if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
             raise ConfigError(
                 f"SpecConfig.use_heterogeneous_vocab = True with method {self.method!r} and draft_sample_method "
@@ -438,25 +444,59 @@ def _convert(hint, value, where: str):
 
 
 def load_yaml(cls, path, overrides=()):
-    """A config from a YAML file with `key.sub=value` overrides (values parsed as YAML)."""
+    """A config from a YAML file with `key.sub=value` overrides (values parsed as YAML; the command line's
+    --set). Malformed YAML and keys no field has are one-line ConfigErrors naming the file or the --set."""
     from pathlib import Path
-
-    import yaml
 
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = parse_yaml(path.read_text(), str(path)) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of {cls.__name__}'s fields, got {type(data).__name__}")
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep:
-            raise ConfigError(f"override {override!r} is invalid: allowed key=value (e.g. optimizer.lr=3e-4)")
+            raise ConfigError(f"--set {override!r} is invalid: allowed key=value (e.g. optimizer.lr=3e-4)")
+        check_field_path(cls, key, f"--set {override}")
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(raw)
-    return from_dict(cls, data, str(path))
+        node[leaf] = parse_yaml(raw, f"--set {override}")
+    return from_dict(cls, data, str(path) + (f" with --set {' '.join(overrides)}" if overrides else ""))
+
+
+def parse_yaml(text: str, where: str):
+    """YAML text parsed; a syntax error is a ConfigError naming where, the line and column and the problem."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = ": ".join(filter(None, (getattr(error, "context", None), getattr(error, "problem", None))))
+        raise ConfigError(f"{where}: malformed YAML{at}: {problem or error}") from None
+
+
+def check_field_path(cls, key: str, where: str) -> None:
+    """A ConfigError naming `where` unless the dotted key names a field of cls's (nested) dataclasses; below
+    a field that is no dataclass (e.g. a sweep's grid mapping) any key goes."""
+    import typing
+
+    node = cls
+    for depth, part in enumerate(key.split(".")):
+        if not dataclasses.is_dataclass(node):
+            return
+        fields = {f.name for f in dataclasses.fields(node)}
+        if part not in fields:
+            inside = ".".join(key.split(".")[:depth])
+            raise ConfigError(f"{where}: unknown key {part!r}{f' in {inside}' if inside else ''} "
+                              f"({node.__name__}): allowed {sorted(fields)}")
+        hint = typing.get_type_hints(node)[part]
+        options = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        node = next((a for a in options if dataclasses.is_dataclass(a)), options[0])
 
 
 # -------------------------------------------------------------------------------------------- training
@@ -555,7 +595,8 @@ class HeadTrainConfig(TrainingRun):
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = False
-    # EAGLE-3: the target layers whose inputs are fused (None: layers 2, L//2, L-3).
+    # EAGLE-3: the target layers whose inputs are fused, three distinct ones (None: layers 2, L//2, L-3, or on
+    # targets under 7 layers, where that repeats one, 1, L//2, L-1: models.eagle.default_fuse_layers).
     fuse_layers: tuple[int, ...] | None = None
     # EAGLE-1 or EAGLE-3: the most frequent training ids that drafts are drawn from (None: the target's
     # vocabulary). EAGLE-3 trains its own LM head over them; EAGLE-1 is trained as without one and
@@ -580,6 +621,9 @@ class HeadTrainConfig(TrainingRun):
         require(0.0 < self.step_decay <= 1.0, "HeadTrainConfig", "step_decay", self.step_decay, "a float in (0, 1]")
         require(self.fuse_layers is None or self.kind == "eagle3", "HeadTrainConfig", "fuse_layers",
                 self.fuse_layers, f"only with kind 'eagle3' (kind is {self.kind!r}), else None")
+        require(self.fuse_layers is None or len(set(self.fuse_layers)) == len(self.fuse_layers) == 3,
+                "HeadTrainConfig", "fuse_layers", self.fuse_layers,
+                "None or three distinct target layers (a repeated layer adds no information to the fused feature)")
         require(self.draft_vocab_size is None or self.kind in ("eagle1", "eagle3"), "HeadTrainConfig",
                 "draft_vocab_size", self.draft_vocab_size,
                 f"only with kind 'eagle1' or 'eagle3' (kind is {self.kind!r}), else None")

@@ -315,11 +315,13 @@ def pad_request(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
             raise ValueError(f"max_new_tokens for row {row} is {budget}: allowed >= 0")
     lengths = np.array([len(p) for p in prompts])
     totals = lengths + budgets
-    if config.position == "learned" and totals.max() > config.max_position_embeddings:
+    # Past its positions a model computes silently wrong (learned: clamped lookups; RoPE: angles it never saw).
+    if totals.max() > config.max_position_embeddings:
         row = int(totals.argmax())
+        kind = "learned positions" if config.position == "learned" else "positions (RoPE)"
         raise ValueError(f"row {row}: prompt ({lengths[row]} tokens) + max_new_tokens ({budgets[row]}) = "
                          f"{totals[row]} exceeds max_position_embeddings ({config.max_position_embeddings}) "
-                         "of this model's learned positions")
+                         f"of this model's {kind}: allowed at most {config.max_position_embeddings} in all")
     prompt_bucket = bucket(int(lengths.max()), MIN_PROMPT_BUCKET)
     if cache_size is None:
         needed = prompt_bucket + int(budgets.max()) + lookahead

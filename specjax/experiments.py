@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from specjax import default_models, sharding
 from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
 from specjax.proposers import PROPOSERS, UnsupportedSpeculation, proposer_class
+from specjax.proposers.dflash import drafts_full_block
 from specjax.verify import verifier_name
 
 
@@ -80,16 +81,31 @@ class SweepConfig:
 
 # ------------------------------------------------------------------------------------------ loading
 
-def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1):
+def load_drafter(method: str, folder: str | None, target, dtype: str | None = None, model_shards: int = 1,
+                 method_option: str = "spec.method"):
     """The drafter weights a method needs, from their folder (`default:NAME` for a bundled one), by the
     method's registered proposer (its `load`); None for a method without weights. dtype is the compute
-    dtype (None: the checkpoint's); modules come in transformer.for_decoding for model_shards."""
+    dtype (None: the checkpoint's); modules come in transformer.for_decoding for model_shards. A folder that
+    does not exist, or that another method's proposer recognizes, is a ConfigError saying so (method_option:
+    how the caller's user sets the method, named in it)."""
     proposer = proposer_class(method)
     if not proposer.needs_drafter:
         return None
     if folder is None:
         raise ConfigError(f"RunConfig.drafter is missing: method {method!r} needs a drafter folder")
-    return proposer.load(default_models.resolve(folder), target, dtype, model_shards)
+    path = default_models.resolve(folder)
+    if not path.is_dir():
+        raise ConfigError(f"drafter folder {folder} does not exist")
+    other = recognized_method(path)
+    if other is not None and other != method and not proposer.recognizes(path):
+        raise ConfigError(f"drafter folder {folder} holds {proposer_class(other).checkpoint_kind}, not "
+                          f"{proposer.checkpoint_kind}: use {method_option} {other}")
+    return proposer.load(path, target, dtype, model_shards)
+
+
+def recognized_method(folder) -> str | None:
+    """The registered method whose proposer recognizes a drafter folder by its files, None if none does."""
+    return next((name for name, proposer in PROPOSERS.items() if proposer.recognizes(Path(folder))), None)
 
 
 def default_drafter(target: str, method: str, drafter: str | None) -> str | None:
@@ -224,6 +240,9 @@ class Runner:
         greedy = config.sampling.is_greedy
         return {
             **point_fields(config),
+            # What DFlash drafted (dflash_full_block null: the full block where K + 1 < block_size).
+            **({} if config.spec.method != "dflash"
+               else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size)}),
             **({} if choice is None else {"tree_nodes": choice.total_tokens, "tree_size_auto": {
                 "sizes": choice.sizes, "estimated_acceptance": choice.acceptance, "verify_s": choice.verify_s,
                 "rest_s": choice.rest_s, "predicted_tokens_per_s": choice.predicted_tok_s}}),
@@ -265,27 +284,56 @@ def drafter_name(row: dict) -> str:
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")
 TABLE = [("method", "method"), ("K", "K"), ("rejection_sample_method", "verifier"), ("temperature", "T"),
          ("draft_sample_method", "drafting"), ("mean_acceptance_length", "mean acc. length"),
-         ("acceptance_rate", "acc. rate"), ("spec_tokens_per_s", "tokens/s"), ("speedup", "speedup"),
-         ("greedy_identical_rows", "rows = AR")]
+         ("acceptance_rate", "acc. rate"), ("ar_tokens_per_s", "AR tokens/s"), ("spec_tokens_per_s", "tokens/s"),
+         ("speedup", "speedup"), ("greedy_identical_rows", "rows = AR")]
+# Parameters of the bundled target (specjax/default_models/MODEL_CARD.md): the footer's reason for speedups below 1.
+BUNDLED_TARGET_PARAMETERS = "12.6M"
+
+
+def verifier_label(row: dict) -> str:
+    """The verifier that ran: at temperature 0 every lossless choice runs the greedy one (SpecConfig's docstring)."""
+    method = row["rejection_sample_method"]
+    return "greedy" if row["temperature"] == 0 and method != "synthetic" else method
 
 
 def markdown(rows: list[dict]) -> str:
-    """The table of the runs; points a drafter cannot run are listed under it."""
+    """The table of the runs, with a footer saying what its columns mean; points a drafter cannot run are
+    listed under it."""
     lines = ["| " + " | ".join(h for _, h in TABLE) + " |", "|" + "---|" * len(TABLE)]
     skipped = [row for row in rows if "skipped" in row]
-    for row in (row for row in rows if "skipped" not in row):
+    ran = [row for row in rows if "skipped" not in row]
+    for row in ran:
         cells = []
         for key, _ in TABLE:
-            value = drafter_name(row) if key == "method" else row.get(key)
+            value = {"method": drafter_name(row), "rejection_sample_method": verifier_label(row)}.get(key, row.get(key))
             if key == "greedy_identical_rows" and value is not None:
                 value = f"{value}/{row['prompts']}"
             cells.append(f"{value:.3g}" if isinstance(value, float) else ("" if value is None else str(value)))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *footer(ran)]
     if skipped:
         lines += ["", f"Skipped {len(skipped)} points the drafter cannot run:"]
         lines += [f"- {row['method']} K={row['K']} {row['rejection_sample_method']} T={row['temperature']:g}: "
                   f"{row['skipped']}" for row in skipped]
     return "\n".join(lines) + "\n"
+
+
+def footer(rows: list[dict]) -> list[str]:
+    """What the table's columns mean, and why speedups are below 1 where they are."""
+    notes = ["mean acc. length: tokens committed per target forward (accepted drafts + 1); acc. rate: accepted / "
+             "drafted. speedup: tokens/s over the autoregressive tokens/s (AR tokens/s) on the same prompts."]
+    if any(row.get("greedy_identical_rows") is not None for row in rows):
+        notes.append("rows = AR: greedy rows whose speculative output equals the autoregressive output token for "
+                     "token (lossless decoding: all of them; in bfloat16 or TF32 a near-tie may flip one, "
+                     "docs/performance.md \"Rounding\").")
+    slow = sorted({row.get("device", "?") for row in rows if row.get("speedup", 1) < 1})
+    if slow:
+        notes.append(f"Speedups below 1 ({', '.join(slow)}): small models (the bundled target has "
+                     f"{BUNDLED_TARGET_PARAMETERS} parameters) are bound by kernel launches and dispatch, not by "
+                     "reading weights, so the drafter's and the K + 1-token verify's extra work is not hidden; "
+                     "speculation pays where decoding is memory bound: `specjax speed` on a GPU (Llama-3.1-8B "
+                     "shapes, 2.8x with EAGLE-1 on an H200).")
+    return notes
 
 
 # -------------------------------------------------------------------------------------------- sweep
@@ -343,7 +391,8 @@ def run_sweep(sweep: SweepConfig, runner: Runner | None = None) -> list[dict]:
     runner = runner or Runner()
     missing = [(a, c) for a, c in points if point_id(a) not in done]
     with results_path.open("a") as log:
-        for assignment, config in tqdm(missing, desc=f"sweep ({len(points) - len(missing)} done)"):
+        for assignment, config in tqdm(missing, total=len(points), initial=len(points) - len(missing), desc="sweep",
+                                       unit="point"):
             try:
                 result = runner.run(config)
             except UnsupportedSpeculation as error:  # e.g. K above Medusa's heads: recorded, not retried
@@ -385,9 +434,11 @@ def plot(rows: list[dict], out: Path) -> None:
     styles = {"standard": "-", "block": "--", "greedy": "-", "synthetic": ":"}
     series: dict[tuple, list[dict]] = {}
     for row in rows:
-        series.setdefault((row["temperature"], drafter_name(row), row["rejection_sample_method"]), []).append(row)
+        series.setdefault((row["temperature"], drafter_name(row), verifier_label(row)), []).append(row)
 
-    def figure(ylabel: str, name: str, draw) -> None:
+    ks = sorted({row["K"] for row in rows})
+
+    def figure(ylabel: str, name: str, draw, reference: float | None = None) -> None:
         fig, axes = plt.subplots(1, len(temperatures), figsize=(5.5 * len(temperatures), 4.2), squeeze=False,
                                  sharey=True)
         for ax, temperature in zip(axes[0], temperatures):
@@ -398,6 +449,8 @@ def plot(rows: list[dict], out: Path) -> None:
                         label=f"{method}, {verifier}"))
             ax.set_title(f"T = {temperature:g}")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if reference is not None:
+                ax.axhline(reference, color="gray", linewidth=0.8, linestyle="--", label="autoregressive")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(ylabel)
         axes[0][-1].legend(fontsize=7)
@@ -405,12 +458,40 @@ def plot(rows: list[dict], out: Path) -> None:
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
 
-    for key, ylabel, name in (("mean_acceptance_length", "mean acceptance length", "acceptance_vs_k.png"),
-                              ("speedup", "speedup over autoregressive", "speedup_vs_k.png")):
+    def bars(key: str, ylabel: str, name: str, reference: float | None) -> None:
+        """One K: a bar per (method, verifier) in each temperature's panel, its value written on it."""
+        fig, axes = plt.subplots(1, len(temperatures), figsize=(max(5.5, 1.1 * len(series)) * len(temperatures), 4.6),
+                                 squeeze=False, sharey=True)
+        for ax, temperature in zip(axes[0], temperatures):
+            shown = [(method, verifier, points[0]) for (t, method, verifier), points in sorted(series.items())
+                     if t == temperature]
+            drawn = ax.bar(range(len(shown)), [row[key] for _, _, row in shown],
+                           color=[colors[method] for method, _, _ in shown])
+            ax.bar_label(drawn, fmt="%.2f", fontsize=8)
+            ax.set_xticks(range(len(shown)), [f"{method}\n{verifier}" for method, verifier, _ in shown], fontsize=8,
+                          rotation=30, ha="right")
+            if reference is not None:
+                ax.axhline(reference, color="gray", linewidth=0.8, linestyle="--", label="autoregressive")
+                ax.legend(fontsize=7)
+            ax.set_title(f"T = {temperature:g}, K = {ks[0]}")
+            ax.grid(alpha=0.3, axis="y")
+        axes[0][0].set_ylabel(ylabel)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+
+    for key, ylabel, name, reference in (
+            ("mean_acceptance_length", "mean acceptance length", "acceptance_vs_k.png", None),
+            ("speedup", "speedup over autoregressive", "speedup_vs_k.png", 1.0)):
         def against_k(ax, points, style, key=key):
             ax.plot([p["K"] for p in points], [p[key] for p in points], **style)
             ax.set_xlabel("num_speculative_tokens (K)")
-        figure(ylabel, name, against_k)
+            if len(ks) <= 16:  # every K of the grid a tick, and no others
+                ax.set_xticks(ks)
+        if len(ks) == 1:
+            bars(key, ylabel, name, reference)
+        else:
+            figure(ylabel, name, against_k, reference)
 
     def per_position(ax, points, style):
         widest = points[-1]

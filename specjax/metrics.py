@@ -2,8 +2,9 @@
 
 Counted as vLLM and EAGLE count them: a step drafts K tokens and accepts n of them (0..K); the mean
 acceptance length tau is 1 + accepted / steps (the +1 is the correction or bonus token every step
-emits). `emitted` is what the row actually kept: it falls short of accepted + steps only at the
-step where the row hit its budget or an EOS inside the block.
+emits). Like vLLM's scheduler stats, accepted counts drafts the verifier accepted past a row's budget or
+EOS too. `emitted` is what the row actually kept: it falls short of accepted + steps only at the
+step where the row hit its budget or an EOS inside the block (summaries report both).
 """
 
 from __future__ import annotations
@@ -85,26 +86,15 @@ class AcceptanceMetrics:
         return self.accepted_at.shape[1]
 
     def summary(self) -> dict:
-        """Totals over all rows."""
-        steps, accepted, drafted = int(self.steps.sum()), int(self.accepted.sum()), int(self.drafted.sum())
-        return {
-            "steps": steps,
-            "drafted": drafted,
-            "accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else float("nan"),
-            "mean_acceptance_length": 1 + accepted / steps if steps else float("nan"),
-            "length_histogram": self.length_histogram.sum(0).tolist(),
-            "per_position_acceptance": (self.accepted_at.sum(0) / steps).tolist() if steps else [],
-        }
+        """Totals over all rows (stats_fields' keys)."""
+        return stats_fields(self.num_speculative_tokens, self.steps.sum(), self.drafted.sum(), self.accepted.sum(),
+                            self.emitted.sum(), self.length_histogram.sum(0), self.accepted_at.sum(0))
 
     def per_request(self) -> list[dict]:
-        return [{
-            "steps": int(self.steps[b]),
-            "drafted": int(self.drafted[b]),
-            "accepted": int(self.accepted[b]),
-            "mean_acceptance_length": 1 + self.accepted[b] / self.steps[b] if self.steps[b] else float("nan"),
-            "length_histogram": self.length_histogram[b].tolist(),
-        } for b in range(len(self.steps))]
+        """The same fields as summary(), one dict per row."""
+        return [stats_fields(self.num_speculative_tokens, self.steps[b], self.drafted[b], self.accepted[b],
+                             self.emitted[b], self.length_histogram[b], self.accepted_at[b])
+                for b in range(len(self.steps))]
 
     def per_step(self, row: int) -> dict:
         """vLLM's detailed per-request arrays for one row: drafts accepted and drafted at each step."""
@@ -115,8 +105,34 @@ class AcceptanceMetrics:
     def format_summary(self) -> str:
         s = self.summary()
         positions = " ".join(f"{rate:.2f}" for rate in s["per_position_acceptance"])
+        kept = ("" if s["mean_emitted_length"] == s["mean_acceptance_length"] else
+                f" (tokens kept a step: {s['mean_emitted_length']:.3f}; drafts accepted past a row's budget or EOS "
+                "are counted above, as vLLM counts them)")
         return (f"speculative: K={self.num_speculative_tokens} steps={s['steps']} "
                 f"accepted={s['accepted']}/{s['drafted']} ({s['acceptance_rate']:.1%}) "
-                f"mean acceptance length={s['mean_acceptance_length']:.3f}\n"
+                f"mean acceptance length={s['mean_acceptance_length']:.3f}{kept}\n"
                 f"  accepted per position: {positions}\n"
                 f"  acceptance-length histogram (0..K): {s['length_histogram']}")
+
+
+def stats_fields(num_spec_tokens: int, steps, drafted, accepted, emitted, histogram, accepted_at) -> dict:
+    """Acceptance statistics of one row or of a total, as plain Python numbers, under specjax's names and
+    vLLM's per-request names. Accepted drafts are what the verifier accepted, including drafts past a row's
+    budget or EOS that the row did not keep: vLLM's scheduler counts them so too (num_accepted =
+    len(generated_token_ids) - 1, before the output is cut at max_tokens or a stop token). What the rows
+    kept is num_emitted_tokens; mean_emitted_length = num_emitted_tokens / steps, lower on short runs."""
+    steps, drafted, accepted, emitted = int(steps), int(drafted), int(accepted), int(emitted)
+    rate = accepted / drafted if drafted else float("nan")
+    mean_length = 1 + accepted / steps if steps else float("nan")
+    histogram = [int(n) for n in histogram]
+    per_position = [int(n) / steps for n in accepted_at] if steps else []
+    return {
+        "steps": steps, "drafted": drafted, "accepted": accepted, "acceptance_rate": rate,
+        "mean_acceptance_length": mean_length, "length_histogram": histogram,
+        "per_position_acceptance": per_position,
+        "emitted": emitted, "mean_emitted_length": emitted / steps if steps else float("nan"),
+        # vLLM's per-request names (the OpenAI server's).
+        "num_spec_steps": steps, "num_draft_tokens": drafted, "num_accepted_draft_tokens": accepted,
+        "draft_acceptance_rate": rate, "acceptance_histogram": histogram, "num_spec_tokens": num_spec_tokens,
+        "num_emitted_tokens": emitted,
+    }

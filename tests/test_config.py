@@ -48,6 +48,8 @@ def test_head_train_config_takes_a_draft_vocabulary_for_either_eagle_kind():
 @pytest.mark.parametrize("changes, message", [
     ({"kind": "eagle1", "fuse_layers": (0, 1, 2)},
      r"HeadTrainConfig.fuse_layers = \(0, 1, 2\) is invalid: allowed only with kind 'eagle3' \(kind is 'eagle1'\)"),
+    ({"kind": "eagle3", "fuse_layers": (2, 3, 3)},
+     r"HeadTrainConfig.fuse_layers = \(2, 3, 3\) is invalid: allowed None or three distinct target layers"),
     ({"kind": "medusa", "draft_vocab_size": 200},
      r"HeadTrainConfig.draft_vocab_size = 200 is invalid: allowed only with kind 'eagle1' or 'eagle3'"),
     ({"kind": "eagle1", "draft_vocab_size": 0}, r"HeadTrainConfig.draft_vocab_size = 0 is invalid: allowed None or"),
@@ -69,3 +71,29 @@ def test_registry_names_are_checked_where_the_registries_are(changes, build, mes
     spec = SpecConfig(**changes)  # config.py imports no registry, so it cannot know the names
     with pytest.raises(ConfigError, match=message):
         build(spec)
+
+
+def test_malformed_yaml_is_one_line_naming_the_file_line_and_column(tmp_path, capsys):
+    from specjax import cli
+
+    path = tmp_path / "broken.yaml"
+    path.write_text("base:\n  target: default:target\n  spec: {method: eagle\ngrid: {}\n")
+    assert cli.main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specjax sweep: error: {path}: malformed YAML at line 4, column 5: while parsing a flow "
+                          "mapping: expected") and "<unicode" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_an_unknown_set_key_is_blamed_on_the_set(tmp_path):
+    from specjax.config import load_yaml
+    from specjax.experiments import RunConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("target: default:target\n")
+    with pytest.raises(ConfigError, match=r"^--set spec.num_draft_tokens=3: unknown key 'num_draft_tokens' in spec "
+                                          r"\(SpecConfig\): allowed \["):
+        load_yaml(RunConfig, path, ["spec.num_draft_tokens=3"])
+    with pytest.raises(ConfigError, match=r"^--set max_tokens=3: unknown key 'max_tokens' \(RunConfig\)"):
+        load_yaml(RunConfig, path, ["max_tokens=3"])
+    assert load_yaml(RunConfig, path, ["spec.num_speculative_tokens=3"]).spec.num_speculative_tokens == 3

@@ -128,10 +128,18 @@ def test_bad_requests_are_refused_with_the_reason(kwargs, message):
         generate(model, **kwargs)
 
 
-def test_learned_positions_bound_the_request():
+def test_positions_bound_the_request():
+    """Learned positions and RoPE alike: prompt + max_new_tokens past max_position_embeddings is refused, naming
+    both numbers (issue 35: a 6,952-token prompt on a 2,048-position target ran silently)."""
     model = hf.load(fixture_dir("gpt2"))  # n_positions 64
-    with pytest.raises(ValueError, match=r"= 70 exceeds max_position_embeddings \(64\)"):
+    with pytest.raises(ValueError, match=r"= 70 exceeds max_position_embeddings \(64\) of this model's learned"):
         generate(model, [[1] * 50], max_new_tokens=20)
+    model = hf.load(fixture_dir("llama_gqa"))  # RoPE, 128 positions
+    with pytest.raises(ValueError, match=r"row 1: prompt \(120 tokens\) \+ max_new_tokens \(9\) = 129 exceeds "
+                                         r"max_position_embeddings \(128\) of this model's positions \(RoPE\): "
+                                         r"allowed at most 128 in all"):
+        generate(model, [[1] * 3, [1] * 120], max_new_tokens=9)
+    assert len(generate(model, [[1] * 120], max_new_tokens=8).sequences()[0]) == 8  # 128 fits
 
 
 

@@ -87,6 +87,18 @@ def test_greedy_speculative_output_is_zlabs(zlab):
     assert result.sequences()[0] == golden["greedy"].tolist()
 
 
+def test_the_full_block_is_drafted_by_default_where_k_plus_1_is_shorter(zlab):
+    """dflash_full_block None (auto): the whole block where K + 1 < block_size; True / False force it."""
+    _, drafter, _ = zlab
+    block = drafter.config.block_size
+    masks = {(k, full): build_proposer(SpecConfig(method="dflash", num_speculative_tokens=k, dflash_full_block=full),
+                                       SamplingConfig(), 64, drafter).num_masks(drafter)
+             for k in (3, block - 1) for full in (None, True, False)}
+    assert masks == {(3, None): block - 1, (3, True): block - 1, (3, False): 3,
+                     (block - 1, None): block - 1, (block - 1, True): block - 1, (block - 1, False): block - 1}
+    assert SpecConfig(method="eagle").dflash_full_block is None
+
+
 @pytest.mark.parametrize("full_block", [False, True], ids=["K_masks", "full_block"])
 def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab, full_block):
     """Draft probabilities inside the loop's bookkeeping (prefill, propose, accept n, propose) equal the
@@ -150,8 +162,8 @@ def test_bad_drafters_and_settings_are_refused(zlab, tmp_path):
     with pytest.raises(UnsupportedSpeculation, match=r"num_speculative_tokens = 8 .*allowed 1..7"):
         generate(target, [[3, 4]], max_new_tokens=4, spec=SpecConfig(method="dflash", num_speculative_tokens=8),
                  drafter=drafter)
-    with pytest.raises(ValueError, match=r"SpecConfig.dflash_full_block = True is invalid: allowed true or false "
-                                         r"with method 'dflash', false with method 'eagle'"):
+    with pytest.raises(ValueError, match=r"SpecConfig.dflash_full_block = True is invalid: allowed null \(auto\), "
+                                         r"true or false with method 'dflash'; null or false with method 'eagle'"):
         SpecConfig(method="eagle", dflash_full_block=True)
     with pytest.raises(ValueError, match=r"DFlashConfig.target_layer_ids = \(0, 4\) is invalid: allowed layers 0..3"):
         dataclasses.replace(drafter.config, target_layer_ids=(0, 4))

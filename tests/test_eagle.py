@@ -16,7 +16,8 @@ from safetensors.numpy import load_file
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.eagle import EagleConfig, init_eagle, load_eagle, save_eagle, head_to_decoding_layout, with_draft_vocabulary
+from specjax.models.eagle import (EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle, load_eagle,
+                                  save_eagle, with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import init_model
 from specjax.proposers import build_proposer
@@ -140,7 +141,7 @@ def test_public_checkpoint_layout_round_trips(name, tmp_path):
         assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "norm.weight",
                 "lm_head.weight", "d2t"} <= keys
         assert load_file(tmp_path / "model.safetensors")["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
-    loaded = load_eagle(tmp_path, target.config, fuse_layers=head.config.fuse_layers or None)
+    loaded = load_eagle(tmp_path, target.config)  # EAGLE-3's fuse_layers from config.json
     assert loaded.config == head.config and loaded.config.version == HEADS[METHOD[name]]["version"]
     if head.draft_to_target is not None:
         np.testing.assert_array_equal(loaded.draft_to_target[...], head.draft_to_target[...])
@@ -191,3 +192,19 @@ def test_with_draft_vocabulary_refuses_bad_ids(ids, message):
 def test_with_draft_vocabulary_refuses_an_eagle3_head():
     with pytest.raises(ValueError, match=r"got an EAGLE-3 head, .* allowed only EAGLE-1 heads"):
         with_draft_vocabulary(head_for("eagle3"), FR_IDS)
+
+
+def test_default_fuse_layers_are_distinct_and_the_bundled_head_keeps_its_own():
+    """2, L//2, L-3 where distinct (L >= 7), else 1, L//2, L-1; the bundled head was trained on 2, 3, 3 before
+    that rule and loads with them (its config.json records them)."""
+    from specjax import default_models
+    from specjax.config import ConfigError
+    from specjax.experiments import load_models
+
+    assert {n: default_fuse_layers(n) for n in (4, 6, 7, 32)} == {4: (1, 2, 3), 6: (1, 3, 5), 7: (2, 3, 4),
+                                                                 32: (2, 16, 29)}
+    assert all(len(set(default_fuse_layers(n))) == 3 for n in range(4, 64))
+    with pytest.raises(ConfigError, match=r"default EAGLE-3 fuse layers need a target of >= 4 layers .* got 3"):
+        default_fuse_layers(3)
+    _, _, head = load_models(default_models.TARGET, "eagle3")
+    assert head.config.fuse_layers == (2, 3, 3)

@@ -43,7 +43,7 @@ def test_run_prints_the_table_and_greedy_matches(models, tmp_path, capsys):
     assert cli.main(["run", str(run_config(models, tmp_path / "run.yaml"))]) == 0
     out = capsys.readouterr().out
     prompts = len(json.loads((models / "prompts.json").read_text()))
-    assert "| draft_model | 3 | standard | 0 | greedy |" in out and f"| {prompts}/{prompts} |" in out
+    assert "| draft_model | 3 | greedy | 0 | greedy |" in out and f"| {prompts}/{prompts} |" in out  # T 0: greedy verifier
     assert "per-position acceptance:" in out
 
 
@@ -57,7 +57,7 @@ def test_a_run_with_a_draft_vocabulary_stays_lossless(models, tmp_path, capsys):
                         spec={"method": "eagle", "num_speculative_tokens": 3}, corpus={"max_files": 40, "held_out_fraction": 0.5})
     assert cli.main(["run", str(config)]) == 0
     prompts = len(PROMPTS)
-    assert "| eagle (40 ids) | 3 | standard | 0 | greedy |" in (out := capsys.readouterr().out)
+    assert "| eagle (40 ids) | 3 | greedy | 0 | greedy |" in (out := capsys.readouterr().out)
     assert f"| {prompts}/{prompts} |" in out
 
 

@@ -174,3 +174,36 @@ def test_missing_shard_is_named(tmp_path):
 def test_folder_without_weights_or_config_is_refused(tmp_path):
     with pytest.raises(hf.CheckpointError, match="no config.json|no model.safetensors"):
         hf.load(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa", "llama_sharded", "qwen3", "mistral"])
+def test_every_supported_lm_checkpoint_is_recognized_as_a_draft_model_only(name):
+    """`specjax generate --draft FOLDER` without --method: each proposer's `recognizes` (tensor names and
+    config.json), here on the LM fixtures (GPT-2's embedding is `wte`, sharded ones go through the index)."""
+    from specjax.experiments import recognized_method
+    from specjax.proposers import PROPOSERS
+
+    assert [m for m, proposer in PROPOSERS.items() if proposer.recognizes(fixture_dir(name))] == ["draft_model"]
+    assert recognized_method(fixture_dir(name)) == "draft_model"
+    assert hf.tensor_names(fixture_dir(name) / "nowhere") == set()
+    assert hf.config_json_or_empty(fixture_dir(name) / "nowhere") == {}
+
+
+@pytest.mark.parametrize("method, folder, message", [
+    ("eagle", "default:eagle3", "drafter folder default:eagle3 holds an EAGLE-3 head, not an EAGLE-1 head: use "
+                                "spec.method eagle3"),
+    ("eagle3", "default:dflash", "drafter folder default:dflash holds a DFlash drafter, not an EAGLE-3 head: use "
+                                 "spec.method dflash"),
+    ("medusa", "default:eagle1", "drafter folder default:eagle1 holds an EAGLE-1 head, not Medusa heads: use "
+                                 "spec.method eagle"),
+    ("eagle", "/nonexistent/eagle", "drafter folder /nonexistent/eagle does not exist"),
+])
+def test_a_drafter_folder_of_another_kind_is_named_before_any_tensor_shape(method, folder, message):
+    """Runs and the CLI load drafters through experiments.load_drafter: a folder another method recognizes is
+    refused naming that method, not with a tensor-shape error (issue 35)."""
+    from specjax.config import ConfigError
+    from specjax.experiments import load_drafter
+
+    with pytest.raises(ConfigError) as error:
+        load_drafter(method, folder, target=None)
+    assert str(error.value) == message

@@ -108,7 +108,7 @@ GREEDY_CASES = [
     # One forward drafts the block; K up to the block's 15. The fixture target is random, and a drafter
     # trained on its text accepts little (tests/test_train_dflash.py trains one for a target with structure).
     *(greedy_case("dflash", k, accepts_sometimes) for k in (4, 8, 15)),
-    greedy_case("dflash", 4, accepts_sometimes, tag="full_block", dflash_full_block=True),
+    greedy_case("dflash", 4, accepts_sometimes, tag="K_masks", dflash_full_block=False),  # the default: full block
     greedy_case("dflash", 8, accepts_sometimes, requests="ragged16", attention_kernel=True, tag="attention_kernel"),
     greedy_case("dflash_fr", 8, emits_ids_the_head_cannot_draft),
     *(greedy_case("ngram", k, accepts_sometimes, requests="repeating", tag=f"lookup{lo}to{hi}",
@@ -257,3 +257,26 @@ def test_negative_control_draft_probabilities_not_zero_outside_the_draft_vocabul
     finally:
         jax.clear_caches()
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], T1)) < 1e-6
+
+
+# ------------------------------------------------------------------------------- the cache's edge
+
+@pytest.mark.parametrize("drafter", ["perturbed", "eagle", "eagle3", "medusa", "ngram", "dflash"])
+def test_greedy_output_at_the_edge_of_the_cache_equals_autoregressive(drafter):
+    """cache_size exactly prompt + budget + K + 1: the prompt's bucket (32) is then wider than the cache, so the
+    prefill pads the prompt only to the cache's width and every drafter's init sees one column fewer than
+    positions (the crash of issue 35); a second, shorter row drafts from a different fill level."""
+    target = target_and_drafts()[0]
+    if drafter == "dflash":  # untrained: lossless whatever it drafts, and no 300-step training
+        weights = init_dflash(dflash_config(target.config, (0, 1), block_size=8), seed=1)
+    else:
+        weights = greedy_drafter(drafter)
+    num_draft, budgets = 3, [6, 4]
+    prompts = [[(5 * i + 3) % 100 + 1 for i in range(20)], [9, 8, 7 + 3, 6]]
+    cache_size = len(prompts[0]) + budgets[0] + num_draft + 1
+    spec = SpecConfig(method=METHODS[drafter], num_speculative_tokens=num_draft,
+                      **({"prompt_lookup_min": 1, "prompt_lookup_max": 2} if drafter == "ngram" else {}))
+    result = generate(target, prompts, max_new_tokens=budgets, spec=spec, drafter=weights, cache_size=cache_size)
+    expected = generate(target, prompts, max_new_tokens=budgets, cache_size=cache_size)
+    assert result.sequences() == expected.sequences()
+    assert [len(row) for row in result.sequences()] == budgets

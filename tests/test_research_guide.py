@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent('''
 
     print("package:", specjax.__file__)
     assert cli.main(["generate", "--method", "bigram", "--prompt", "import os", "--max-new-tokens", "8"]) == 0
-    target, tokenizer, drafter = load_models("default:target", "bigram")
+    target, tokenizer, drafter = load_models("default:target", "bigram", dtype="float32")  # as the guide
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in
                ["import os\\nimport sys\\n", "for i in range(3):\\n    print(i)\\nfor i in range(3):\\n    print("]]
     spec = generate(target, prompts, max_new_tokens=8, spec=SpecConfig(method="bigram"), drafter=drafter)
@@ -56,6 +56,8 @@ def test_the_guide_shows_the_example_and_its_registry_line():
     guide = GUIDE.read_text()
     assert EXAMPLE.read_text() in guide
     assert REGISTRY_LINE in guide
+    # Its greedy-equality example loads in float32, as SCRIPT does (bfloat16 rounds near-ties differently).
+    assert 'load_models("default:target", "bigram", dtype="float32")' in guide
 
 
 def test_the_example_drafter_is_one_file_and_one_registry_line(tmp_path):
@@ -81,3 +83,26 @@ def test_the_example_drafter_is_one_file_and_one_registry_line(tmp_path):
     assert "equal to autoregressive: True" in run.stdout
     # The drafter drafts for real: on the repetitive prompt some of its drafts are the target's tokens.
     assert float(run.stdout.split("accepted: ")[1]) > 0
+
+
+def test_a_drafter_registers_from_the_users_own_script(tmp_path):
+    """The guide's claim: importing a module with a @register'ed class makes the method usable in that process,
+    with no line added to the package (in a subprocess: the registry is process-wide)."""
+    shutil.copy(EXAMPLE, tmp_path / "bigram.py")
+    script = textwrap.dedent('''
+        import bigram  # registers "bigram"
+        from specjax.config import SpecConfig
+        from specjax.decoding import generate
+        from specjax.models.transformer import init_model
+        from specjax.config import ModelConfig
+
+        target = init_model(ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                        head_dim=8, intermediate_size=32), seed=0)
+        prompts = [[1, 2, 3, 1, 2, 3, 1, 2]]
+        spec = generate(target, prompts, max_new_tokens=8, spec=SpecConfig(method="bigram"))
+        print("equal:", spec.sequences() == generate(target, prompts, max_new_tokens=8).sequences())
+    ''')
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+    assert run.returncode == 0, run.stderr
+    assert "equal: True" in run.stdout

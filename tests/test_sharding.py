@@ -288,7 +288,7 @@ def test_runs_and_generate_take_a_mesh_from_the_command_line(tmp_path, capsys):
                                       "prompt_len": 32, "max_new_tokens": 16}))
     assert cli.main(["run", str(config), "--set", "mesh={data: 2, model: 2}"]) == 0
     out = capsys.readouterr().out
-    assert "| eagle | 4 | standard | 0 | greedy |" in out and out.split("\n")[2].endswith("| 4/4 |")
+    assert "| eagle | 4 | greedy | 0 | greedy |" in out and out.split("\n")[2].endswith("| 4/4 |")
     assert cli.main(["generate", "--mesh", "1,2", "--prompt", "import os", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("import os")
     assert cli.main(["generate", "--mesh", "two", "--prompt", "x"]) == 2

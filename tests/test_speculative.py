@@ -63,6 +63,33 @@ def test_metric_identities():
     assert len(m.per_request()) == len(prompts)
 
 
+def test_per_request_has_summarys_fields_as_plain_numbers_and_vllms_names():
+    """Two rows at K 3: row 0 took two steps accepting 3 then 2 drafts, of which its budget kept 3 + 1 then 1
+    (the 2 accepted past its budget are counted, as vLLM's scheduler counts them; emitted says what was
+    kept); row 1 one step accepting none."""
+    from specjax.metrics import AcceptanceMetrics
+
+    m = AcceptanceMetrics(steps=np.array([2, 1]), drafted=np.array([6, 3]), accepted=np.array([5, 0]),
+                          emitted=np.array([5, 1]), length_histogram=np.array([[0, 0, 1, 1], [1, 0, 0, 0]]),
+                          accepted_at=np.array([[2, 2, 1], [0, 0, 0]]))
+    rows, total = m.per_request(), m.summary()
+    assert all(row.keys() == total.keys() for row in rows)
+    for stats in (*rows, total):
+        for value in stats.values():
+            assert type(value) in (int, float) or all(type(v) in (int, float) for v in value), value
+    assert repr(rows[0]["acceptance_rate"]) == "0.8333333333333334"  # not np.float64(...)
+    assert {k: rows[0][k] for k in (
+        "mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram", "num_spec_steps",
+        "num_accepted_draft_tokens", "num_draft_tokens", "num_spec_tokens", "num_emitted_tokens",
+        "mean_emitted_length", "per_position_acceptance")} == {
+        "mean_acceptance_length": 3.5, "draft_acceptance_rate": 5 / 6, "acceptance_histogram": [0, 0, 1, 1],
+        "num_spec_steps": 2, "num_accepted_draft_tokens": 5, "num_draft_tokens": 6, "num_spec_tokens": 3,
+        "num_emitted_tokens": 5, "mean_emitted_length": 2.5, "per_position_acceptance": [1.0, 1.0, 0.5]}
+    assert total["accepted"] == total["num_accepted_draft_tokens"] == 5
+    assert total["mean_acceptance_length"] == pytest.approx(1 + 5 / 3)
+    assert "tokens kept a step: 2.000" in m.format_summary()
+
+
 # ------------------------------------------------------------------------------------ one program
 
 @pytest.mark.parametrize("method", ["draft_model", "dflash", "medusa_tree"])

@@ -4,6 +4,7 @@ refused, configs are strict."""
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -26,8 +27,9 @@ def train_command(output_dir):
     return [sys.executable, "-m", "specjax.cli", "train-lm", "--config", str(CONFIG), "--set", f"output_dir={output_dir}"]
 
 
-def run_to_end(output_dir):
-    subprocess.run(train_command(output_dir), check=True, cwd=REPO, capture_output=True, text=True)
+def run_to_end(output_dir) -> str:
+    """Runs (or resumes) the training command to its end; its stderr."""
+    return subprocess.run(train_command(output_dir), check=True, cwd=REPO, capture_output=True, text=True).stderr
 
 
 def final_params(output_dir):
@@ -61,7 +63,9 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(uninterrupted, tmp_pat
     process.wait()
     killed_at = max(json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip())
     assert killed_at < TOTAL_STEPS, "the run finished before it could be killed"
-    run_to_end(tmp_path)  # resumes from the last checkpoint
+    stderr = run_to_end(tmp_path)  # resumes from the last checkpoint, and says so
+    resumed_from = re.search(rf"train-lm: resumed from step (\d+) of {TOTAL_STEPS} \(", stderr)
+    assert resumed_from and 0 < int(resumed_from.group(1)) <= killed_at, stderr
 
     # Same loss trajectory step by step, and the same final parameters, exactly: XLA is deterministic
     # on the CPU, and on GPUs with the deterministic ops tests/conftest.py asks for.
@@ -110,11 +114,16 @@ def test_a_truncated_checkpoint_is_refused(uninterrupted, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("optimizer.learning_rate=1e-3", r"tiny_lm.yaml: unknown key 'learning_rate' in OptimizerConfig: allowed \["),
-    ("data.seq_len=long", r"tiny_lm.yaml: DataConfig.seq_len = 'long' is invalid: allowed an integer"),
+    # An unknown key given with --set is blamed on the --set, not on the file.
+    ("optimizer.learning_rate=1e-3", r"^--set optimizer.learning_rate=1e-3: unknown key 'learning_rate' in optimizer "
+                                     r"\(OptimizerConfig\): allowed \["),
+    ("data.seq_len=long", r"tiny_lm.yaml with --set data.seq_len=long: DataConfig.seq_len = 'long' is invalid: "
+                          r"allowed an integer"),
+    ("data.seq_len=[1,", r"^--set data.seq_len=\[1,: malformed YAML at line 1, column 4: while parsing a flow node: "
+                         r"expected the node content"),
     ("model.norm=batch", r"ModelConfig.norm = 'batch' is invalid: allowed one of \['rms', 'layer'\]"),
     ("optimizer.lr=fast", r"OptimizerConfig.lr = 'fast' is invalid: allowed a number"),
-    ("checkpoint_every", r"override 'checkpoint_every' is invalid: allowed key=value"),
+    ("checkpoint_every", r"--set 'checkpoint_every' is invalid: allowed key=value"),
 ])
 def test_bad_training_configs_name_the_key_and_file(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -74,11 +74,19 @@ class EagleConfig:
 
 
 def default_fuse_layers(num_target_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's choice: the inputs of layers 2, L // 2 and L - 3."""
-    if num_target_layers < 5:
-        raise ConfigError(f"default EAGLE-3 fuse layers need a target of >= 5 layers, got {num_target_layers}: "
-                          "give fuse_layers explicitly")
-    return (2, num_target_layers // 2, num_target_layers - 3)
+    """EAGLE-3's choice, the inputs of layers 2, L // 2 and L - 3, where those are distinct (L >= 7); on
+    smaller targets, where that rule repeats a layer (L = 6: 2, 3, 3), layers 1, L // 2 and L - 1."""
+    if num_target_layers >= 7:
+        return (2, num_target_layers // 2, num_target_layers - 3)
+    if num_target_layers < 4:
+        raise ConfigError(f"default EAGLE-3 fuse layers need a target of >= 4 layers (3 distinct layers), got "
+                          f"{num_target_layers}: give fuse_layers explicitly")
+    return (1, num_target_layers // 2, num_target_layers - 1)
+
+
+# config.json's record of the fused layers (SpecForge's and vLLM's EAGLE-3 key), so that a head keeps its
+# layers whatever default_fuse_layers says when it is loaded.
+FUSE_LAYERS_KEY = ("eagle_config", "eagle_aux_hidden_state_layer_ids")
 
 
 class EagleHead(nnx.Module):
@@ -244,7 +252,9 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
                fuse_layers: tuple[int, ...] | None = None) -> EagleHead:
     """Loads an EAGLE-1 or EAGLE-3 checkpoint folder (config.json + model.safetensors) in the public
     layout. version defaults to what the weights say: 3 with `midlayer.*`, 1 with `layers.0.*`. Either
-    version reads a draft vocabulary (config.json `draft_vocab_size`, tensor `d2t`)."""
+    version reads a draft vocabulary (config.json `draft_vocab_size`, tensor `d2t`). EAGLE-3's fuse_layers
+    default to config.json's eagle_config.eagle_aux_hidden_state_layer_ids, else default_fuse_layers.
+    Repeated layers load (the bundled head fuses 2, 3, 3); only new training configs refuse them."""
     folder = Path(folder)
     raw = hf.read_config_json(folder)
     reader = hf.TensorReader(folder)
@@ -256,7 +266,8 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
                                 dtype=target_config.dtype)
     draft_vocab = raw.get("draft_vocab_size")
     if version == 3 and fuse_layers is None:
-        fuse_layers = default_fuse_layers(target_config.num_layers)
+        recorded = raw.get(FUSE_LAYERS_KEY[0], {}).get(FUSE_LAYERS_KEY[1])
+        fuse_layers = tuple(recorded) if recorded is not None else default_fuse_layers(target_config.num_layers)
     config = EagleConfig(layer=layer, version=version, fuse_layers=tuple(fuse_layers or ()),
                          draft_vocab_size=draft_vocab if draft_vocab != target_config.vocab_size else None)
     head = nnx.eval_shape(lambda: init_eagle(config))
@@ -281,6 +292,8 @@ def save_eagle(head: EagleHead, folder: str | Path) -> None:
     config = head.config
     raw = hf.config_to_hf(config.layer)
     raw["num_hidden_layers"] = 1
+    if config.version == 3:
+        raw[FUSE_LAYERS_KEY[0]] = {FUSE_LAYERS_KEY[1]: list(config.fuse_layers)}
     extra = {}
     if head.draft_to_target is not None:  # EAGLE-3, and EAGLE-1 with a draft vocabulary
         raw["draft_vocab_size"] = config.draft_vocab
@@ -289,11 +302,20 @@ def save_eagle(head: EagleHead, folder: str | Path) -> None:
     hf.write_from_rules(head, _rules(config), folder, raw, extra)
 
 
-def _checkpoint_version(keys, folder: Path) -> int:
-    """The EAGLE version the weights are laid out for: 3 with `midlayer.*`, 1 with `layers.0.*`."""
+def checkpoint_version(keys) -> int | None:
+    """The EAGLE version tensor names are laid out for: 3 with `midlayer.*`, 1 with `fc.bias` and `layers.0.*`
+    (a draft LM's are `model.layers.0.*`; a DFlash drafter's fc has no bias), None for neither."""
     if any(key.startswith("midlayer.") for key in keys):
         return 3
-    if any(key.startswith("layers.0.") for key in keys):
+    if "fc.bias" in keys and any(key.startswith("layers.0.") for key in keys):
         return 1
-    raise hf.CheckpointError(f"{folder}: neither EAGLE-3 weights (midlayer.*) nor EAGLE-1 weights (layers.0.*) "
-                             "found: pass version= to load_eagle")
+    return None
+
+
+def _checkpoint_version(keys, folder: Path) -> int:
+    """checkpoint_version, or a CheckpointError naming the folder."""
+    version = checkpoint_version(keys)
+    if version is not None:
+        return version
+    raise hf.CheckpointError(f"{folder}: neither EAGLE-3 weights (midlayer.*) nor EAGLE-1 weights (fc.bias, "
+                             "layers.0.*) found: pass version= to load_eagle")

@@ -387,6 +387,23 @@ class TensorReader:
         return stored if stored in CHECKPOINT_DTYPES else "float32"
 
 
+def tensor_names(folder: Path, file: str = SINGLE_FILE) -> set[str]:
+    """The tensor names of a folder's safetensors checkpoint (single file or sharded); empty where there is none
+    readable. Reads headers only: what drafters' `recognizes` look at."""
+    try:
+        return TensorReader(Path(folder), file).keys()
+    except CheckpointError:
+        return set()
+
+
+def config_json_or_empty(folder: Path) -> dict:
+    """A folder's config.json parsed, or {} where it has none that parses (recognizers' view of a folder)."""
+    try:
+        return read_config_json(folder)
+    except (CheckpointError, ValueError):
+        return {}
+
+
 def read_config_json(folder: Path, missing_hint: str = "") -> dict:
     """A checkpoint folder's config.json, parsed; missing_hint is appended to the error when it is absent."""
     path = Path(folder) / CONFIG_FILE

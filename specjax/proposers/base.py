@@ -105,6 +105,8 @@ class Proposer:
     # The bundled drafter of the method (`default:NAME`, see specjax.default_models), taken with the
     # bundled target when no drafter folder is given; None where none is bundled.
     default_drafter: ClassVar[str | None] = None
+    # What its checkpoint folder holds, in words ("an EAGLE-3 head"): errors that name a folder of another kind.
+    checkpoint_kind: ClassVar[str] = "a drafter"
     # False for a method without weights (n-gram lookup): it takes no drafter folder.
     needs_drafter: ClassVar[bool] = True
     # True where propose can draft spec.speculative_token_tree: its K are then the tree's nodes, in the

@@ -5,17 +5,16 @@ in every layer: specjax.models.dflash). After a verify step the features of the 
 positions 0..n (the last committed token and the n accepted drafts) are pending; the next propose
 writes them as a fixed window of K + 1 at the row's fill level, of which the first n + 1 count, then
 runs the block [last committed token, M mask tokens] at the slots after them, non-causally, which
-also overwrites the window's unused part (M = K, or block_size - 1 with SpecConfig.dflash_full_block,
-of which the first K drafts are proposed). The block's own keys and values are dropped by resetting
-the fill level. The block's slot i (i >= 1) gives draft i; the drafts are drawn independently, each
-from its slot's distribution, which is what the verifier's draft_probs are.
+also overwrites the window's unused part (M = K, or block_size - 1 with SpecConfig.dflash_full_block, by
+default where K + 1 < block_size, of which the first K drafts are proposed). The block's own keys and
+values are dropped by resetting the fill level. The block's slot i (i >= 1) gives draft i; the drafts are
+drawn independently, each from its slot's distribution, which is what the verifier's draft_probs are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax.config import SpecConfig
 from specjax.models.dflash import (ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash,
                                    with_draft_vocabulary)
+from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, einsum_f32, for_decoding, unembed
 from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary
@@ -59,10 +60,19 @@ class DFlashState:
     num_pending: Int[Array, " B"]  # how many of the window's positions are committed tokens
 
 
+def drafts_full_block(spec: SpecConfig, block_size: int) -> bool:
+    """Whether a DFlash drafter of block_size drafts its whole block: spec.dflash_full_block, or where None
+    (auto) where K + 1 is smaller than the block (SpecConfig's docstring says why)."""
+    if spec.dflash_full_block is not None:
+        return spec.dflash_full_block
+    return spec.num_speculative_tokens + 1 < block_size
+
+
 @register("dflash")
 @dataclasses.dataclass(frozen=True)
 class DFlashProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:dflash"
+    checkpoint_kind: ClassVar[str] = "a DFlash drafter"
     takes_draft_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -78,8 +88,7 @@ class DFlashProposer(Proposer):
 
     @classmethod
     def recognizes(cls, folder: Path) -> bool:
-        config = Path(folder) / "config.json"
-        return config.exists() and json.loads(config.read_text()).get("architectures") == [ARCHITECTURE]
+        return hf.config_json_or_empty(folder).get("architectures") == [ARCHITECTURE]
 
     def check(self, params: Any, target_config) -> None:
         if not isinstance(params, DFlashDrafter):
@@ -92,9 +101,10 @@ class DFlashProposer(Proposer):
                 f"allowed 1..{block_size - 1} (block_size - 1)")
 
     def num_masks(self, drafter: DFlashDrafter) -> int:
-        """Mask positions of the drafted block: K, or the drafter's whole block."""
-        spec = self.settings.spec
-        return drafter.config.block_size - 1 if spec.dflash_full_block else spec.num_speculative_tokens
+        """Mask positions of the drafted block: K, or the drafter's whole block (dflash_full_block True, or
+        None where K + 1 is smaller than the block: SpecConfig's docstring says why)."""
+        spec, block_size = self.settings.spec, drafter.config.block_size
+        return block_size - 1 if drafts_full_block(spec, block_size) else spec.num_speculative_tokens
 
     def bind(self, params: DFlashDrafter, target: Transformer) -> DFlashParams:
         embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]

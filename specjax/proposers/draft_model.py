@@ -53,12 +53,22 @@ def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings:
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:draft"
+    checkpoint_kind: ClassVar[str] = "a draft model (a Hugging Face LM)"
     drafts_trees: ClassVar[bool] = True
     drafts_dynamic_trees: ClassVar[bool] = True
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> Transformer:
         return for_decoding(hf.load(folder, dtype=dtype), model_shards)
+
+    @classmethod
+    def recognizes(cls, folder: Path) -> bool:
+        """An LM of a supported architecture: its embedding among the tensors (EAGLE heads say
+        LlamaForCausalLM too, but carry no `model.` embedding)."""
+        architectures = hf.config_json_or_empty(folder).get("architectures") or [None]
+        names = hf.tensor_names(folder)
+        return architectures[0] in hf.SUPPORTED_ARCHITECTURES and any(
+            name.endswith(("model.embed_tokens.weight", "wte.weight")) for name in names)
 
     def check(self, params, target_config) -> None:
         tree, spec = self.settings.spec.speculative_token_tree, self.settings.spec

@@ -29,7 +29,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax import draft_tree
-from specjax.models.eagle import EagleHead, head_to_decoding_layout, load_eagle, with_draft_vocabulary
+from specjax.models import hf
+from specjax.models.eagle import (EagleHead, checkpoint_version, head_to_decoding_layout, load_eagle,
+                                  with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, register,
@@ -88,6 +90,10 @@ class EagleProposer(Proposer):
         head = load_eagle(folder, target.config, version=cls.version)
         return for_decoding(head, model_shards, convert=head_to_decoding_layout)
 
+    @classmethod
+    def recognizes(cls, folder: Path) -> bool:
+        return checkpoint_version(hf.tensor_names(folder)) == cls.version
+
     def check(self, params: Any, target_config) -> None:
         method = self.settings.spec.method
         if not isinstance(params, EagleHead):
@@ -122,7 +128,9 @@ class EagleProposer(Proposer):
              target_out: TargetOutput) -> EagleState:
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens
         batch, width = prompt.shape[0], num_draft + 1
-        features = head.fuse(target_out.hidden)  # [B, T, D] over the padded prompt
+        # [B, T, D] over the padded prompt; a prompt padded to the whole cache leaves prompt one column short
+        # of T + 1 (the last pair's token lies past the cache), and that pair is past every row's prompt.
+        features = head.fuse(target_out.hidden)[:, :prompt.shape[1] - 1]
         prompt_len = lengths - 1
         # Pairs 0 .. L-2 go to the cache now; pair L-1 (with the prefill's token) waits for propose. Past
         # the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
@@ -231,6 +239,7 @@ def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
 class Eagle1Proposer(EagleProposer):
     version: ClassVar[int] = 1
     default_drafter: ClassVar[str | None] = "default:eagle1"
+    checkpoint_kind: ClassVar[str] = "an EAGLE-1 head"
     takes_draft_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -243,3 +252,4 @@ class Eagle1Proposer(EagleProposer):
 class Eagle3Proposer(EagleProposer):
     version: ClassVar[int] = 3
     default_drafter: ClassVar[str | None] = "default:eagle3"
+    checkpoint_kind: ClassVar[str] = "an EAGLE-3 head"

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax.models import hf
 from specjax.models.medusa import LMHead, MedusaHeads, load_medusa
 from specjax.models.transformer import Transformer
 from specjax.proposers.base import (Context, Proposer, TargetOutput, UnsupportedSpeculation, register,
@@ -48,11 +49,16 @@ class MedusaState:
 @dataclasses.dataclass(frozen=True)
 class MedusaProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:medusa"
+    checkpoint_kind: ClassVar[str] = "Medusa heads"
     drafts_trees: ClassVar[bool] = True
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> MedusaHeads:
         return load_medusa(folder, dtype=dtype)
+
+    @classmethod
+    def recognizes(cls, folder: Path) -> bool:
+        return "medusa_num_heads" in hf.config_json_or_empty(folder)
 
     def check(self, params: MedusaHeads, target_config) -> None:
         if not isinstance(params, MedusaHeads):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -79,6 +80,8 @@ def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, tot
     start = checkpoints.latest_step() or 0
     if start:
         state = checkpoints.restore(start, state)
+        print(f"{description}: resumed from step {start} of {total_steps} ({checkpoints.directory / str(start)})",
+              file=sys.stderr)
     _truncate_metrics(metrics_path, start)
     tensorboard = _tensorboard_writer(output_dir / "tensorboard", start)
     with metrics_path.open("a") as log, tqdm(total=total_steps, initial=start, desc=description) as bar:
