@@ -73,7 +73,8 @@ class AcceptanceMetrics:
     emitted: np.ndarray
     length_histogram: np.ndarray  # [B, K + 1]
     accepted_at: np.ndarray  # [B, K]
-    per_step_accepted: np.ndarray  # [B, S]: row b's first steps[b] entries are its steps' accepted drafts
+    # [B, S]: row b's first steps[b] entries are its steps' accepted drafts (None: not recorded)
+    per_step_accepted: np.ndarray | None = None
 
     @classmethod
     def from_counters(cls, counters: AcceptanceCounters, num_rows: int) -> AcceptanceMetrics:
@@ -98,6 +99,8 @@ class AcceptanceMetrics:
 
     def per_step(self, row: int) -> dict:
         """vLLM's detailed per-request arrays for one row: drafts accepted and drafted at each step."""
+        if self.per_step_accepted is None:
+            raise ValueError("these metrics were made without per-step counts (AcceptanceCounters.per_step_accepted)")
         steps = min(int(self.steps[row]), self.per_step_accepted.shape[1])
         return {"per_step_accepted": [int(n) for n in self.per_step_accepted[row, :steps]],
                 "per_step_drafted": [self.num_speculative_tokens] * steps}

@@ -79,6 +79,7 @@ class _Running:
     tokens: list = dataclasses.field(default_factory=list)
     token_times: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
+    stopped: bool = False  # emitted one of the request's stop ids (which the device does not know)
 
 
 class Engine:
@@ -241,8 +242,10 @@ class Engine:
         if self.aborted:
             ended += self._abort()
         free = [slot for slot in range(self.config.max_num_seqs) if slot not in self.running]
+        prefilled = []  # (prefilled rows, their slots) of this visit's admissions
         while self.waiting and free:  # one prefill call per max_prefill_batch requests
-            free = free[self._admit(free):]
+            prefilled.append(self._admit(free))
+            free = free[len(prefilled[-1][1]):]
         if not self.running:
             return ended
         mode = SamplingMode.of([r.request.sampling for r in self.running.values()])
@@ -254,12 +257,14 @@ class Engine:
         done_now = self.config.max_num_seqs - len(self.running)
         stop_at = done_now + 1 if self.waiting else self.config.max_num_seqs + 1
         steps, self.state = run(self.state, jnp.int32(self.config.steps_per_visit), jnp.int32(stop_at))
+        if prefilled:  # while the device runs: the admitted requests' first tokens, done when their prefill is
+            self._first_tokens(prefilled)
         self.steps_run += int(steps)
         self.visits += 1
         return ended + self._collect()
 
-    def _admit(self, free: list[int]) -> int:
-        """Prefills the first waiting requests into the free slots; how many were admitted."""
+    def _admit(self, free: list[int]) -> tuple[Any, list[int]]:
+        """Prefills the first waiting requests into the free slots: (the prefilled rows, their slots)."""
         count = min(len(free), len(self.waiting), self.config.max_prefill_batch)
         admitted = [self.waiting.popleft() for _ in range(count)]
         slots = free[:count]
@@ -287,7 +292,25 @@ class Engine:
             self.running[slot] = _Running(request=request, arrival=arrival)
             log.debug("admitted %s into slot %d (%d prompt tokens, max_tokens %d)", request.request_id, slot,
                       len(request.prompt), request.max_tokens)
-        return count
+        return rows, slots
+
+    def _first_tokens(self, prefilled: list[tuple[Any, list[int]]]) -> None:
+        """Streams each admitted request's first token (the prefill's) as soon as it exists: the time to first
+        token is the prefill's, not that of the visit's steps after it."""
+        for rows, slots in prefilled:
+            decode = _decode(rows)
+            tokens, lengths = jax.device_get((decode.tokens, decode.lengths))
+            now = time.perf_counter()
+            for row, slot in enumerate(slots):
+                running = self.running[slot]
+                token = int(tokens[row, lengths[row] - 1])
+                running.first_token_time = now
+                running.tokens.append(token)
+                running.token_times.append(now)
+                running.emitted = 1
+                running.stopped = token in running.request.stop_token_ids
+                if self.on_tokens is not None:
+                    self.on_tokens(running.request.request_id, [token])
 
     def _collect(self) -> list[RequestOutput]:
         """Reads each running slot's new tokens; ends requests that are done or hit a stop id."""
@@ -303,11 +326,13 @@ class Engine:
         for slot, running in list(self.running.items()):
             request = running.request
             total, start = int(generated[slot]), int(lengths[slot]) - int(generated[slot])
-            new = tokens[slot, start + running.emitted:start + total].tolist()
+            new = [] if running.stopped else tokens[slot, start + running.emitted:start + total].tolist()
             stop = set(request.stop_token_ids)
             hit = next((i for i, t in enumerate(new) if t in stop), None)
             if hit is not None:  # a request's own stop id: the device does not know it
                 new = new[:hit + 1]
+            elif running.stopped:
+                hit = 0
             if new:
                 if running.first_token_time is None:
                     running.first_token_time = now
