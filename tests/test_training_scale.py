@@ -113,10 +113,10 @@ def test_remat_of_draft_heads_gives_the_same_loss_and_gradients(kind):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def run_config(tmp_path, **changes) -> TrainingRun:
+def run_config(tmp_path, data_devices: int = 1, **changes) -> TrainingRun:
     return TrainingRun(data=DataConfig(seq_len=16, batch_size=8), optimizer=OptimizerConfig(
         lr=1e-3, warmup_steps=0, total_steps=3), output_dir=str(tmp_path), checkpoint_every=100, log_every=1,
-        mesh=dataclasses.replace(TrainingRun().mesh, data=1), **changes)
+        mesh=dataclasses.replace(TrainingRun().mesh, data=data_devices), **changes)
 
 
 def train_three_steps(tmp_path, **changes):
@@ -137,8 +137,12 @@ def train_three_steps(tmp_path, **changes):
 def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
     whole = train_three_steps(tmp_path / "whole")
     accumulated = train_three_steps(tmp_path / "accumulated", grad_accum_steps=4)
+    # data parallel: each of 4 devices holds a share of each of the 2 micro-batches (tests/conftest.py's
+    # eight host devices)
+    parallel = train_three_steps(tmp_path / "parallel", data_devices=4, grad_accum_steps=2)
     for name in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[name] for r in accumulated], [r[name] for r in whole], rtol=1e-5)
+        np.testing.assert_allclose([r[name] for r in parallel], [r[name] for r in whole], rtol=1e-5)
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(tmp_path):
