@@ -50,6 +50,22 @@ def require_dtype_names(config, *names: str) -> None:
         dtype_from_name(getattr(config, name), f"{type(config).__name__}.{name}")
 
 
+# ModelConfig's execution settings (see the fields): what each allows.
+REMAT_POLICIES = ("none", "layer", "dots")
+ATTENTION_IMPLS = ("auto", "cudnn", "xla", "einsum")
+MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
+# ModelConfig fields that say how a model runs rather than what it is: config.json holds none of them.
+EXECUTION_FIELDS = ("param_dtype", "dtype", "remat", "attention_impl", "matmul_precision")
+
+
+def matmul_precision_for(dtype: str, precision: str = "auto") -> str:
+    """The matmul precision for compute dtype `dtype`: `precision` unless 'auto', which is 'highest' for
+    float32 (no TF32 on GPUs) and 'default' for narrower dtypes (their products are unaffected)."""
+    if precision != "auto":
+        return precision
+    return "highest" if dtype == "float32" else "default"
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling. `llama3` is Llama 3.1's piecewise rule; `linear` divides all frequencies."""
@@ -106,6 +122,23 @@ class ModelConfig:
     init_std: float = 0.02
     # Hugging Face architecture name this config round-trips to (LlamaForCausalLM, GPT2LMHeadModel, ...).
     architecture: str = "LlamaForCausalLM"
+    # How the model runs, not what it is (EXECUTION_FIELDS: config.json holds none of them).
+    # remat: what the backward pass keeps of each layer of a full forward (REMAT_POLICIES): 'none' keeps
+    #   every activation; 'layer' keeps only each layer's input and recomputes the layer in the backward
+    #   pass; 'dots' keeps the outputs of the weight products (no batch dimensions) and recomputes the rest.
+    #   Training sets it from TrainingRun.remat; it changes memory and time, never the values.
+    remat: str = "none"
+    # attention_impl: how a forward without a cache, causal, with no mask given (training's, and any full
+    #   forward) attends (ATTENTION_IMPLS). 'auto': jax.nn.dot_product_attention with cuDNN's flash
+    #   attention on GPUs in bfloat16 / float16 (cuDNN takes only those), XLA's implementation otherwise;
+    #   'cudnn' / 'xla' force one; 'einsum' the einsum attention every cached call uses. Calls with a cache,
+    #   a mask or causal=False always take the einsum attention or the decoding layout's Pallas kernel.
+    attention_impl: str = "auto"
+    # matmul_precision: the precision of matrix products when inputs are float32 (MATMUL_PRECISIONS):
+    #   'auto' is 'highest' for float32 compute (GPUs would otherwise take float32 products in TF32, whose
+    #   rounding flips near-ties between two programs, so parity and losslessness checks fail there) and
+    #   'default' for bfloat16 / float16; 'default' lets XLA choose (TF32 on GPUs), 'high' is 3-pass bf16.
+    matmul_precision: str = "auto"
 
     def __post_init__(self):
         require_positive_ints(self, "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -123,6 +156,16 @@ class ModelConfig:
         require(self.rope_scaling is None or self.position == "rope", "ModelConfig", "rope_scaling",
                 self.rope_scaling, "None when position is 'learned'")
         require_dtype_names(self, "param_dtype", "dtype")
+        require(self.remat in REMAT_POLICIES, "ModelConfig", "remat", self.remat, f"one of {list(REMAT_POLICIES)}")
+        require(self.attention_impl in ATTENTION_IMPLS, "ModelConfig", "attention_impl", self.attention_impl,
+                f"one of {list(ATTENTION_IMPLS)}")
+        require(self.matmul_precision in MATMUL_PRECISIONS, "ModelConfig", "matmul_precision",
+                self.matmul_precision, f"one of {list(MATMUL_PRECISIONS)}")
+
+    @property
+    def resolved_matmul_precision(self) -> str:
+        """matmul_precision with 'auto' resolved by the compute dtype (see the field)."""
+        return matmul_precision_for(self.dtype, self.matmul_precision)
 
     @property
     def num_query_groups(self) -> int:
@@ -556,6 +599,10 @@ class MeshConfig:
         require_positive_ints(self, "model")
 
 
+# Dtypes a training run may compute in (TrainingRun.compute_dtype).
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainingRun:
     """What every training run has: data, optimizer, where it writes, how often it saves and logs."""
@@ -570,9 +617,25 @@ class TrainingRun:
     # and, with fsdp, also over mesh.data (each device keeps a slice of weights and optimizer state).
     mesh: MeshConfig = MeshConfig()
     fsdp: bool = False
+    # Rematerialisation of the trained module's layers (and the frozen target's, which has no backward
+    # pass and is unaffected): ModelConfig.remat's policies, REMAT_POLICIES.
+    remat: str = "none"
+    # Each step's batch runs as grad_accum_steps micro-batches of data.batch_size / grad_accum_steps rows
+    # (a lax.scan inside the step) whose gradients are averaged: the big batch's step in less memory.
+    grad_accum_steps: int = 1
+    # The dtype activations and matrix products of the trained module and of the frozen target run in
+    # ('bfloat16', 'float16', 'float32'); the trained weights and optimizer state stay float32 (master
+    # weights). None: the module's own config decides (an LM's model.dtype, a head's its target's).
+    compute_dtype: str | None = None
 
     def __post_init__(self):
-        require_positive_ints(self, "checkpoint_every", "log_every")
+        require_positive_ints(self, "checkpoint_every", "log_every", "grad_accum_steps")
+        name = type(self).__name__
+        require(self.remat in REMAT_POLICIES, name, "remat", self.remat, f"one of {list(REMAT_POLICIES)}")
+        require(self.data.batch_size % self.grad_accum_steps == 0, name, "grad_accum_steps", self.grad_accum_steps,
+                f"a divisor of data.batch_size ({self.data.batch_size})")
+        require(self.compute_dtype in (None, *COMPUTE_DTYPES), name, "compute_dtype", self.compute_dtype,
+                f"None or one of {list(COMPUTE_DTYPES)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -581,6 +644,12 @@ class TrainConfig(TrainingRun):
 
     model: ModelConfig
     eval_batches: int = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        # One place for the policy: the run's remat, which train_lm writes into the model's config.
+        require(self.model.remat == "none", "TrainConfig", "model.remat", self.model.remat,
+                "'none' (set the run's remat instead)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -32,8 +32,8 @@ from specjax.config import ModelConfig, require
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.vocabulary import validated_draft_ids
-from specjax.models.transformer import (DecodingLayer, Hidden, StackedLayers, decoder_layer, init_param, normalize,
-                                        project_qkv, query_slots_for, scan_layers)
+from specjax.models.transformer import (DecodingLayer, Hidden, StackedLayers, at_model_precision, checkpointed,
+                                        decoder_layer, init_param, normalize, project_qkv, query_slots_for, scan_layers)
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -103,6 +103,7 @@ class DFlashDrafter(nnx.Module):
         # FR-Spec: the target ids the drafter drafts (with_draft_vocabulary); None: every id.
         self.draft_to_target = None
 
+    @at_model_precision
     def context(self, target_hidden: Hidden) -> Float[Array, "B T D"]:
         """Context features from the target's hidden states (a forward run with config.hidden_layers)."""
         c = self.config.layer
@@ -111,6 +112,7 @@ class DFlashDrafter(nnx.Module):
         projected = jnp.einsum("btf,fd->btd", fused, self.fc[...].astype(c.jnp_dtype))
         return normalize(projected, self.hidden_norm[...], None, c)
 
+    @at_model_precision
     def write_context(self, context: Float[Array, "B C D"], positions: Int[Array, "B C"], cache: KVCache) -> KVCache:
         """Every layer's keys and values of C context features, written at each row's fill level; the
         cache comes back with lengths + C."""
@@ -123,6 +125,7 @@ class DFlashDrafter(nnx.Module):
         cache, _ = scan_layers(write, cache, self.layers, c.num_layers)
         return cache.with_lengths(cache.lengths + context.shape[1])
 
+    @at_model_precision
     def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache,
                  embed: Float[Array, "V D"], *, attention_mask: Bool[Array, "B T S"] | None = None,
                  ) -> tuple[Float[Array, "B T D"], KVCache]:
@@ -139,6 +142,8 @@ class DFlashDrafter(nnx.Module):
                                        visible=attention_mask)
             return (out, cache), None
 
+        if isinstance(self.layers, StackedLayers):  # the decoding layout's per-layer cache takes a Python index
+            step = checkpointed(step, c)
         (x, cache), _ = scan_layers(step, (x, cache), self.layers, c.num_layers)
         return normalize(x, self.final_norm[...], None, c), cache.with_lengths(cache.lengths + tokens.shape[1])
 

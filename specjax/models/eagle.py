@@ -37,8 +37,8 @@ from specjax.config import ConfigError, ModelConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary, validated_draft_ids
-from specjax.models.transformer import (StackedLayers, DecodingLayer, Hidden, init_param, decoder_layer, einsum_f32,
-                                        normalize, query_slots_for)
+from specjax.models.transformer import (StackedLayers, DecodingLayer, Hidden, at_model_precision, checkpointed,
+                                        init_param, decoder_layer, einsum_f32, normalize, query_slots_for)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +109,7 @@ class EagleHead(nnx.Module):
             self.lm_head = init_param(rngs, (D, config.draft_vocab), c)
             self.draft_to_target = nnx.Variable(jnp.arange(config.draft_vocab, dtype=jnp.int32))
 
+    @at_model_precision
     def fuse(self, target_hidden: Hidden) -> Float[Array, "B T D"]:
         """The feature each target position hands the head."""
         if self.config.version == 1:
@@ -118,6 +119,7 @@ class EagleHead(nnx.Module):
         dtype = self.config.layer.jnp_dtype
         return jnp.einsum("btf,fd->btd", fused.astype(dtype), self.fc[...].astype(dtype))
 
+    @at_model_precision
     def __call__(self, tokens: Int[Array, "B T"], features: Float[Array, "B T D"], positions: Int[Array, "B T"],
                  cache: KVCache, embed: Float[Array, "V D"],
                  attention_mask: Bool[Array, "B T S"] | None = None) -> tuple[Float[Array, "B T D"], KVCache]:
@@ -130,15 +132,18 @@ class EagleHead(nnx.Module):
         features = features.astype(dtype)
         layer = self.layer if isinstance(self.layer, DecodingLayer) else jax.tree.map(lambda w: w[0], self.layer)
         slots = query_slots_for(tokens.shape[0], tokens.shape[1], cache)
+
+        def run_layer(x, attn_input, layer, cache):  # rematerialised in training by c.remat
+            return decoder_layer(x, layer, 0, positions, slots, cache, c, attn_input=attn_input, visible=attention_mask)
+
         if self.config.version == 1:
             x = jnp.einsum("btf,fd->btd", jnp.concatenate([embedded, features], -1), self.fc[...].astype(dtype))
             x = x + self.fc_bias[...].astype(dtype)
-            out, cache = decoder_layer(x, layer, 0, positions, slots, cache, c, attn_input=x, visible=attention_mask)
+            out, cache = checkpointed(run_layer, c)(x, x, layer, cache)
         else:
             attn_input = jnp.concatenate([normalize(embedded, self.embed_norm[...], None, c),
                                           normalize(features, layer.attn_norm[...], None, c)], -1)
-            out, cache = decoder_layer(features, layer, 0, positions, slots, cache, c, attn_input=attn_input,
-                                       visible=attention_mask)
+            out, cache = checkpointed(run_layer, c)(features, attn_input, layer, cache)
         return out, cache.with_lengths(cache.lengths + tokens.shape[1])
 
     def create_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -165,6 +170,7 @@ class EagleHead(nnx.Module):
         draft, ids = self.draft_logits(features, target_lm_head, draft_lm_head)
         return draft if ids is None else to_target_vocabulary(draft, ids, self.config.layer.vocab_size)
 
+    @at_model_precision
     def draft_logits(self, features: Float[Array, "... D"], target_lm_head,
                      draft_lm_head: Float[Array, "D Vd"] | None = None
                      ) -> tuple[Float[Array, "... Vd"], Int[Array, " Vd"] | None]:

@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from specjax.config import ConfigError, ModelConfig, RopeScaling
+from specjax.config import EXECUTION_FIELDS, ConfigError, ModelConfig, RopeScaling
 from specjax.models.transformer import StackedLayers, Transformer
 
 CONFIG_FILE = "config.json"
@@ -192,7 +192,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     elif family == "qwen2":
         hf["use_sliding_window"] = False
     expected = config_from_hf(hf)
-    mismatched = [f.name for f in dataclasses.fields(c) if f.name not in ("param_dtype", "dtype")
+    mismatched = [f.name for f in dataclasses.fields(c) if f.name not in EXECUTION_FIELDS
                   and getattr(expected, f.name) != getattr(c, f.name)]
     if mismatched:
         raise CheckpointError(f"{c.architecture} cannot express this config in config.json; fields "

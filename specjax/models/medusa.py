@@ -29,7 +29,7 @@ from safetensors.flax import save_file
 
 from specjax.config import DTYPES, ConfigError, require_dtype_names, require_positive_ints
 from specjax.models import hf
-from specjax.models.transformer import Transformer, einsum_f32, unembed
+from specjax.models.transformer import Transformer, at_model_precision, einsum_f32, unembed
 
 TENSOR_FILE = "medusa_lm_head.safetensors"
 TORCH_FILE = "medusa_lm_head.pt"  # the original training code's format; needs converting first
@@ -84,6 +84,7 @@ class MedusaHeads(nnx.Module):
         self.lm_head = None if c.shared_lm_head else nnx.Param(
             INIT_STD * jax.random.normal(rngs.params(), (c.num_heads, c.hidden_size, c.vocab_size), dtype))
 
+    @at_model_precision
     def __call__(self, hidden: Float[Array, "B D"], lm_head: LMHead | None = None, *,
                  num_heads: int | None = None) -> Float[Array, "B N V"]:
         """Float32 logits of the first num_heads heads (all by default) from final hidden states.

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, matmul_precision_for
 from specjax.models.kv_cache import KVCache
 from specjax.pallas_kernels import decode_attention
 
@@ -145,6 +145,63 @@ def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[A
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bske->btkge", probs, v)
     return out.reshape(batch, num_new, config.num_heads, head_dim)
+
+
+# cuDNN's flash attention takes these dtypes and head sizes (jax.nn.dot_product_attention refuses others).
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def full_attention_impl(config: ModelConfig) -> str:
+    """jax.nn.dot_product_attention's implementation for config's full causal forward ('cudnn' or 'xla'):
+    config.attention_impl, with 'auto' cuDNN on GPUs where it applies (see ModelConfig.attention_impl)."""
+    if config.attention_impl != "auto":
+        return config.attention_impl
+    cudnn_fits = (config.jnp_dtype in CUDNN_DTYPES and config.head_dim % 8 == 0
+                  and config.head_dim <= CUDNN_MAX_HEAD_DIM and config.sliding_window is None)
+    return "cudnn" if jax.default_backend() == "gpu" and cudnn_fits else "xla"
+
+
+def full_causal_attention(q: Float[Array, "B T H E"], k: Float[Array, "B T K E"], v: Float[Array, "B T K E"],
+                          config: ModelConfig) -> Float[Array, "B T H E"]:
+    """Causal GQA attention of T tokens among themselves (no cache, no mask) through
+    jax.nn.dot_product_attention: cuDNN's flash attention keeps no [T, T] scores for the backward pass.
+    Equal to `attention` with query slots 0..T-1, sliding window included."""
+    impl = full_attention_impl(config)
+    window = None if config.sliding_window is None else (config.sliding_window - 1, 0)
+    dtype = q.dtype
+    if impl == "xla" and jax.default_backend() == "cpu" and dtype != jnp.float32:
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))  # the CPU's dot lacks bf16 -> f32 (einsum_f32)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window, implementation=impl)
+    return out.astype(dtype)
+
+
+def checkpointed(step, config: ModelConfig):
+    """step (a function of pytrees) rematerialised by config.remat: as is for 'none'; for 'layer' only its
+    inputs are kept for the backward pass; for 'dots' also the results of products without batch dimensions
+    (the weight products), so that only the elementwise work and attention are recomputed."""
+    if config.remat == "none":
+        return step
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if config.remat == "dots" else None
+    return jax.checkpoint(step, prevent_cse=False, policy=policy)  # prevent_cse is not needed inside a scan
+
+
+def precision_scope(config: ModelConfig):
+    """The context a model's products run in: config's matmul precision (ModelConfig.matmul_precision)."""
+    return jax.default_matmul_precision(config.resolved_matmul_precision)
+
+
+def at_model_precision(method):
+    """A module method run in its model's precision_scope: the module's config is a ModelConfig, has one as
+    `layer` (draft heads), or names only a compute `dtype` ('auto' precision for it; Medusa's heads)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        config = self.config if isinstance(self.config, ModelConfig) else getattr(self.config, "layer", None)
+        scope = (precision_scope(config) if config is not None
+                 else jax.default_matmul_precision(matmul_precision_for(self.config.dtype)))
+        with scope:
+            return method(self, *args, **kwargs)
+    return run
 
 
 def init_param(rngs: nnx.Rngs, shape, config: ModelConfig, kind: str = "normal") -> nnx.Param:
@@ -275,6 +332,8 @@ def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer
             q, k, v, *cache.layer(index), query_slots, sliding_window=c.sliding_window, causal=causal,
             sees=visible.sees if tree else None)
         cache = cache.with_layer(index, k_layer, v_layer)
+    elif cache is None and visible is None and causal and c.attention_impl != "einsum":
+        attn = full_causal_attention(q, k, v, c)
     else:
         if cache is not None:
             cache = cache.write(index, k, v)
@@ -333,8 +392,14 @@ class Transformer(nnx.Module):
         causal=False: the new tokens see one another (a DFlash draft block); attention_mask: which
         slots (of the cache after the write, or of the T tokens without one) each new token sees,
         in place of both rules, or a NewTokenMask (a draft tree's). Logits are float32; with
-        compute_logits=False they are None (see `unembed`).
+        compute_logits=False they are None (see `unembed`). Products run at config's matmul precision.
         """
+        with precision_scope(self.config):
+            return self.forward(tokens, positions, cache, hidden_layers=hidden_layers, compute_logits=compute_logits,
+                                causal=causal, attention_mask=attention_mask)
+
+    def forward(self, tokens, positions, cache, *, hidden_layers, compute_logits, causal, attention_mask):
+        """__call__ without its precision scope."""
         c = self.config
         dtype = c.jnp_dtype
         for index in hidden_layers:
@@ -356,7 +421,8 @@ class Transformer(nnx.Module):
                                        visible=attention_mask)
             return (out, cache), (x if hidden_layers else None)
 
-        (x, cache), layer_inputs = scan_layers(layer_step, (x, cache), self.layers, c.num_layers)
+        step = checkpointed(layer_step, c) if cache is None else layer_step  # only a full forward is differentiated
+        (x, cache), layer_inputs = scan_layers(step, (x, cache), self.layers, c.num_layers)
         layers = None
         if hidden_layers:  # layer_inputs[i] is the input of layer i; index L is the last layer's output
             layers = jnp.stack([layer_inputs[i] if i < c.num_layers else x for i in hidden_layers])
@@ -374,16 +440,18 @@ class Transformer(nnx.Module):
     def unembed(self, final_hidden: Float[Array, "... D"]) -> Float[Array, "... V"]:
         """Float32 logits from final hidden states (the tied embedding or the LM head)."""
         return unembed(final_hidden, self.embed[...], _value(self.lm_head, self.config.jnp_dtype),
-                       self.config.jnp_dtype)
+                       self.config.jnp_dtype, self.config.matmul_precision)
 
 
 def unembed(final_hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None,
-            dtype) -> Float[Array, "... V"]:
-    """Float32 logits through lm_head, or through the embedding when it is tied (lm_head None)."""
+            dtype, precision: str = "auto") -> Float[Array, "... V"]:
+    """Float32 logits through lm_head, or through the embedding when it is tied (lm_head None), at matmul
+    precision `precision` (ModelConfig.matmul_precision's values; 'auto' by dtype)."""
     x = final_hidden.astype(dtype)
-    if lm_head is None:
-        return einsum_f32("...d,vd->...v", x, embed.astype(dtype))
-    return einsum_f32("...d,dv->...v", x, lm_head.astype(dtype))
+    with jax.default_matmul_precision(matmul_precision_for(jnp.dtype(dtype).name, precision)):
+        if lm_head is None:
+            return einsum_f32("...d,vd->...v", x, embed.astype(dtype))
+        return einsum_f32("...d,dv->...v", x, lm_head.astype(dtype))
 
 
 class DecodingLayer(nnx.Module):

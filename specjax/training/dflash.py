@@ -42,7 +42,7 @@ from specjax.models.dflash import DFlashConfig, DFlashDrafter, default_target_la
 from specjax.models.transformer import Transformer, num_parameters, unembed
 from specjax.training import loop
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
-from specjax.training.lm import fit
+from specjax.training.lm import execution_config, fit
 
 
 def drafter_config(config: DFlashTrainConfig, target_config: ModelConfig, mask_token_id: int) -> DFlashConfig:
@@ -50,6 +50,7 @@ def drafter_config(config: DFlashTrainConfig, target_config: ModelConfig, mask_t
     layer = dataclasses.replace(target_config, num_layers=config.num_layers, qk_norm=True, qkv_bias=False,
                                 intermediate_size=config.intermediate_size or target_config.intermediate_size,
                                 out_bias=False, mlp_bias=False, sliding_window=None, architecture="Qwen3ForCausalLM")
+    layer = execution_config(layer, config)
     ids = config.target_layer_ids
     if ids is None:
         ids = default_target_layer_ids(target_config.num_layers, config.num_layers)
@@ -138,7 +139,8 @@ def train_dflash(config: DFlashTrainConfig) -> dict:
     target_dir = default_models.resolve(config.target)
     data = dataclasses.replace(config.data, tokenizer=str(target_dir))
     tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
-    target = hf.load(target_dir, param_dtype="float32")  # a bfloat16 checkpoint too: the drafter trains in float32
+    # float32 weights from a bfloat16 checkpoint too: the drafter trains in float32
+    target = hf.load(target_dir, param_dtype="float32", dtype=config.compute_dtype)
     if len(tokenizer) > target.config.vocab_size:
         raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "
                          f"vocab_size {target.config.vocab_size}")
@@ -165,7 +167,8 @@ def train_dflash(config: DFlashTrainConfig) -> dict:
         anchors = sample_anchors(rng, data.batch_size, data.seq_len, config.block_size, config.num_anchors)
         return {"tokens": tokens, "anchors": anchors.astype(np.int32)}
 
-    trained = fit(drafter, loss_fn, batch_fn, config, output_dir, description="train-dflash", frozen=target)
+    trained = fit(drafter, loss_fn, batch_fn, config, output_dir, description="train-dflash", frozen=target,
+                  model_config=drafter.config.layer)
     drafter_dir = output_dir / "drafter"
     save_dflash(trained, drafter_dir)
     acceptance = closing_eval(config, target, trained, held_out_tokens)

@@ -37,7 +37,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer, num_parameters, unembed
 from specjax.training import loop
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
-from specjax.training.lm import fit
+from specjax.training.lm import execution_config, fit
 
 EAGLE_KINDS = {"eagle1": (1, "eagle"), "eagle3": (3, "eagle3")}
 CE_WEIGHT = 0.1  # EAGLE-1's weight of the distribution loss against the feature regression
@@ -55,7 +55,7 @@ def build_head(config: HeadTrainConfig, target_config, train_tokens: np.ndarray)
     if config.kind not in EAGLE_KINDS:
         raise ValueError(f"train_eagle trains kind 'eagle1' or 'eagle3', got {config.kind!r}")
     version, _ = EAGLE_KINDS[config.kind]
-    layer = dataclasses.replace(target_config, num_layers=1)
+    layer = execution_config(dataclasses.replace(target_config, num_layers=1), config)
     fuse_layers, draft_vocab = (), None
     if version == 3:
         fuse_layers = tuple(config.fuse_layers) if config.fuse_layers is not None \
@@ -139,7 +139,7 @@ def train_eagle(config: HeadTrainConfig) -> dict:
     target_dir = default_models.resolve(config.target)
     data = dataclasses.replace(config.data, tokenizer=str(target_dir))
     tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
-    target = hf.load(target_dir)
+    target = hf.load(target_dir, dtype=config.compute_dtype)
     if len(tokenizer) > target.config.vocab_size:
         raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "
                          f"vocab_size {target.config.vocab_size}")
@@ -161,7 +161,7 @@ def train_eagle(config: HeadTrainConfig) -> dict:
         return batch
 
     trained = fit(head, loss_fn, batch_fn, config, output_dir, description=f"train-eagle ({config.kind})",
-                  frozen=target)
+                  frozen=target, model_config=head.config.layer)
     head_dir = output_dir / "head"
     save_eagle(trained, head_dir)
     acceptance = closing_eval(config, target, trained, held_out_tokens)

@@ -84,25 +84,27 @@ def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, tot
               file=sys.stderr)
     _truncate_metrics(metrics_path, start)
     tensorboard = _tensorboard_writer(output_dir / "tensorboard", start)
-    with metrics_path.open("a") as log, tqdm(total=total_steps, initial=start, desc=description) as bar:
-        for step in range(start + 1, total_steps + 1):
-            state, metrics = train_step(state, batch_fn(step))
-            if step % log_every == 0 or step == total_steps:
-                record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()},
-                          "time": time.time()}
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                if tensorboard is not None:
-                    for name, value in record.items():
-                        if name not in ("step", "time"):
-                            tensorboard.add_scalar(f"train/{name}", value, step)
-                    tensorboard.flush()
-                bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
-            if step % checkpoint_every == 0 or step == total_steps:
-                checkpoints.save(step, state)
-            bar.update(1)
-    if tensorboard is not None:
-        tensorboard.close()
+    try:
+        with metrics_path.open("a") as log, tqdm(total=total_steps, initial=start, desc=description) as bar:
+            for step in range(start + 1, total_steps + 1):
+                state, metrics = train_step(state, batch_fn(step))
+                if step % log_every == 0 or step == total_steps:
+                    record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()},
+                              "time": time.time()}
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    if tensorboard is not None:
+                        for name, value in record.items():
+                            if name not in ("step", "time"):
+                                tensorboard.add_scalar(f"train/{name}", value, step)
+                        tensorboard.flush()
+                    bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
+                if step % checkpoint_every == 0 or step == total_steps:
+                    checkpoints.save(step, state)
+                bar.update(1)
+    finally:  # after a failed step too: an open writer's thread fails at interpreter shutdown
+        if tensorboard is not None:
+            tensorboard.close()
     return state
 
 

@@ -51,13 +51,15 @@ def train_medusa(config: HeadTrainConfig) -> dict:
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     target_dir = default_models.resolve(config.target)
-    target = hf.load(target_dir)
+    target = hf.load(target_dir, dtype=config.compute_dtype)
     data = dataclasses.replace(config.data, tokenizer=str(target_dir))
     _, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
     heads = init_medusa(MedusaConfig(num_heads=config.num_heads, hidden_size=target.config.hidden_size,
                                      vocab_size=target.config.vocab_size, num_layers=config.num_layers,
                                      shared_lm_head=config.shared_lm_head,
-                                     param_dtype=target.config.param_dtype, dtype=target.config.dtype),
+                                     # float32 master weights when the run sets a compute dtype
+                                     param_dtype="float32" if config.compute_dtype else target.config.param_dtype,
+                                     dtype=target.config.dtype),
                         target=target, seed=config.seed)
     untrained = heads
 
@@ -68,7 +70,8 @@ def train_medusa(config: HeadTrainConfig) -> dict:
     def batch_fn(step):
         return batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
 
-    heads = fit(heads, loss_fn, batch_fn, config, output_dir, description="train-medusa", frozen=target)
+    heads = fit(heads, loss_fn, batch_fn, config, output_dir, description="train-medusa", frozen=target,
+                model_config=target.config)
     head_dir = output_dir / "heads"
     save_medusa(heads, head_dir, base_model_name_or_path=str(config.target))
     prompts = held_out_prompts(held_out_tokens, config.eval_prompts, config.eval_prompt_len, config.seed)
