@@ -30,6 +30,7 @@ import numpy as np
 
 from specjax import benchmarking, speed
 from specjax.config import SpecConfig
+from specjax.decoding import loop_arrays, pad_request
 from specjax.engine import Engine, EngineConfig, Request
 
 COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "requests"),
@@ -148,7 +149,8 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
         points = [row for row in rows if row["label"] == label]
         loads = [row["load"] for row in points]
         left.plot(loads, [row["output_tok_s"] for row in points], marker="o", label=label)
-        right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label)
+        if all(row.get("tpot_mean_ms") for row in points):  # the static peer has no per-request latency
+            right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label)
     for axis, title in ((left, "output tokens/s"), (right, "TPOT mean (ms)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel(load_label)
@@ -171,6 +173,8 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="slots (default: the largest load)")
     parser.add_argument("--steps-per-visit", type=int, default=16)
+    parser.add_argument("--max-prefill-batch", type=int, default=16, help="requests prefilled in one call at most")
+    parser.add_argument("--static-batches", default="", help="static generate AR at these batches, the peer")
     parser.add_argument("--name", default="bench_serve")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -182,33 +186,64 @@ def main(argv=None) -> None:
     else:
         target, drafters, prompts = shaped_models(methods, args.prompt_len)
     prompt_len = max(len(p) for p in prompts)
-    slots = args.max_num_seqs or (max(loads) if rates is None else 64)
+    load_label = "request rate (req/s)" if rates else "requests in flight"
+    meta = {**benchmarking.environment(), "models": args.models, "load": load_label,
+            "prompt_len": prompt_len, "new_tokens": args.new_tokens, "steps_per_visit": args.steps_per_visit,
+            "max_prefill_batch": args.max_prefill_batch,
+            "dtype": "bfloat16" if args.models == "8b" else "float32",
+            "acceptance": "synthetic (tau per method)" if args.models == "8b" else "measured"}
     rows = []
+
+    def write():  # after every point: a run stopped by a time limit keeps what it measured
+        json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output, notes=NOTES)
+        plot(rows, json_path.with_suffix(".png"), load_label)
+        return json_path
+
+    for load in ([] if rates else [int(c) for c in args.static_batches.split(",") if c]):
+        rows.append({"method": "static AR", "load": load, "label": "static generate AR",
+                     **static_autoregressive(target, prompts, load, args.new_tokens)})
+        print(f"static generate AR batch {load}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+        write()
     for method in methods:
         spec = method.spec()
         lookahead = 0 if spec is None else spec.num_draft_nodes + 1
-        config = EngineConfig(max_num_seqs=slots, max_model_len=-(-(prompt_len + args.new_tokens + lookahead) // 64) * 64,
-                              spec=spec, steps_per_visit=args.steps_per_visit, max_prefill_batch=min(slots, 16))
-        engine = Engine(target, config, drafter=drafters[method.name])
-        engine.warmup(prompt_len)
         for load in loads:
+            # The step runs every slot, busy or not: a closed loop of c requests gets c slots.
+            slots = args.max_num_seqs or (int(load) if rates is None else 64)
+            config = EngineConfig(max_num_seqs=slots,
+                                  max_model_len=-(-(prompt_len + args.new_tokens + lookahead) // 64) * 64, spec=spec,
+                                  steps_per_visit=args.steps_per_visit,
+                                  max_prefill_batch=min(slots, args.max_prefill_batch))
+            engine = Engine(target, config, drafter=drafters[method.name])
+            engine.warmup(prompt_len)
             point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
                               new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                               rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
             label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
             rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
-                         "label": label, "synthetic_tau": method.tau, **point})
+                         "label": label, "synthetic_tau": method.tau, "slots": slots, **point})
             print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "
                   f"TTFT {point['ttft_mean_ms']:.1f} ms, tau {point['mean_acceptance_length'] or 1:.2f}, "
                   f"host {point['host_ms_per_step']:.2f} ms/step", flush=True)
-    load_label = "request rate (req/s)" if rates else "requests in flight"
-    meta = {**benchmarking.environment(), "models": args.models, "load": load_label, "slots": slots,
-            "prompt_len": prompt_len, "new_tokens": args.new_tokens, "steps_per_visit": args.steps_per_visit,
-            "dtype": "bfloat16" if args.models == "8b" else "float32",
-            "acceptance": "synthetic (tau per method)" if args.models == "8b" else "measured"}
-    json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output)
-    plot(rows, json_path.with_suffix(".png"), load_label)
+            json_path = write()
+            del engine
     print(f"wrote {json_path} and its .md, .png")
+
+
+def static_autoregressive(target, prompts, batch: int, new_tokens: int) -> dict:
+    """The peer: generate's static batch of `batch` prompts, autoregressive (speed.tokens_per_s: the full
+    run's time less a one-token run's, so neither prefill nor dispatch counts)."""
+    prompt_len = max(len(p) for p in prompts)
+    cache_size = speed.cache_size_for(prompt_len, new_tokens, 0)
+    request = [prompts[i % len(prompts)] for i in range(batch)]
+    run_args = loop_arrays(pad_request(target, request, new_tokens, 0, cache_size))[0]
+    one_args = loop_arrays(pad_request(target, request, 1, 0, cache_size))[0]
+    tok_s, _ = speed.tokens_per_s(speed.autoregressive_run(target, cache_size), run_args, one_args)
+    return {"output_tok_s": tok_s, "requests": batch}
+
+
+NOTES = ("Each engine has as many slots as the load's requests in flight: its step runs every slot, busy or not. "
+         "'static AR' is decoding.generate's autoregressive loop on a static batch of that size (decoding only).")
 
 
 if __name__ == "__main__":
