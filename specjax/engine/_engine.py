@@ -266,10 +266,13 @@ class Engine:
         _, _, run, _ = self._program(mode)
         done_now = self.config.max_num_seqs - len(self.running)
         stop_at = done_now + 1 if self.waiting else self.config.max_num_seqs + 1
+        if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
+            self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
+            # would make the time to first token that of a whole visit
         steps, self.state = run(self.state, jnp.int32(self.config.steps_per_visit), jnp.int32(stop_at))
-        if prefilled:  # while the device runs: the admitted requests' first tokens, done when their prefill is
-            self._first_tokens(prefilled)
+        wait = time.perf_counter()
         self.steps_run += int(steps)
+        self.device_wait_s += time.perf_counter() - wait
         self.visits += 1
         return ended + self._collect()
 
@@ -305,8 +308,8 @@ class Engine:
         return rows, slots
 
     def _first_tokens(self, prefilled: list[tuple[Any, list[int]]]) -> None:
-        """Streams each admitted request's first token (the prefill's) as soon as it exists: the time to first
-        token is the prefill's, not that of the visit's steps after it."""
+        """Streams each admitted request's first token (the prefill's): the time to first token is the
+        prefill's, not that of the visit's steps after it."""
         for rows, slots in prefilled:
             decode = _decode(rows)
             tokens, lengths = jax.device_get((decode.tokens, decode.lengths))
