@@ -446,7 +446,13 @@ def load_yaml(cls, path, overrides=()):
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    return from_dict(cls, with_overrides(yaml.safe_load(path.read_text()) or {}, overrides), str(path))
+
+
+def with_overrides(data: dict, overrides=()) -> dict:
+    """data (a config's mapping, changed in place) with `key.sub=value` overrides (values parsed as YAML)."""
+    import yaml
+
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep:
@@ -454,9 +460,11 @@ def load_yaml(cls, path, overrides=()):
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
-            node = node.setdefault(part, {})
+            if not isinstance(node.get(part), dict):  # absent or null: the override starts the mapping
+                node[part] = {}
+            node = node[part]
         node[leaf] = yaml.safe_load(raw)
-    return from_dict(cls, data, str(path))
+    return data
 
 
 # -------------------------------------------------------------------------------------------- training
