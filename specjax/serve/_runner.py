@@ -42,10 +42,13 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="specjax-engine", daemon=True)
 
     def warm_up(self, prompt: list[int]) -> None:
-        """Compiles the greedy and the sampled programs on a short request each (before start)."""
-        for request in (Request.make("warmup-greedy", prompt, 8),
-                        Request.make("warmup-sampled", prompt, 8, temperature=1.0)):
-            self.engine.run([request])
+        """Compiles (before start) the greedy and the sampled programs, and the prefill of each admission
+        batch size (powers of two), on short requests: the first clients wait for none of it."""
+        most = min(self.engine.config.max_num_seqs, self.engine.config.max_prefill_batch)
+        for batch in sorted({min(1 << i, most) for i in range(most.bit_length() + 1)}):  # 1, 2, 4, ..., most
+            for temperature in (0.0, 1.0):
+                self.engine.run([Request.make(f"warmup-{batch}-{temperature}-{i}", prompt, 4, temperature=temperature)
+                                 for i in range(batch)])
 
     def start(self) -> None:
         self._thread.start()

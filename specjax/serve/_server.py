@@ -70,9 +70,10 @@ def serve(config: ServeConfig) -> int:
         log.info("the tokenizer has no chat template: chat prompts are 'role: content' lines, then 'assistant:'")
     log.info("serving %s (%s) at http://%s:%d with %d slots; per-request speculative metrics: %s", config.model_name,
              what, config.host, config.port, config.max_num_seqs, config.per_request_spec_decode_metrics)
-    server = _GracefulServer(uvicorn.Config(build_app(served), host=config.host, port=config.port, access_log=False,
-                                            log_level="info", timeout_graceful_shutdown=int(config.shutdown_timeout_s) + 10),
-                             served.begin_drain)
+    # uvicorn's own access log is off: the app writes one line per request, with its id and acceptance.
+    uvicorn_config = uvicorn.Config(build_app(served), host=config.host, port=config.port, access_log=False,
+                                    log_level="info", timeout_graceful_shutdown=int(config.shutdown_timeout_s) + 10)
+    server = _GracefulServer(uvicorn_config, served.begin_drain)
     try:
         server.run()
     finally:
