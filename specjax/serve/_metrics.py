@@ -35,6 +35,10 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=registry)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", labels,
                               buckets=LATENCY_BUCKETS, registry=registry)
+        # Series labelled by the model alone are exposed from the start, at 0, so that a scrape sees them all.
+        for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prompt_tokens,
+                       self.generation_tokens, self.running, self.e2e, self.ttft):
+            metric.labels(model_name)
 
     def observe(self, output, prompt_tokens: int) -> None:
         """Counts one ended request (an engine RequestOutput)."""
