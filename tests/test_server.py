@@ -272,11 +272,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(one_slot):
     started = time.monotonic()
     second = one_slot.client.completions.create(model=MODEL, prompt="x = 1", max_tokens=8, temperature=0)
     assert second.usage.completion_tokens >= 1 and time.monotonic() - started < 30
-    aborted = one_slot.metrics()[("vllm:request_success_total", (("finished_reason", "abort"),
-                                                                 ("model_name", MODEL)))]
-    assert aborted == 1
+    aborted = ("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))
+    assert one_slot.metrics()[aborted] == 1
     log = [line for line in one_slot.log.read_text().splitlines() if first["id"] in line and " 499 " in line]
     assert len(log) == 1 and "client disconnected" in log[0]
+    # A client of a whole (not streamed) response that gives up is noticed too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{one_slot.url}/v1/completions", json={**body, "stream": False}, timeout=1.5)
+    third = one_slot.client.completions.create(model=MODEL, prompt="y = 2", max_tokens=8, temperature=0)
+    assert third.usage.completion_tokens >= 1 and one_slot.metrics()[aborted] == 2
     # The summary level: vLLM's fields without the per-step arrays.
     check_metrics(second.model_extra["metrics"]["speculative_decoding"], SUMMARY_FIELDS)
 

@@ -264,15 +264,18 @@ def build_app(served: Served) -> FastAPI:
         return await whole(shape, queue, http, start, path)
 
     async def whole(shape: Shape, queue: asyncio.Queue, http: HTTPRequest, start: float, path: str):
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         while True:
             try:
                 kind, value = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
+                kind = None
+            if time.monotonic() >= next_check:  # between events too: tokens may come at every visit
+                next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await http.is_disconnected():
                     served.runner.abort(shape.request_id)
                     access_log(shape.request_id, 499, path, shape.prompt_tokens, note="client disconnected")
                     return Response(status_code=499)
-                continue
             if kind == FAILED:
                 access_log(shape.request_id, 500, path, shape.prompt_tokens, note=value)
                 return error_response(500, value)

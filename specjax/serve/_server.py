@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 
+import prometheus_client
 import uvicorn
 
 from specjax import default_models
@@ -41,7 +42,8 @@ class _GracefulServer(uvicorn.Server):
 
 def serve(config: ServeConfig) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences "PyTorch was not found"
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specjax").setLevel(logging.INFO)  # the access lines; other libraries' warnings only
     spec = config.spec
     method = None if spec is None else spec.method
     if method is not None and proposer_class(method).needs_drafter \
@@ -56,6 +58,7 @@ def serve(config: ServeConfig) -> int:
         () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
     engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, spec=spec,
                                  eos_token_ids=tuple(eos))
+    prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
     metrics = ServerMetrics(config.model_name)
     runner = EngineRunner(model, engine_config, drafter, metrics)
     served = Served(config, runner, tokenizer, metrics, engine_config.lookahead)
