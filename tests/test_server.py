@@ -38,9 +38,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        # The suite's persistent compilation cache, for the server's programs too.
-        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(REPO / ".pytest_cache" / "jax"),
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}
+        # The suite's persistent compilation cache (tests/conftest.py), for the server's programs too.
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(REPO / ".pytest_cache" / "jax")
+        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}
         with log.open("w") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--port", str(self.port),
                                              *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -211,10 +211,6 @@ def build_app(served: Served) -> FastAPI:
         access_log("-", 400, request.url.path, 0, note=message)
         return error_response(400, message, param)
 
-    @app.exception_handler(HTTPError)
-    async def refused(request: HTTPRequest, error: HTTPError):
-        return error_response(error.status, error.message, error.param)
-
     @app.get("/health")
     async def health():
         if served.runner.failure is not None:
