@@ -23,6 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from specjax import cli
 from specjax.serve import Detokenizer, ServeConfig, load_serve_config, spec_decode_metrics
 
+# One worker runs the whole file under `pytest -n 2 --dist loadgroup` (make test): its tests share the servers.
+pytestmark = pytest.mark.xdist_group("serve")
+
 MODEL = "default:target"
 SUMMARY_FIELDS = {"mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram", "num_spec_steps",
                   "num_accepted_draft_tokens", "num_draft_tokens", "num_spec_tokens"}
