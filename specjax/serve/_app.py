@@ -168,8 +168,8 @@ def access_log(request_id: str, status: int, path: str, prompt_tokens: int, outp
         return
     now = time.perf_counter()
     ttft = "-" if output.first_token_time is None else f"{output.first_token_time - start:.3f}s"
-    steps = (output.metrics or {}).get("steps")
-    tau = f"{1 + output.metrics['accepted'] / steps:.2f}" if steps else "-"
+    summary = spec_decode_metrics(output.metrics, "summary")
+    tau = f"{summary['mean_acceptance_length']:.2f}" if summary and summary["num_spec_steps"] else "-"
     log.info("%s %d %s prompt_tokens=%d completion_tokens=%d finish=%s ttft=%s total=%.3fs "
              "mean_acceptance_length=%s%s", request_id, status, path, prompt_tokens, len(output.tokens),
              output.finish_reason, ttft, now - start, tau, f" {note}" if note else "")
@@ -199,15 +199,15 @@ def build_app(served: Served) -> FastAPI:
     async def invalid_body(request: HTTPRequest, error: RequestValidationError):
         first = error.errors()[0]
         where = [str(part) for part in first["loc"] if part != "body"]
-        param = where[0] if where else None
+        param, name = (where[0] if where else None), ".".join(where) or "the body"
         if first["type"] == "json_invalid":
             message, param = f"malformed JSON: {first['msg']}", None
         elif first["type"] == "extra_forbidden":
-            message = f"{'.'.join(where)} is not supported by this server"
+            message = f"{name} is not supported by this server"
         elif first["type"] == "missing":
-            message = f"{'.'.join(where)} is missing"
+            message = f"{name} is missing"
         else:
-            message = f"{'.'.join(where)} = {first.get('input')!r} is invalid: {first['msg']}"
+            message = f"{name} = {first.get('input')!r} is invalid: {first['msg']}"
         access_log("-", 400, request.url.path, 0, note=message)
         return error_response(400, message, param)
 
