@@ -51,7 +51,7 @@ demo: $(DEMO_SETUP)
 		--prompt "def fibonacci(n):" --max-new-tokens 48
 
 test: $(TEST_SETUP)
-	$(RUN) -m pytest -n 2 -q tests
+	$(RUN) -m pytest -n 2 --dist loadgroup -q tests
 
 clean:
 	rm -rf $(VENV) build

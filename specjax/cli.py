@@ -209,6 +209,15 @@ def _drafter(method: str, args: argparse.Namespace, target, model_shards: int, d
     return load_drafter(method, folder, target, dtype, model_shards, method_option="--method")
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from specjax.serve import FLAGS, load_serve_config, serve
+
+    flags = {name: getattr(args, name) for name in FLAGS}
+    if args.config is None:  # --draft alone names its method as in `specjax generate`
+        flags["method"] = _method(args)
+    return serve(load_serve_config(args.config, flags, args.set))
+
+
 def _mesh_shape(text: str) -> tuple[int, int]:
     parts = text.split(",")
     if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
@@ -309,6 +318,30 @@ def build_parser() -> argparse.ArgumentParser:
                            "the bundled target)")
     add_spec_flags(spec)
     gen.set_defaults(run=_generate)
+    srv = commands.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine (docs/serving.md); "
+                              "flags override --config's values, --set overrides both")
+    srv.add_argument("--config", type=Path, default=None, help="a ServeConfig YAML (specjax/serve/_config.py)")
+    srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field, e.g. --set spec.total_tokens=16 --set spec.top_k=4 (repeatable)")
+    srv.add_argument("--model", default=None, help="folder or default:NAME (default: default:target)")
+    srv.add_argument("--served-model-name", default=None, help="the name clients give as `model` (default: --model)")
+    srv.add_argument("--method", default=None, help="a registered drafter, e.g. eagle (default: none, autoregressive; "
+                     "with --draft alone: its method as in `specjax generate`)")
+    srv.add_argument("--draft", default=None, help="the drafter's folder (default: the method's bundled drafter "
+                     "with the bundled target)")
+    srv.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default: 4)")
+    srv.add_argument("--rejection-sample-method", default=None, help="standard (default) | block | synthetic")
+    srv.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded at once (default: 8)")
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="prompt + max_tokens + K + 1 at most per request (default: 1024)")
+    srv.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoints')")
+    srv.add_argument("--host", default=None, help="default: 127.0.0.1")
+    srv.add_argument("--port", type=int, default=None, help="default: 8000")
+    srv.add_argument("--per-request-spec-decode-metrics", default=None, metavar="none|summary|detailed",
+                     help="vLLM's metrics.speculative_decoding object in each response (default: none)")
+    srv.add_argument("--shutdown-timeout", type=float, default=None,
+                     help="seconds requests in flight get to finish after SIGTERM (default: 30)")
+    srv.set_defaults(run=_serve)
     for name, (config_class, _, help_text, example) in TRAINERS.items():
         train = commands.add_parser(name, help=f"{help_text} (resumes a killed run)")
         train.add_argument("--config", type=Path, required=True, help=f"a {config_class} YAML, e.g. {example}")

@@ -497,6 +497,13 @@ def load_yaml(cls, path, overrides=()):
     data = parse_yaml(path.read_text(), str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of {cls.__name__}'s fields, got {type(data).__name__}")
+    data = with_overrides(cls, data, overrides)
+    return from_dict(cls, data, str(path) + (f" with --set {' '.join(overrides)}" if overrides else ""))
+
+
+def with_overrides(cls, data: dict, overrides=()) -> dict:
+    """data (a mapping of cls's fields, changed in place) with `key.sub=value` overrides (values parsed as
+    YAML; the command line's --set); a key no field of cls has is a ConfigError naming the --set."""
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep:
@@ -505,9 +512,11 @@ def load_yaml(cls, path, overrides=()):
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
-            node = node.setdefault(part, {})
+            if not isinstance(node.get(part), dict):  # absent or null: the override starts the mapping
+                node[part] = {}
+            node = node[part]
         node[leaf] = parse_yaml(raw, f"--set {override}")
-    return from_dict(cls, data, str(path) + (f" with --set {' '.join(overrides)}" if overrides else ""))
+    return data
 
 
 def parse_yaml(text: str, where: str):

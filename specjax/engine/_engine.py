@@ -116,14 +116,19 @@ class Engine:
         """Queues a request; one the engine cannot serve ends at the next step as finish_reason 'error'."""
         now = time.perf_counter()
         try:
-            check_request(request, vocab_size=self.model.config.vocab_size, max_model_len=self.config.max_model_len,
-                          lookahead=self.config.lookahead)
+            self.check(request)
         except RequestError as error:
             log.warning("refused %s", error)
             self.finished.append(RequestOutput(request_id=request.request_id, tokens=(), finish_reason="error",
                                                error=str(error), arrival_time=now, finish_time=now))
             return
         self.waiting.append((request, now))
+
+    def check(self, request: Request) -> None:
+        """Raises RequestError naming the field if the engine cannot serve the request (a server answers
+        it at once; add_request ends it as finish_reason 'error')."""
+        check_request(request, vocab_size=self.model.config.vocab_size, max_model_len=self.config.max_model_len,
+                      lookahead=self.config.lookahead)
 
     def abort_request(self, request_id: str) -> None:
         """Ends a waiting or running request at the next step (finish_reason 'abort'), freeing its slot.

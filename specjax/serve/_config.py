@@ -1,0 +1,102 @@
+"""The server's settings: one frozen dataclass, from a YAML file, command-line flags and `--set` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.config import ConfigError, SpecConfig, from_dict, parse_yaml, require, with_overrides
+
+# vLLM's --per-request-spec-decode-metrics levels: no metrics object, the summary, the summary and per-step arrays.
+METRICS_LEVELS = ("none", "summary", "detailed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """`specjax serve`: what it serves and how (the flag of each field in parentheses)."""
+
+    # The target: a Hugging Face folder, or default:NAME for a bundled model (--model).
+    model: str = "default:target"
+    # The drafter's folder (--draft); None with the bundled target: the method's bundled drafter.
+    drafter: str | None = None
+    # Speculative decoding, vLLM's names (--method, --num-speculative-tokens, --rejection-sample-method; trees
+    # with spec.total_tokens / spec.top_k or spec.speculative_token_tree); None serves autoregressively.
+    spec: SpecConfig | None = None
+    # The name clients give as `model` and /v1/models lists (None: `model` as given).
+    served_model_name: str | None = None
+    # Requests decoded at once, the engine's slots (--max-num-seqs); more wait in its FIFO.
+    max_num_seqs: int = 8
+    # Cache entries a request may use: prompt + max_tokens + drafts scored a step + 1 (--max-model-len).
+    max_model_len: int = 1024
+    # Compute dtype of target and drafter (None: the checkpoints').
+    dtype: str | None = None
+    host: str = "127.0.0.1"  # --host
+    port: int = 8000  # --port
+    # vLLM's per-request metrics object in each response (--per-request-spec-decode-metrics).
+    per_request_spec_decode_metrics: str = "none"
+    # Seconds in-flight requests get to finish after SIGTERM / SIGINT; then they end with an error.
+    shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        from specjax.proposers import PROPOSERS
+        from specjax.verify import rejection_sample_methods
+
+        for name in ("max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, "ServeConfig", name, value, "an integer >= 1")
+        require(isinstance(self.port, int) and 0 <= self.port < 65536, "ServeConfig", "port", self.port,
+                "an integer in 0..65535 (0: any free port)")
+        require(self.shutdown_timeout_s >= 0, "ServeConfig", "shutdown_timeout_s", self.shutdown_timeout_s,
+                "seconds >= 0")
+        require(self.per_request_spec_decode_metrics in METRICS_LEVELS, "ServeConfig",
+                "per_request_spec_decode_metrics", self.per_request_spec_decode_metrics, f"one of {METRICS_LEVELS}")
+        if self.spec is None:
+            # vLLM refuses per-request speculative metrics without a speculative config too.
+            require(self.per_request_spec_decode_metrics == "none", "ServeConfig", "per_request_spec_decode_metrics",
+                    self.per_request_spec_decode_metrics, "'none' without speculative decoding (give --method)")
+            return
+        # A server cannot serve a method it does not have: refused at startup, naming the flag.
+        require(self.spec.method in PROPOSERS, "ServeConfig", "spec.method (--method)", self.spec.method,
+                f"one of {sorted(PROPOSERS)}")
+        require(self.spec.rejection_sample_method in rejection_sample_methods(), "ServeConfig",
+                "spec.rejection_sample_method (--rejection-sample-method)", self.spec.rejection_sample_method,
+                f"one of {rejection_sample_methods()}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+# Command-line flags -> the config keys they set (dotted: inside spec).
+FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
+         "num_speculative_tokens": "spec.num_speculative_tokens",
+         "rejection_sample_method": "spec.rejection_sample_method", "max_num_seqs": "max_num_seqs",
+         "max_model_len": "max_model_len", "host": "host", "port": "port",
+         "per_request_spec_decode_metrics": "per_request_spec_decode_metrics",
+         "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s"}
+
+
+def load_serve_config(path=None, flags: dict | None = None, overrides=()) -> ServeConfig:
+    """A ServeConfig from a YAML file (optional), then the flags given (FLAGS' names; None: not given),
+    then `key=value` overrides, each over the one before."""
+    from pathlib import Path
+
+    data, where = {}, "command line"
+    if path is not None:
+        if not Path(path).exists():
+            raise ConfigError(f"config file {path} does not exist")
+        data, where = parse_yaml(Path(path).read_text(), str(path)) or {}, str(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping for ServeConfig, got {type(data).__name__}")
+    given = [f"{FLAGS[name]}={_yaml_scalar(value)}" for name, value in (flags or {}).items() if value is not None]
+    data = with_overrides(ServeConfig, data, [*given, *overrides])
+    if isinstance(data.get("spec"), dict) and not data["spec"].get("method"):
+        raise ConfigError(f"{where}: ServeConfig.spec = {data['spec']!r} has no method: give --method "
+                          "(or spec.method), or no speculative settings to serve autoregressively")
+    return from_dict(ServeConfig, data, where)
+
+
+def _yaml_scalar(value) -> str:
+    """value written so that the override's YAML parse gives it back (a flag's string stays a string)."""
+    import json
+
+    return json.dumps(value)

@@ -1,0 +1,149 @@
+"""The engine's thread: it owns the Engine and steps it while there is work, sleeping when there is none.
+
+The event loop never touches the engine: it puts requests and aborts into an inbox the thread drains
+before each step, and each request's tokens and end come back into its own asyncio.Queue through the
+loop's call_soon_threadsafe. So HTTP handling never waits on a device call, and the engine is never
+used from two threads."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+
+from specjax.engine import Engine, EngineConfig, Request
+
+log = logging.getLogger("specjax.serve")
+
+# Events a request's queue receives: ("tokens", [ids]) at each visit, then ("done", RequestOutput) or
+# ("failed", message) when the engine itself broke.
+TOKENS, DONE, FAILED = "tokens", "done", "failed"
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    prompt_tokens: int
+
+
+class EngineRunner:
+    """Engine(model, config, drafter) run by one background thread; `submit` and `abort` from the event loop."""
+
+    def __init__(self, model, config: EngineConfig, drafter=None, metrics=None):
+        self.engine = Engine(model, config, drafter, on_tokens=self._on_tokens)
+        self.metrics = metrics  # a ServerMetrics that counts every ended request, or None
+        self.failure: str | None = None  # why the engine thread stopped, if it broke
+        self._wake = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []  # ("add", Request) / ("abort", id), in arrival order
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="specjax-engine", daemon=True)
+
+    def warm_up(self, prompt: list[int]) -> None:
+        """Compiles (before start) the greedy and the sampled programs, and the prefill of each admission
+        batch size (powers of two), on short requests: the first clients wait for none of it."""
+        most = min(self.engine.config.max_num_seqs, self.engine.config.max_prefill_batch)
+        for batch in sorted({min(1 << i, most) for i in range(most.bit_length() + 1)}):  # 1, 2, 4, ..., most
+            for temperature in (0.0, 1.0):
+                self.engine.run([Request.make(f"warmup-{batch}-{temperature}-{i}", prompt, 4, temperature=temperature)
+                                 for i in range(batch)])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends what is left (aborted) and joins the thread."""
+        self.abort_all()
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def check(self, request: Request) -> None:
+        """The engine's RequestError for a request it cannot serve (reads only its config)."""
+        self.engine.check(request)
+
+    def submit(self, request: Request) -> asyncio.Queue:
+        """Queues the request; its events arrive in the returned queue, on the calling event loop."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._wake:
+            if self.failure is not None:
+                raise RuntimeError(self.failure)
+            self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), queue, len(request.prompt))
+            if self.metrics is not None:
+                self.metrics.running.labels(self.metrics.model_name).inc()
+            self._inbox.append(("add", request))
+            self._wake.notify()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request at the engine's next step, freeing its slot (its queue gets its 'abort' output)."""
+        with self._wake:
+            self._inbox.append(("abort", request_id))
+            self._wake.notify()
+
+    def abort_all(self) -> list[str]:
+        """Aborts every request not yet ended; their ids."""
+        with self._wake:
+            ids = list(self._streams)
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
+    def in_flight(self) -> int:
+        with self._wake:
+            return len(self._streams)
+
+    # ------------------------------------------------------------------ the engine's thread
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._inbox and not engine.has_work() and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._inbox and not engine.has_work():
+                    return
+                inbox, self._inbox = self._inbox, []
+            for kind, item in inbox:
+                if kind == "add":
+                    engine.add_request(item)
+                else:
+                    engine.abort_request(item)
+            try:
+                outputs = engine.step()
+            except Exception as error:  # the engine's state is unknown now: every request ends with the reason
+                log.exception("the engine failed")
+                self._fail(f"the engine failed: {type(error).__name__}: {error}")
+                return
+            for output in outputs:
+                stream = self._send(output.request_id, (DONE, output), last=True)
+                if stream is not None and self.metrics is not None:
+                    self.metrics.running.labels(self.metrics.model_name).dec()
+                    self.metrics.observe(output, stream.prompt_tokens)
+
+    def _on_tokens(self, request_id: str, new_ids: list[int]) -> None:
+        self._send(request_id, (TOKENS, new_ids))
+
+    def _send(self, request_id: str, event: tuple, last: bool = False) -> _Stream | None:
+        with self._wake:
+            stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if stream is None:  # the warm-up's requests
+            return None
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is waiting any more
+            pass
+        return stream
+
+    def _fail(self, message: str) -> None:
+        with self._wake:
+            self.failure = message
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (FAILED, message))
+            except RuntimeError:
+                pass

@@ -1,0 +1,85 @@
+"""`specjax serve`: loads the models, warms the engine's programs up, and runs the app under uvicorn until
+SIGTERM / SIGINT, after which requests in flight finish (or end with an error at the timeout)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import prometheus_client
+import uvicorn
+
+from specjax import default_models
+from specjax.config import ConfigError
+from specjax.engine import EngineConfig
+from specjax.experiments import default_drafter, load_models
+from specjax.models import hf
+from specjax.proposers import proposer_class
+from specjax.serve._app import Served, build_app
+from specjax.serve._config import ServeConfig
+from specjax.serve._metrics import ServerMetrics
+from specjax.serve._runner import EngineRunner
+
+log = logging.getLogger("specjax.serve")
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM / SIGINT starts the app's drain and ends with exit status 0
+    (uvicorn re-raises a caught signal once it has shut down, which would end the process by that signal)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop now
+            self.force_exit = True
+            return
+        self.should_exit = True
+        self.on_exit()
+
+
+def serve(config: ServeConfig) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # silences "PyTorch was not found"
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specjax").setLevel(logging.INFO)  # the access lines; other libraries' warnings only
+    spec = config.spec
+    method = None if spec is None else spec.method
+    if method is not None and proposer_class(method).needs_drafter \
+            and default_drafter(config.model, method, config.drafter) is None:
+        raise ConfigError(f"ServeConfig.drafter (--draft) is missing: method {method!r} needs a drafter folder "
+                          f"(it has a bundled one only for --model {default_models.TARGET})")
+    model, tokenizer, drafter = load_models(config.model, method, config.drafter, config.dtype)
+    if config.max_model_len > model.config.max_position_embeddings:
+        raise ConfigError(f"ServeConfig.max_model_len (--max-model-len) = {config.max_model_len} is invalid: allowed "
+                          f"at most the model's max_position_embeddings {model.config.max_position_embeddings}")
+    eos = hf.eos_token_ids(default_models.resolve(config.model)) or (
+        () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
+    engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, spec=spec,
+                                 eos_token_ids=tuple(eos))
+    prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
+    metrics = ServerMetrics(config.model_name)
+    runner = EngineRunner(model, engine_config, drafter, metrics)
+    served = Served(config, runner, tokenizer, metrics, engine_config.lookahead)
+    what = "autoregressive" if spec is None else (
+        f"{spec.method} K={spec.num_speculative_tokens} ({spec.rejection_sample_method} verification"
+        f"{', ' + str(spec.num_draft_nodes) + '-node tree' if spec.drafts_tree else ''})")
+    log.info("compiling the engine's programs for %s: %s, %d slots of %d tokens", config.model_name, what,
+             config.max_num_seqs, config.max_model_len)
+    runner.warm_up(served.encode("def"))
+    runner.start()
+    if not tokenizer.chat_template:
+        log.info("the tokenizer has no chat template: chat prompts are 'role: content' lines, then 'assistant:'")
+    log.info("serving %s (%s) at http://%s:%d with %d slots; per-request speculative metrics: %s", config.model_name,
+             what, config.host, config.port, config.max_num_seqs, config.per_request_spec_decode_metrics)
+    # uvicorn's own access log is off: the app writes one line per request, with its id and acceptance.
+    uvicorn_config = uvicorn.Config(build_app(served), host=config.host, port=config.port, access_log=False,
+                                    log_level="info", timeout_graceful_shutdown=int(config.shutdown_timeout_s) + 10)
+    server = _GracefulServer(uvicorn_config, served.begin_drain)
+    try:
+        server.run()
+    finally:
+        runner.stop()
+    log.info("stopped")
+    return 1 if runner.failure is not None else 0
