@@ -214,7 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name) for name in FLAGS}
     if args.config is None:  # --draft alone names its method as in `specjax generate`
-        flags["method"] = _method(args)
+        flags["method"] = choose_method(args)
     return serve(load_serve_config(args.config, flags, args.set))
 
 
