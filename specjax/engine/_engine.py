@@ -99,8 +99,9 @@ class Engine:
         self.mode = GREEDY  # what the compiled programs can sample; grows with the requests seen
         self.steps_run = 0  # device steps, all visits together
         self.visits = 0
-        # Seconds of step() the host waited for the device (reading a visit's results) and all of it:
-        # the difference is host work between device calls (admission, bookkeeping, streaming).
+        # Seconds of step() spent in the device loop's call and in reading its results, and all of it: the
+        # difference is host work between device calls (admission, bookkeeping, streaming; prefill calls
+        # return at once, so their device time counts in the loop's wait).
         self.device_wait_s = 0.0
         self.step_s = 0.0
         spec = config.spec
@@ -274,8 +275,8 @@ class Engine:
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
+        wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
         steps, self.state = run(self.state, jnp.int32(self.config.steps_per_visit), jnp.int32(stop_at))
-        wait = time.perf_counter()
         self.steps_run += int(steps)
         self.device_wait_s += time.perf_counter() - wait
         self.visits += 1
