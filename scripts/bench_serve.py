@@ -117,25 +117,99 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
     bad = [o for o in outputs if o.finish_reason == "error"]
     if bad:
         raise RuntimeError(f"{len(bad)} requests were refused: {bad[0].error}")
-    ttft = [o.first_token_time - o.arrival_time for o in outputs]
-    tpot = [(o.finish_time - o.first_token_time) / (len(o.tokens) - 1) for o in outputs if len(o.tokens) > 1]
-    itl = [gap for o in outputs for gap in np.diff(sorted(set(o.token_times)))]
-    e2e = [o.finish_time - o.arrival_time for o in outputs]
-    metrics = [o.metrics for o in outputs if o.metrics]
-    steps = sum(m["steps"] for m in metrics)
+    records = [Record(o.arrival_time, o.first_token_time, o.finish_time, len(o.tokens), o.token_times, o.metrics)
+               for o in outputs]
     step_s, wait_s = engine.step_s - step0, engine.device_wait_s - wait0
+    steps = engine.steps_run - steps0
+    return {**summarize(records, wall), "steps": steps, "visits": engine.visits - visits0,
+            "host_share": (step_s - wait_s) / step_s if step_s else None,
+            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One request as a client saw it: times (perf_counter seconds), tokens, its acceptance counts."""
+
+    arrival: float
+    first_token: float
+    finish: float
+    num_tokens: int
+    token_times: tuple  # when each token (or each streamed chunk) arrived
+    metrics: dict | None  # steps and accepted drafts (the engine's names) or vLLM's object (the server's)
+
+
+def summarize(records: list[Record], wall: float) -> dict:
+    """vLLM bench serve's metrics over the requests of one load point."""
+    ttft = [r.first_token - r.arrival for r in records]
+    tpot = [(r.finish - r.first_token) / (r.num_tokens - 1) for r in records if r.num_tokens > 1]
+    itl = [gap for r in records for gap in np.diff(sorted(set(r.token_times)))]
+    e2e = [r.finish - r.arrival for r in records]
+    metrics = [r.metrics for r in records if r.metrics]
+    steps = sum(m.get("steps", m.get("num_spec_steps", 0)) for m in metrics)
+    accepted = sum(m.get("accepted", m.get("num_accepted_draft_tokens", 0)) for m in metrics)
     return {
-        "requests": num_requests, "output_tok_s": sum(len(o.tokens) for o in outputs) / wall,
-        "request_s": num_requests / wall,
+        "requests": len(records), "output_tok_s": sum(r.num_tokens for r in records) / wall,
+        "request_s": len(records) / wall, "wall_s": wall,
         "ttft_mean_ms": float(np.mean(ttft)) * 1e3, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
         "tpot_mean_ms": float(np.mean(tpot)) * 1e3 if tpot else None, "tpot_p50_ms": percentile(tpot, 50),
         "tpot_p99_ms": percentile(tpot, 99), "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
         "e2e_mean_ms": float(np.mean(e2e)) * 1e3, "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
-        "mean_acceptance_length": 1 + sum(m["accepted"] for m in metrics) / steps if steps else None,
-        "steps": engine.steps_run - steps0, "visits": engine.visits - visits0, "wall_s": wall,
-        "host_share": (step_s - wait_s) / step_s if step_s else None,
-        "host_ms_per_step": (step_s - wait_s) / max(engine.steps_run - steps0, 1) * 1e3,
+        "mean_acceptance_length": 1 + accepted / steps if steps else None,
     }
+
+
+def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None, rate: float | None,
+               burstiness: float, seed: int) -> dict:
+    """The same load against a `specjax serve` at url: streamed /v1/completions of token-id prompts, greedy,
+    with the usage chunk (and the speculative metrics, where the server reports them)."""
+    import asyncio
+    import json
+
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    gaps = None if rate is None else rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+
+    async def one(client, index: int) -> Record:
+        body = {"prompt": list(prompts[index % len(prompts)]), "max_tokens": new_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        arrival, times, usage, metrics = time.perf_counter(), [], None, None
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"request {index}: HTTP {response.status_code}: {(await response.aread())[:200]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    metrics = (chunk.get("metrics") or {}).get("speculative_decoding")
+        finish = time.perf_counter()
+        return Record(arrival, times[0] if times else finish, finish, usage["completion_tokens"], tuple(times), metrics)
+
+    async def run() -> list[Record]:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+            if rate is None:  # closed loop: `concurrency` clients, each sending its next request when one ends
+                queue = list(range(num_requests))[::-1]
+                records = []
+
+                async def client_loop():
+                    while queue:
+                        records.append(await one(client, queue.pop()))
+
+                await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+                return records
+            tasks = []
+            for index, gap in enumerate(gaps):
+                await asyncio.sleep(gap if index else 0.0)
+                tasks.append(asyncio.create_task(one(client, index)))
+            return list(await asyncio.gather(*tasks))
+
+    start = time.perf_counter()
+    records = asyncio.run(run())
+    return summarize(records, time.perf_counter() - start)
 
 
 def plot(rows: list[dict], path: Path, load_label: str) -> None:
@@ -175,12 +249,16 @@ def main(argv=None) -> None:
     parser.add_argument("--steps-per-visit", type=int, default=16)
     parser.add_argument("--max-prefill-batch", type=int, default=16, help="requests prefilled in one call at most")
     parser.add_argument("--static-batches", default="", help="static generate AR at these batches, the peer")
+    parser.add_argument("--url", default=None, help="load a running `specjax serve` instead (HTTP, streaming); "
+                                                   "--methods then only labels the rows")
     parser.add_argument("--name", default="bench_serve")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
     methods = [Method.parse(text) for text in args.methods.split(",")]
     rates = None if args.rate is None else [float(r) for r in args.rate.split(",")]
     loads = rates or [int(c) for c in args.concurrency.split(",")]
+    if args.url is not None:
+        return http_main(args, methods[0], loads, rates)
     if args.models == "bundled":
         target, drafters, prompts = bundled_models(methods)
     else:
@@ -229,6 +307,34 @@ def main(argv=None) -> None:
             json_path = write()
             del engine
     print(f"wrote {json_path} and its .md, .png")
+
+
+def http_main(args, method: Method, loads, rates) -> None:
+    """The load points against the server at args.url; prompts as in process (the bundled held-out set's ids,
+    or random ids for --models 8b)."""
+    if args.models == "bundled":
+        from specjax import experiments
+
+        _, tokenizer, _ = experiments.load_models("default:target")
+        prompts = experiments.load_prompts(experiments.RunConfig(target="default:target", num_prompts=256,
+                                                                 prompt_len=64), tokenizer)
+    else:
+        prompts = np.random.default_rng(0).integers(0, benchmarking.SHAPES["8b"][0].vocab_size,
+                                                    (1024, args.prompt_len)).tolist()
+    load_label = "request rate (req/s)" if rates else "requests in flight"
+    meta = {**benchmarking.environment(), "models": args.models, "url": args.url, "load": load_label,
+            "new_tokens": args.new_tokens, "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)"}
+    rows = []
+    for load in loads:
+        point = http_point(args.url, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                           new_tokens=args.new_tokens, concurrency=None if rates else int(load),
+                           rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+        rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
+                     "label": f"{method.name} (HTTP)", **point})
+        print(f"HTTP load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "
+              f"TTFT {point['ttft_mean_ms']:.1f} ms, tau {point['mean_acceptance_length'] or 1:.2f}", flush=True)
+        json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output)
+        plot(rows, json_path.with_suffix(".png"), load_label)
 
 
 def static_autoregressive(target, prompts, batch: int, new_tokens: int) -> dict:

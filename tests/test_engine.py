@@ -166,7 +166,9 @@ def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
         engine.add_request(request)
     outputs += engine.run()
     assert len(outputs) == 9
-    assert engine.step_programs()[engine.mode] == 1  # one compiled step program, whatever the mix in the slots
+    programs = engine.step_programs()
+    # One compiled step program for each count of busy slots stepped, whatever the mix of settings in them.
+    assert set(programs.values()) == {1} and any(mode == engine.mode for mode, _ in programs)
     by_id = {o.request_id: o.tokens for o in outputs}
     autoregressive = generate(target, [[3, 9, 27, 0]], max_new_tokens=12).sequences()[0]
     assert list(by_id["r0"]) == autoregressive
@@ -214,3 +216,17 @@ def test_an_aborted_request_frees_its_slot_for_the_next():
     outputs = {o.request_id: o for o in engine.run()}
     assert outputs["long"].finish_reason == "abort" and 0 < len(outputs["long"].tokens) < 40
     assert list(outputs["next"].tokens) == generate(target, [[5, 1]], max_new_tokens=10).sequences()[0]
+
+
+def test_busy_slots_are_kept_first_and_a_visit_steps_only_a_bucket_of_them():
+    """When a request ends, the last busy slot's row moves into its slot: a visit then steps the smallest
+    power-of-two count of slots that holds the busy ones, and the moved request's output is unchanged."""
+    target, drafts = target_and_drafts()
+    engine = Engine(target, EngineConfig(max_num_seqs=8, max_model_len=64, spec=SPECS["draft_model"],
+                                         steps_per_visit=2), drafter=drafts["perturbed"])
+    requests = [Request.make("short", [3, 9, 27], 2), Request.make("a", [5, 1], 14), Request.make("b", [2, 2, 2], 14)]
+    outputs = {o.request_id: o.tokens for o in engine.run(requests)}
+    expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests])
+    assert [list(outputs[r.request_id]) for r in requests] == expected.sequences()
+    stepped = {rows for _, rows in engine.step_programs()}
+    assert 4 in stepped and 2 in stepped and 8 not in stepped  # 3 busy slots, then 2 once "short" ended

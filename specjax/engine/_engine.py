@@ -29,7 +29,7 @@ import numpy as np
 from specjax import decoding
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
-from specjax.engine._slots import batch_axes, insert_rows, release_slots
+from specjax.engine._slots import NO_BATCH, batch_axes, insert_rows, move_rows, release_slots
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Transformer
 from specjax.proposers import build_proposer
@@ -193,25 +193,40 @@ class Engine:
 
         axes = batch_axes(rows_at)
 
-        @functools.partial(jax.jit, donate_argnums=1)
-        def run_steps(weights, state, max_steps, stop_at_done):
-            """Steps until max_steps, every row done, or stop_at_done rows done (a free slot to fill)."""
+        def run_steps(weights, state, max_steps, stop_at_done, *, rows: int):
+            """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
+            stop_at_done of them done (a free slot to fill); the other slots are left as they are."""
             def cond(carry):
                 steps, state = carry
                 done = _decode(state).done
                 return (steps < max_steps) & ~jnp.all(done) & (jnp.sum(done) < stop_at_done)
 
-            return jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1])),
-                                      (jnp.int32(0), state))
+            leaves, treedef = jax.tree.flatten(state)
+            busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
+            steps, busy = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1])),
+                                             (jnp.int32(0), jax.tree.unflatten(treedef, busy)))
+            leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
+                      for x, part, a in zip(leaves, jax.tree.leaves(busy), axes)]
+            return steps, jax.tree.unflatten(treedef, leaves)
 
-        run = functools.partial(run_steps, weights)
+        runs = {}
+
+        def run(state, max_steps, stop_at_done, rows: int):
+            """run_steps over `rows` slots: one compiled program per power-of-two count (and the whole state)."""
+            if rows not in runs:
+                runs[rows] = jax.jit(functools.partial(run_steps, rows=rows), donate_argnums=1)
+            return runs[rows](weights, state, max_steps, stop_at_done)
+
+        run.programs = runs
         program = (proposer, init, run, axes)
         self._programs[mode] = program
         return program
 
-    def step_programs(self) -> dict[SamplingMode, int]:
-        """Compiled step programs by the sampling mode they serve (a count > 1 would be a recompile)."""
-        return {mode: program[2].func._cache_size() for mode, program in self._programs.items()}
+    def step_programs(self) -> dict[tuple[SamplingMode, int], int]:
+        """Compiled step programs by the sampling mode and the count of slots they step (a count > 1 would be
+        a recompile)."""
+        return {(mode, rows): jitted._cache_size() for mode, program in self._programs.items()
+                for rows, jitted in program[2].programs.items()}
 
     def _ensure_state(self, mode: SamplingMode) -> None:
         """The engine's state: every slot free (done), built by the initialiser over zero-budget rows."""
@@ -241,8 +256,22 @@ class Engine:
             nowhere = jnp.full((batch,), self.config.max_num_seqs, jnp.int32)  # every row dropped
             self.state = insert_rows(self.state, rows, nowhere, axes=axes)
             batch *= 2
-        _, self.state = run(self.state, jnp.int32(0), jnp.int32(self.config.max_num_seqs + 1))
+        for rows in self._row_buckets():
+            _, self.state = run(self.state, jnp.int32(0), jnp.int32(rows + 1), rows)
         jax.block_until_ready(self.state)
+
+    def _row_buckets(self) -> list[int]:
+        """The counts of slots a visit steps: powers of two below max_num_seqs, and max_num_seqs."""
+        counts, rows = [], 1
+        while rows < self.config.max_num_seqs:
+            counts.append(rows)
+            rows *= 2
+        return counts + [self.config.max_num_seqs]
+
+    def _rows_to_step(self) -> int:
+        """The smallest row bucket that holds every busy slot (busy slots are kept first: _compact)."""
+        last = max(self.running) + 1
+        return next(rows for rows in self._row_buckets() if rows >= last)
 
     def step(self) -> list[RequestOutput]:
         """Admits waiting requests into free slots, runs one device call, and returns the requests that
@@ -270,17 +299,20 @@ class Engine:
         # All-greedy rows run the greedy program; sampled ones the one that covers every mode seen.
         mode = GREEDY if not mode.sampled else self.mode
         _, _, run, _ = self._program(mode)
-        done_now = self.config.max_num_seqs - len(self.running)
-        stop_at = done_now + 1 if self.waiting else self.config.max_num_seqs + 1
+        rows = self._rows_to_step()
+        done_now = rows - len(self.running)
+        stop_at = done_now + 1 if self.waiting else rows + 1
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        steps, self.state = run(self.state, jnp.int32(self.config.steps_per_visit), jnp.int32(stop_at))
+        steps, self.state = run(self.state, jnp.int32(self.config.steps_per_visit), jnp.int32(stop_at), rows)
         self.steps_run += int(steps)
         self.device_wait_s += time.perf_counter() - wait
         self.visits += 1
-        return ended + self._collect()
+        ended += self._collect()
+        self._compact()
+        return ended
 
     def _admit(self, free: list[int]) -> tuple[Any, list[int]]:
         """Prefills the first waiting requests into the free slots: (the prefilled rows, their slots)."""
@@ -400,6 +432,20 @@ class Engine:
         if slots:
             self._release(slots)
         return ended
+
+    def _compact(self) -> None:
+        """Moves the busy slots' rows into the free slots below them, so that the busy slots come first and a
+        visit steps only a bucket of them; a slot a row left is marked done."""
+        busy = sorted(self.running)
+        holes = [slot for slot in range(len(busy)) if slot not in self.running]
+        sources = [slot for slot in reversed(busy) if slot >= len(busy)][:len(holes)]
+        if not holes:
+            return
+        axes = self._programs[next(iter(self._programs))][3]
+        self.state = move_rows(self.state, jnp.asarray(sources, jnp.int32), jnp.asarray(holes, jnp.int32), axes=axes)
+        for source, hole in zip(sources, holes):
+            self.running[hole] = self.running.pop(source)
+        self._release(sources)
 
     def _release(self, slots: list[int]) -> None:
         """Marks slots done on the device (their requests ended on the host)."""

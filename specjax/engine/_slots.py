@@ -45,6 +45,21 @@ def insert_rows(state, rows, slots: jax.Array, *, axes: tuple[int, ...]):
     return jax.tree.unflatten(treedef, [put(f, p, a) for f, p, a in zip(leaves, new, axes)])
 
 
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=0)
+def move_rows(state, sources: jax.Array, targets: jax.Array, *, axes: tuple[int, ...]):
+    """state with the rows at sources copied to targets (every leaf with a batch axis); the engine's state
+    is donated. The rows left at sources are stale: the caller marks them done."""
+    leaves, treedef = jax.tree.flatten(state)
+
+    def move(x, axis):
+        if axis == NO_BATCH:
+            return x
+        index = (slice(None),) * axis
+        return x.at[index + (targets,)].set(x[index + (sources,)])
+
+    return jax.tree.unflatten(treedef, [move(x, a) for x, a in zip(leaves, axes)])
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def release_slots(done: jax.Array, slots: jax.Array) -> jax.Array:
     """The done flags with slots marked done (finished by the host: a stop id, a cancelled request)."""
