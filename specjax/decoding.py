@@ -46,7 +46,7 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("tokens", "lengths", "num_generated", "done", "cache", "budgets", "keys", "sampling"),
+                   data_fields=("tokens", "lengths", "num_generated", "done", "cache", "budgets", "streams", "sampling"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
@@ -58,7 +58,9 @@ class DecodeState:
     done: Bool[Array, " B"]  # hit EOS or its budget (padding rows and free engine slots are done)
     cache: KVCache
     budgets: Int[Array, " B"]  # new tokens the row may emit
-    keys: PRNGKeyArray  # the row's seed key: every draw of the row derives from it (split_streams)
+    # The row's two key streams [B, 2], split from its seed key once at prefill (split_streams): draws of
+    # tokens from the target alone ([:, 0], by the token's number) and of speculative steps ([:, 1]).
+    streams: PRNGKeyArray
     sampling: SamplingParams  # the row's temperature, top-k, top-p
 
 
@@ -95,7 +97,7 @@ def split_streams(keys: PRNGKeyArray) -> tuple[PRNGKeyArray, PRNGKeyArray]:
 
 def token_keys(state: DecodeState) -> PRNGKeyArray:
     """The keys that draw each row's next token from the target alone."""
-    return jax.vmap(jax.random.fold_in)(split_streams(state.keys)[0], state.num_generated)
+    return jax.vmap(jax.random.fold_in)(state.streams[:, 0], state.num_generated)
 
 
 def prefill(model: Transformer, prompt_tokens: Int[Array, "B T"], prompt_lengths: Int[Array, " B"],
@@ -112,7 +114,8 @@ def prefill(model: Transformer, prompt_tokens: Int[Array, "B T"], prompt_lengths
     logits = model.unembed(hidden.final[rows, prompt_lengths - 1])
     tokens = constrain(jnp.zeros((batch, cache_size), jnp.int32), BATCH).at[:, :prompt_len].set(prompt_tokens)
     state = DecodeState(tokens=tokens, lengths=prompt_lengths, num_generated=jnp.zeros_like(budgets),
-                        done=budgets <= 0, cache=cache.with_lengths(prompt_lengths), budgets=budgets, keys=keys,
+                        done=budgets <= 0, cache=cache.with_lengths(prompt_lengths), budgets=budgets,
+                        streams=jnp.stack(split_streams(keys), axis=1),
                         sampling=sampling)
     first = sample(logits, token_keys(state), sampling, mode)
     state, _ = commit(state, first[:, None], jnp.ones_like(budgets), eos_token_ids)
@@ -189,7 +192,7 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     decode, active = state.decode, ~state.decode.done
     batch = decode.tokens.shape[0]
     rows = jnp.arange(batch)
-    step_keys = jax.vmap(jax.random.fold_in)(split_streams(decode.keys)[1], state.counters.steps)
+    step_keys = jax.vmap(jax.random.fold_in)(decode.streams[:, 1], state.counters.steps)
     draft_keys, verify_keys = split_streams(step_keys)
     context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
     draft_tokens, draft_probs, proposer_state = proposer.propose(draft_params, state.proposer, context, draft_keys)

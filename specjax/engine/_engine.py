@@ -187,9 +187,7 @@ class Engine:
         init = functools.partial(jax.jit(init_rows), weights)
 
         def rows_at(batch):  # the initialiser's output at a batch size, for batch_axes
-            return init_rows(weights, jnp.zeros((batch, 16), jnp.int32), jnp.ones((batch,), jnp.int32),
-                             jnp.zeros((batch,), jnp.int32), jax.random.split(jax.random.key(0), batch),
-                             jax.tree.map(jnp.asarray, SamplingParams.of([], batch)))
+            return init_rows(weights, *_free_rows(batch, 16))
 
         axes = batch_axes(rows_at)
 
@@ -233,9 +231,7 @@ class Engine:
         if self.state is None:
             _, init, _, _ = self._program(mode)
             rows = self.config.max_num_seqs
-            self.state = init(jnp.zeros((rows, 16), jnp.int32), jnp.ones((rows,), jnp.int32),
-                              jnp.zeros((rows,), jnp.int32), jax.random.split(jax.random.key(0), rows),
-                              jax.tree.map(jnp.asarray, SamplingParams.of([], rows)))
+            self.state = init(*_free_rows(rows, 16))
 
     # ------------------------------------------------------------------ one visit
 
@@ -250,9 +246,7 @@ class Engine:
         width = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len)
         batch = 1
         while batch <= decoding.bucket(min(self.config.max_prefill_batch, self.config.max_num_seqs)):
-            rows = init(jnp.zeros((batch, width), jnp.int32), jnp.ones((batch,), jnp.int32),
-                        jnp.zeros((batch,), jnp.int32), jax.random.split(jax.random.key(0), batch),
-                        jax.tree.map(jnp.asarray, SamplingParams.of([], batch)))
+            rows = init(*_free_rows(batch, width))
             nowhere = jnp.full((batch,), self.config.max_num_seqs, jnp.int32)  # every row dropped
             self.state = insert_rows(self.state, rows, nowhere, axes=axes)
             batch *= 2
@@ -453,6 +447,12 @@ class Engine:
         done = release_slots(decode.done, jnp.asarray(slots, jnp.int32))
         decode = dataclasses.replace(decode, done=done)
         self.state = decode if self.config.spec is None else dataclasses.replace(self.state, decode=decode)
+
+
+def _free_rows(batch: int, width: int) -> tuple:
+    """The initialiser's arguments for `batch` rows of zero budget (done at once: free slots), prompts of width."""
+    return (jnp.zeros((batch, width), jnp.int32), jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
+            jax.random.split(jax.random.key(0), batch), jax.tree.map(jnp.asarray, SamplingParams.of([], batch)))
 
 
 def _decode(state) -> decoding.DecodeState:
