@@ -74,9 +74,9 @@ def bundled_models(methods: list[Method]):
     return target, drafters, prompts
 
 
-def shaped_models(methods: list[Method], prompt_len: int):
-    """Random 8B-shaped target and drafters (speed's), random prompts."""
-    target_config, draft_config = benchmarking.SHAPES["8b"]
+def shaped_models(methods: list[Method], prompt_len: int, shape: str):
+    """Random target and drafters of benchmarking.SHAPES[shape] (speed's), random prompts."""
+    target_config, draft_config = benchmarking.SHAPES[shape]
     target = speed.build_target(target_config)
     drafters = {m.name: (None if m.name == "none" else speed.build_drafter(m.name, target_config, draft_config))
                 for m in methods}
@@ -237,7 +237,7 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", choices=("bundled", "8b"), default="bundled")
+    parser.add_argument("--models", choices=("bundled", *benchmarking.SHAPES), default="bundled")
     parser.add_argument("--methods", default="none,eagle", help="comma-separated: none or NAME[:K[:TAU]]")
     parser.add_argument("--concurrency", default="1,4,16", help="requests in flight (a closed loop)")
     parser.add_argument("--rate", default=None, help="Poisson arrival rates (requests/s) instead of --concurrency")
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128, help="8b models' random prompts")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="slots (default: the largest load)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="slots of one engine serving every load (default: an engine of c slots for each load c)")
     parser.add_argument("--steps-per-visit", type=int, default=16)
     parser.add_argument("--max-prefill-batch", type=int, default=16, help="requests prefilled in one call at most")
     parser.add_argument("--static-batches", default="", help="static generate AR at these batches, the peer")
@@ -262,14 +262,14 @@ def main(argv=None) -> None:
     if args.models == "bundled":
         target, drafters, prompts = bundled_models(methods)
     else:
-        target, drafters, prompts = shaped_models(methods, args.prompt_len)
+        target, drafters, prompts = shaped_models(methods, args.prompt_len, args.models)
     prompt_len = max(len(p) for p in prompts)
     load_label = "request rate (req/s)" if rates else "requests in flight"
     meta = {**benchmarking.environment(), "models": args.models, "load": load_label,
             "prompt_len": prompt_len, "new_tokens": args.new_tokens, "steps_per_visit": args.steps_per_visit,
             "max_prefill_batch": args.max_prefill_batch,
-            "dtype": "bfloat16" if args.models == "8b" else "float32",
-            "acceptance": "synthetic (tau per method)" if args.models == "8b" else "measured"}
+            "dtype": "bfloat16" if args.models != "bundled" else "float32",
+            "acceptance": "synthetic (tau per method)" if args.models != "bundled" else "measured"}
     rows = []
 
     def write():  # after every point: a run stopped by a time limit keeps what it measured
@@ -286,15 +286,19 @@ def main(argv=None) -> None:
     for method in methods:
         spec = method.spec()
         lookahead = 0 if spec is None else spec.num_draft_nodes + 1
+        engine = None
         for load in loads:
-            # The step runs every slot, busy or not: a closed loop of c requests gets c slots.
+            # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
+            # serves every load (a visit steps the smallest power-of-two count of slots holding the busy ones).
             slots = args.max_num_seqs or (int(load) if rates is None else 64)
-            config = EngineConfig(max_num_seqs=slots,
-                                  max_model_len=-(-(prompt_len + args.new_tokens + lookahead) // 64) * 64, spec=spec,
-                                  steps_per_visit=args.steps_per_visit,
-                                  max_prefill_batch=min(slots, args.max_prefill_batch))
-            engine = Engine(target, config, drafter=drafters[method.name])
-            engine.warmup(prompt_len)
+            if engine is None or engine.config.max_num_seqs != slots:
+                config = EngineConfig(max_num_seqs=slots,
+                                      max_model_len=-(-(prompt_len + args.new_tokens + lookahead) // 64) * 64,
+                                      spec=spec, steps_per_visit=args.steps_per_visit,
+                                      max_prefill_batch=min(slots, args.max_prefill_batch))
+                engine = None  # the last one's caches go before the next one's are made
+                engine = Engine(target, config, drafter=drafters[method.name])
+                engine.warmup(prompt_len)
             point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
                               new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                               rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
@@ -305,7 +309,7 @@ def main(argv=None) -> None:
                   f"TTFT {point['ttft_mean_ms']:.1f} ms, tau {point['mean_acceptance_length'] or 1:.2f}, "
                   f"host {point['host_ms_per_step']:.2f} ms/step", flush=True)
             json_path = write()
-            del engine
+        del engine
     print(f"wrote {json_path} and its .md, .png")
 
 
@@ -319,7 +323,7 @@ def http_main(args, method: Method, loads, rates) -> None:
         prompts = experiments.load_prompts(experiments.RunConfig(target="default:target", num_prompts=256,
                                                                  prompt_len=64), tokenizer)
     else:
-        prompts = np.random.default_rng(0).integers(0, benchmarking.SHAPES["8b"][0].vocab_size,
+        prompts = np.random.default_rng(0).integers(0, benchmarking.SHAPES[args.models][0].vocab_size,
                                                     (1024, args.prompt_len)).tolist()
     load_label = "request rate (req/s)" if rates else "requests in flight"
     meta = {**benchmarking.environment(), "models": args.models, "url": args.url, "load": load_label,

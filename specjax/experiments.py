@@ -124,14 +124,18 @@ def drafter_folder(config: RunConfig) -> str | None:
 def load_models(target: str, method: str | None = None, drafter: str | None = None, dtype: str | None = None,
                 model_shards: int = 1):
     """(target model, its tokenizer, drafter) from folders, for research scripts; `default:NAME` names a
-    bundled model, and with the bundled target the drafter defaults to the bundled one of the method.
+    bundled model, and with the bundled target the drafter defaults to the bundled one of the method;
+    `shape:NAME` random weights at benchmarking.SHAPES' sizes (speed.shaped_models).
     dtype: the compute dtype of both (None: the checkpoints'). Models come in the layout that decodes
     fastest on the backend (transformer.for_decoding), for a mesh of model_shards on its model axis."""
     from transformers import AutoTokenizer
 
+    from specjax import speed
     from specjax.models import hf
     from specjax.models.transformer import for_decoding
 
+    if target.startswith(speed.SHAPE_PREFIX):  # random weights at a released model's sizes
+        return speed.shaped_models(target[len(speed.SHAPE_PREFIX):], method)
     model = for_decoding(hf.load(default_models.resolve(target), dtype=dtype), model_shards)
     tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(target))
     if method is None:

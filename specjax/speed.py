@@ -41,6 +41,29 @@ DFLASH_LAYERS, DFLASH_BLOCK = 5, 16
 GREEDY = SamplingConfig()
 
 
+SHAPE_PREFIX = "shape:"  # `shape:8b` in place of a model folder: random weights at benchmarking.SHAPES' sizes
+
+
+def shaped_models(name: str, method: str | None = None):
+    """(target, tokenizer, drafter) for `shape:NAME`: random weights at benchmarking.SHAPES[NAME] (the drafter
+    as build_drafter makes it; none for n-gram), and a word-level tokenizer whose id i is the word '<i>', so
+    that the engine and the server can be loaded at a released model's sizes with nothing downloaded. The
+    text means nothing; use synthetic acceptance (rejection_sample_method 'synthetic') for speculation."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if name not in benchmarking.SHAPES:
+        raise ValueError(f"model {SHAPE_PREFIX}{name}: allowed shapes {sorted(benchmarking.SHAPES)}")
+    target_config, draft_config = benchmarking.SHAPES[name]
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(target_config.vocab_size)}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
+    if method is not None and method != "ngram" and method not in DRAFTERS:
+        raise ValueError(f"method {method!r} with model {SHAPE_PREFIX}{name}: allowed {sorted(DRAFTERS)} or ngram")
+    drafter = None if method in (None, "ngram") else build_drafter(method, target_config, draft_config)
+    return build_target(target_config), tokenizer, drafter
+
+
 def spec_method(drafter: str) -> str:
     """The SpecConfig method of a drafter in DRAFTERS (eagle_fr and dflash_fr: over a draft vocabulary)."""
     return drafter.removesuffix("_fr")

@@ -14,7 +14,8 @@ METRICS_LEVELS = ("none", "summary", "detailed")
 class ServeConfig:
     """`specjax serve`: what it serves and how (the flag of each field in parentheses)."""
 
-    # The target: a Hugging Face folder, or default:NAME for a bundled model (--model).
+    # The target: a Hugging Face folder, default:NAME for a bundled model, or shape:8b for random weights at
+    # Llama-3.1-8B's sizes with a drafter made to match (load tests; synthetic acceptance) (--model).
     model: str = "default:target"
     # The drafter's folder (--draft); None with the bundled target: the method's bundled drafter.
     drafter: str | None = None

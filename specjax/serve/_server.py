@@ -10,7 +10,7 @@ import signal
 import prometheus_client
 import uvicorn
 
-from specjax import default_models
+from specjax import default_models, speed
 from specjax.config import ConfigError
 from specjax.engine import EngineConfig
 from specjax.experiments import default_drafter, load_models
@@ -46,7 +46,8 @@ def serve(config: ServeConfig) -> int:
     logging.getLogger("specjax").setLevel(logging.INFO)  # the access lines; other libraries' warnings only
     spec = config.spec
     method = None if spec is None else spec.method
-    if method is not None and proposer_class(method).needs_drafter \
+    shaped = config.model.startswith(speed.SHAPE_PREFIX)  # random weights: the drafter is made, not loaded
+    if method is not None and proposer_class(method).needs_drafter and not shaped \
             and default_drafter(config.model, method, config.drafter) is None:
         raise ConfigError(f"ServeConfig.drafter (--draft) is missing: method {method!r} needs a drafter folder "
                           f"(it has a bundled one only for --model {default_models.TARGET})")
