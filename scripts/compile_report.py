@@ -37,14 +37,18 @@ def main() -> None:
     print(header.format("test"))
     for record in sorted(records, key=lambda r: -r["wall_s"])[:args.top]:
         print(line.format(record["test"], *(record.get(key, 0) for key in keys)))
-    seconds, programs = collections.Counter(), collections.Counter()
+    seconds, tests, compiles = collections.Counter(), collections.Counter(), collections.Counter()
     for record in records:
         for function, duration in record.get("xla_s_by_function", {}).items():
             seconds[function] += duration
-            programs[function] += 1  # tests that compiled it (a test may compile it more than once)
-    print("\n| jitted function | XLA compile s | tests compiling it |\n|---|---|---|")
+            tests[function] += 1
+        compiles.update(record.get("compiles_by_function", {}))
+    print("\n| jitted function | XLA compile s | compiles | tests compiling it |\n|---|---|---|---|")
     for function, duration in seconds.most_common(args.top):
-        print(f"| {function} | {duration:.0f} | {programs[function]} |")
+        print(f"| {function} | {duration:.0f} | {compiles.get(function, '?')} | {tests[function]} |")
+    loops = {name: compiles[name] for name in ("speculative_loop", "decode_loop") if name in compiles}
+    if loops:
+        print("\nloop programs compiled:", ", ".join(f"{name} {count}" for name, count in loops.items()))
 
 
 if __name__ == "__main__":

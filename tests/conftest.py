@@ -112,6 +112,7 @@ COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
 COMPILE_REPORT = os.environ.get("SPECJAX_COMPILE_REPORT")
 compile_totals: dict = {}
 compile_by_function: dict = {}  # XLA seconds per compiled function's name
+compiles_by_function: dict = {}  # XLA compiles per compiled function's name
 
 
 def record_compile_event(event: str, duration: float, fun_name: str = "?", **_) -> None:
@@ -121,6 +122,7 @@ def record_compile_event(event: str, duration: float, fun_name: str = "?", **_) 
         totals[1] += duration
         if COMPILE_EVENTS[event] == "compile_s":
             compile_by_function[fun_name] = round(compile_by_function.get(fun_name, 0.0) + duration, 3)
+            compiles_by_function[fun_name] = compiles_by_function.get(fun_name, 0) + 1
 
 
 if COMPILE_REPORT:
@@ -133,12 +135,14 @@ if COMPILE_REPORT:
 
         compile_totals.clear()
         compile_by_function.clear()
+        compiles_by_function.clear()
         start = time.perf_counter()
         yield
         record = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3),
                   "programs": compile_totals.get("compile_s", [0, 0.0])[0],
                   **{name: round(total, 3) for name, (_, total) in compile_totals.items()},
-                  "xla_s_by_function": dict(compile_by_function)}
+                  "xla_s_by_function": dict(compile_by_function),
+                  "compiles_by_function": dict(compiles_by_function)}
         with open(COMPILE_REPORT, "a") as out:
             out.write(json.dumps(record) + "\n")
 
