@@ -46,7 +46,8 @@ def main() -> None:
     print("\n| jitted function | XLA compile s | compiles | tests compiling it |\n|---|---|---|---|")
     for function, duration in seconds.most_common(args.top):
         print(f"| {function} | {duration:.0f} | {compiles.get(function, '?')} | {tests[function]} |")
-    loops = {name: compiles[name] for name in ("speculative_loop", "decode_loop") if name in compiles}
+    loops = {name: compiles[name] for name in compiles
+             if name.removeprefix("jit(").removesuffix(")") in ("speculative_loop", "decode_loop", "run_steps")}
     if loops:
         print("\nloop programs compiled:", ", ".join(f"{name} {count}" for name, count in loops.items()))
 

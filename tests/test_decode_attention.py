@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, positions_like
+from support.checkpoints import fixture_dir
+from support.models import positions_like
 
 from specjax.config import ModelConfig
 from specjax.models import hf
@@ -196,7 +197,7 @@ def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypat
 def test_a_trees_verification_forward_attends_through_the_kernel_and_computes_xlas_logits():
     """The loop's verification forward over a tree (tree_size.tree_verify_forward, as decoding runs it)
     takes the kernel in the decoding layout, not a silent fallback to XLA, with the logits XLA computes."""
-    from conftest import primitives
+    from support.jaxpr import primitives
 
     from specjax.tree_size import tree_verify_forward
 

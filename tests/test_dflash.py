@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, REPO
+from support.checkpoints import FIXTURES, REPO
 from safetensors.numpy import load_file, save_file
 
 from specjax.config import DFlashTrainConfig, SamplingConfig, SpecConfig, load_yaml
@@ -79,6 +79,7 @@ def test_every_block_of_zlabs_generation_gives_its_draft_logits(zlab):
             break
 
 
+@pytest.mark.loop
 def test_greedy_speculative_output_is_zlabs(zlab):
     target, drafter, golden = zlab
     spec = SpecConfig(method="dflash", num_speculative_tokens=7)

@@ -9,9 +9,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import (EOS, FR_IDS, HEADS, METHOD, NUM_TOKENS, PROMPT, REQUESTS, TINY, autoregressive_outputs,
-                      chi_square_pvalue, dflash_config, eagle_config, exact_joint, head_for, joint_counts_by_sampling,
-                      medusa_for, speculative_joint_counts, target_and_drafts, tiny_pair, trained_dflash)
+from support.distributions import (NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling,
+                                   speculative_joint_counts, tiny_pair)
+from support.models import (EOS, FR_IDS, HEADS, METHOD, dflash_config, eagle_config, head_for, medusa_for,
+                            target_and_drafts, trained_dflash)
+from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
 from specjax.config import SamplingConfig, SpecConfig
@@ -21,6 +23,8 @@ from specjax.models.dflash import with_draft_vocabulary as dflash_with_draft_voc
 from specjax.models.eagle import init_eagle, with_draft_vocabulary
 from specjax.models.transformer import to_decoding_layout
 from specjax.verify import standard
+
+pytestmark = pytest.mark.loop  # every case decodes through the speculative loop (tests/conftest.py: tiers)
 
 # Drafter name -> SpecConfig.method ("perturbed" and "unrelated": draft models of target_and_drafts()).
 METHODS = {"draft_model": "draft_model", "perturbed": "draft_model", "unrelated": "draft_model", **METHOD,

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import dflash_config, eagle_config, forward, positions_like, primitives, target_and_drafts
+from support.jaxpr import primitives
+from support.models import dflash_config, eagle_config, forward, positions_like, target_and_drafts
 from flax import nnx
 
 from specjax.config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, TrainConfig, TrainingRun

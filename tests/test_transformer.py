@@ -4,7 +4,8 @@ row by row, and each row of a ragged batch equals that prompt run alone."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, forward, positions_like
+from support.checkpoints import fixture_dir
+from support.models import forward, positions_like
 
 from specjax.models import hf, transformer
 from specjax.models.kv_cache import KVCache

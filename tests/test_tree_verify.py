@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue
+from support.distributions import chi_square_pvalue
 
 from specjax import draft_tree as tree_shapes
 from specjax.verify import block, standard

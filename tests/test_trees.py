@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, exact_joint, head_for, medusa_for,
-                      speculative_joint_counts, target_and_drafts, tiny_pair)
+from support.distributions import chi_square_pvalue, exact_joint, speculative_joint_counts, tiny_pair
+from support.models import EOS, head_for, medusa_for, target_and_drafts
+from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import tree_size
 from specjax import verify as verify_registry
@@ -28,6 +29,7 @@ def tree_spec(tree=TREE, method="medusa", **options):
     return SpecConfig(method=method, num_speculative_tokens=max(map(len, tree)), speculative_token_tree=tree, **options)
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["medusa", "draft_model"])
 def test_greedy_tree_output_is_identical_to_autoregressive(method):
     target, drafts = target_and_drafts()
@@ -53,6 +55,7 @@ TREE_SAMPLING_CASES = [
       for sampling, drafting in (("T1", "probabilistic"), ("T0.7", "greedy"), ("top_k2", "probabilistic")))]
 
 
+@pytest.mark.loop
 @pytest.mark.slow
 @pytest.mark.parametrize("verifier, sampling, drafting", TREE_SAMPLING_CASES)
 def test_tree_sampling_is_lossless(verifier, sampling, drafting):
@@ -66,6 +69,7 @@ def test_tree_sampling_is_lossless(verifier, sampling, drafting):
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
 
 
+@pytest.mark.loop
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling, verifier", [(SamplingConfig(temperature=1.0), "standard"),
                                                (SamplingConfig(temperature=0.7, top_k=5), "standard"),
@@ -87,6 +91,7 @@ def first_ranked(target_probs, tokens, parents, draft_probs, keys):
     return path, length, jax.vmap(jax.random.categorical)(keys, jnp.log(last))
 
 
+@pytest.mark.loop
 @pytest.mark.slow
 def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
     rule = verify_registry.VERIFIERS["standard"]
@@ -121,6 +126,7 @@ def test_a_malformed_tree_is_a_config_error_naming_the_problem(tree, message):
         SpecConfig(method="medusa", num_speculative_tokens=2, speculative_token_tree=tree)
 
 
+@pytest.mark.loop
 def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     target, _ = target_and_drafts()
     heads = medusa_for(target, num_heads=3, scale=0.05)
@@ -131,6 +137,7 @@ def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     assert first.sequences() != second.sequences()
 
 
+@pytest.mark.e2e
 def test_a_sweep_over_trees_plots_acceptance_against_tree_size(tmp_path):
     from specjax.experiments import plot
 
@@ -297,6 +304,7 @@ def test_dynamic_trees_are_refused_where_they_are_not_built_or_do_not_fit():
         generate(target, [[1, 2]], max_new_tokens=8, cache_size=48, spec=spec, drafter=head_for("eagle"))
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_synthetic_acceptance_of_a_tree_accepts_the_first_ranked_path_to_the_set_length(method):
     """The benchmark mode: rates (1, 1, 0) accept exactly two nodes of the first-ranked path every step,
@@ -338,6 +346,7 @@ def test_estimated_acceptance_sums_the_best_nodes_confidences_scaled_to_the_meas
     np.testing.assert_allclose(tree_size.estimated_acceptance(log_probs, (1, 2, 3), measured=3.0), (2.0, 2.75, 3.0))
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["eagle", "draft_model"])
 def test_total_tokens_auto_chooses_a_size_and_its_output_is_the_autoregressive_one(method):
     """The calibration (at the largest of 8 and 16 nodes) and the choice; greedy output = autoregressive."""
