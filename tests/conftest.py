@@ -115,7 +115,9 @@ COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
 COMPILE_REPORT = os.environ.get("SPECJAX_COMPILE_REPORT")
 compile_totals: dict = {}
 compile_by_function: dict = {}  # XLA seconds per compiled function's name
-compiles_by_function: dict = {}  # XLA compiles per compiled function's name
+compiles_by_function: dict = {}  # XLA compiles per compiled function's name (persistent cache hits included)
+cache_hits_by_function: dict = {}  # ... of which were loaded from the persistent compilation cache
+pending_cache_hit = [False]  # a cache hit is reported just before the compile event of its function
 
 
 def record_compile_event(event: str, duration: float, fun_name: str = "?", **_) -> None:
@@ -126,10 +128,19 @@ def record_compile_event(event: str, duration: float, fun_name: str = "?", **_) 
         if COMPILE_EVENTS[event] == "compile_s":
             compile_by_function[fun_name] = round(compile_by_function.get(fun_name, 0.0) + duration, 3)
             compiles_by_function[fun_name] = compiles_by_function.get(fun_name, 0) + 1
+            if pending_cache_hit[0]:
+                cache_hits_by_function[fun_name] = cache_hits_by_function.get(fun_name, 0) + 1
+                pending_cache_hit[0] = False
+
+
+def record_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        pending_cache_hit[0] = True
 
 
 if COMPILE_REPORT:
     jax.monitoring.register_event_duration_secs_listener(record_compile_event)
+    jax.monitoring.register_event_listener(record_cache_hit)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
@@ -139,13 +150,15 @@ if COMPILE_REPORT:
         compile_totals.clear()
         compile_by_function.clear()
         compiles_by_function.clear()
+        cache_hits_by_function.clear()
         start = time.perf_counter()
         yield
         record = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3),
                   "programs": compile_totals.get("compile_s", [0, 0.0])[0],
                   **{name: round(total, 3) for name, (_, total) in compile_totals.items()},
                   "xla_s_by_function": dict(compile_by_function),
-                  "compiles_by_function": dict(compiles_by_function)}
+                  "compiles_by_function": dict(compiles_by_function),
+                  "cache_hits_by_function": dict(cache_hits_by_function)}
         with open(COMPILE_REPORT, "a") as out:
             out.write(json.dumps(record) + "\n")
 

@@ -93,7 +93,8 @@ def test_a_trees_mask_gives_the_dense_masked_attention(batch, num_new, num_heads
 
 @pytest.mark.parametrize("batch, num_heads, num_kv, head_dim, num_slots, fills", [
     (2, 8, 2, 16, 300, (100, 250)),
-    (4, 32, 8, 128, 512, (200, 63, 0, 505)),  # Llama-3.1-8B's heads over four splits of two blocks
+    pytest.param(4, 32, 8, 128, 512, (200, 63, 0, 505),  # Llama-3.1-8B's heads over four splits of two blocks
+                 marks=pytest.mark.slow),  # long, interpreted: full tier
 ])
 def test_a_rows_result_does_not_depend_on_the_tokens_beside_it(batch, num_heads, num_kv, head_dim, num_slots, fills):
     """The last token of a verification block gets what a decode step at its slot gets once the block's

@@ -136,6 +136,7 @@ def test_bad_requests_are_refused_with_the_reason(kwargs, message):
         generate(model, **kwargs)
 
 
+@pytest.mark.loop
 def test_positions_bound_the_request():
     """Learned positions and RoPE alike: prompt + max_new_tokens past max_position_embeddings is refused, naming
     both numbers (issue 35: a 6,952-token prompt on a 2,048-position target ran silently)."""
@@ -152,6 +153,7 @@ def test_positions_bound_the_request():
 
 
 
+@pytest.mark.loop
 def test_cache_dtype_is_separate_from_the_model_and_checked():
     from specjax.config import ConfigError
     from specjax.models.kv_cache import KVCache

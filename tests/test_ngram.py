@@ -113,6 +113,7 @@ def test_acceptance_is_high_when_the_continuation_is_in_the_context(num_draft, m
 
 # ------------------------------------------------------------------------------------- one program
 
+@pytest.mark.loop
 def test_ngram_generation_is_one_program_with_one_while_loop():
     spec, sampling = ngram_spec(3, 1, 3), SamplingConfig(temperature=0.8)
     args, static = speculative_loop_args(target(), None, [[1, 2, 3], [4] * 9], 10, spec, sampling, eos_token_ids=(2,))

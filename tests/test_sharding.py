@@ -179,6 +179,7 @@ def test_every_drafter_matches_one_device(models, prompts, method):
         assert bound.draft_lm_head.sharding.spec == PartitionSpec(None, sharding.MODEL)
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("mesh_shape, fsdp", [((8, 1), False), ((2, 4), False), ((8, 1), True), ((2, 4), True)])
 def test_a_training_step_on_a_mesh_equals_the_one_device_step(tmp_path, mesh_shape, fsdp):
     rng = np.random.default_rng(1)

@@ -95,6 +95,7 @@ def test_per_request_has_summarys_fields_as_plain_numbers_and_vllms_names():
 
 # ------------------------------------------------------------------------------------ one program
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["draft_model", "dflash", "medusa_tree"])
 def test_speculative_generation_is_one_program_with_one_while_loop(method):
     target, drafts = target_and_drafts()
@@ -178,6 +179,7 @@ def _exp_output_widths(sampling: SamplingConfig) -> set[int]:
     return {eqn.outvars[0].aval.shape[-1] for eqn, _ in equations(jaxpr) if eqn.primitive.name == "exp"}
 
 
+@pytest.mark.loop
 def test_at_temperature_zero_nothing_over_the_vocabulary_is_exponentiated():
     vocab = target_and_drafts()[0].config.vocab_size
     assert vocab not in _exp_output_widths(SamplingConfig(temperature=0.0))

@@ -3,13 +3,15 @@ output identical to autoregressive on a ragged batch of 16 rows with EOS inside 
 while_loop: tests/test_speculative.py); at T > 0 the first three tokens follow the target exactly (chi-square), with the negative
 control that a verifier accepting the first-ranked path fails the same test."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.distributions import chi_square_pvalue, exact_joint, speculative_joint_counts, tiny_pair
+from support.distributions import (chi_square_pvalue, exact_joint, joint_counts_by_sampling, speculative_joint_counts,
+                                   tiny_pair)
 from support.models import EOS, head_for, medusa_for, target_and_drafts
 from support.requests import REQUESTS, autoregressive_outputs
 
@@ -44,43 +46,48 @@ def test_greedy_tree_output_is_identical_to_autoregressive(method):
     assert sum(histogram[2:]) > 0, histogram  # paths of depth >= 2 were accepted
 
 
-SAMPLINGS = {"T1": SamplingConfig(temperature=1.0), "T0.7": SamplingConfig(temperature=0.7),
-             "top_k2": SamplingConfig(temperature=1.0, top_k=2)}
-# Recursive rejection sampling ('standard') in every setting; traversal verification ('block') in each
-# sampling setting once, with both draftings.
-TREE_SAMPLING_CASES = [
-    *(pytest.param("standard", sampling, drafting, id=f"{sampling}-{drafting}")
-      for sampling in SAMPLINGS for drafting in ("greedy", "probabilistic")),
-    *(pytest.param("block", sampling, drafting, id=f"{sampling}-{drafting}-block")
-      for sampling, drafting in (("T1", "probabilistic"), ("T0.7", "greedy"), ("top_k2", "probabilistic")))]
+SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_k=2))
+
+
+def tree_joint_counts(spec: SpecConfig, samplings, drafter, verifiers=("standard", "block")):
+    """{verifier: counts per sampling setting}: every setting of `samplings` in one batch, once per verifier;
+    the verifier is data of the loop, so the second run compiles nothing (checked)."""
+    counts, programs = {}, []
+    for verifier in verifiers:
+        counts[verifier], metrics, _ = joint_counts_by_sampling(
+            dataclasses.replace(spec, rejection_sample_method=verifier), samplings, drafter)
+        programs.append(speculative_loop._cache_size())
+        assert 0 < metrics.summary()["acceptance_rate"] < 1, verifier
+    assert programs == programs[:1] * len(programs)
+    return counts
+
+
+def check_lossless(counts, samplings):
+    for verifier, by_sampling in counts.items():
+        for sampling, sampling_counts in zip(samplings, by_sampling):
+            p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling))
+            assert p_value > 1e-4, (verifier, sampling, p_value)
 
 
 @pytest.mark.loop
 @pytest.mark.slow
-@pytest.mark.parametrize("verifier, sampling, drafting", TREE_SAMPLING_CASES)
-def test_tree_sampling_is_lossless(verifier, sampling, drafting):
-    """Greedy drafting: each head's top-k (q one-hot); probabilistic: draws without replacement (with top-k 2,
-    a third sibling's draw has no probability left and is fixed)."""
-    sampling = SAMPLINGS[sampling]
+@pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
+def test_tree_sampling_is_lossless(drafting):
+    """Recursive rejection sampling ('standard') and traversal verification ('block') at T 1, T 0.7 and top-k 2,
+    one batch per verifier. Greedy drafting: each head's top-k (q one-hot); probabilistic: draws without
+    replacement (with top-k 2, a third sibling's draw has no probability left and is fixed)."""
     heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
-    spec = tree_spec(SMALL_TREE, draft_sample_method=drafting, rejection_sample_method=verifier)
-    counts, metrics = speculative_joint_counts(spec, sampling, heads)
-    assert 0 < metrics.summary()["acceptance_rate"] < 1
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
+    check_lossless(tree_joint_counts(tree_spec(SMALL_TREE, draft_sample_method=drafting), SAMPLINGS, heads), SAMPLINGS)
 
 
 @pytest.mark.loop
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling, verifier", [(SamplingConfig(temperature=1.0), "standard"),
-                                               (SamplingConfig(temperature=0.7, top_k=5), "standard"),
-                                               (SamplingConfig(temperature=1.0), "block")],
-                         ids=["T1", "T0.7-top_k5", "T1-block"])
-def test_draft_model_tree_sampling_is_lossless(sampling, verifier):
-    """A draft model's tree (its top-k at each node, written into its own cache and moved after acceptance)."""
-    spec = tree_spec(SMALL_TREE, method="draft_model", rejection_sample_method=verifier)
-    counts, metrics = speculative_joint_counts(spec, sampling, tiny_pair()[1])
-    assert 0 < metrics.summary()["acceptance_rate"] < 1
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
+def test_draft_model_tree_sampling_is_lossless():
+    """A draft model's tree (its top-k at each node, written into its own cache and moved after acceptance), at
+    T 1 and T 0.7 with top-k 5, with either verifier."""
+    samplings = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5))
+    counts = tree_joint_counts(tree_spec(SMALL_TREE, method="draft_model"), samplings, tiny_pair()[1])
+    check_lossless(counts, samplings)
 
 
 def first_ranked(target_probs, tokens, parents, draft_probs, keys):
