@@ -161,7 +161,7 @@ def test_the_kernel_is_available_where_its_lowering_is(fresh_availability):
     assert attention_kernel.available()  # interpreted on the CPU, through the Triton lowering's store
 
 
-@pytest.mark.parametrize("missing", ["lowering", "compile"])
+@pytest.mark.parametrize("missing", ["lowering", pytest.param("compile", marks=pytest.mark.slow)])  # one case fast
 def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypatch, fresh_availability, missing):
     """The GPU's default layout (built here on any backend): with Pallas' Triton lowering hidden (its
     import fails) or its compile failing, every layer attends through XLA, one warning says why, and the
@@ -195,6 +195,7 @@ def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypat
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+@pytest.mark.slow
 def test_a_trees_verification_forward_attends_through_the_kernel_and_computes_xlas_logits():
     """The loop's verification forward over a tree (tree_size.tree_verify_forward, as decoding runs it)
     takes the kernel in the decoding layout, not a silent fallback to XLA, with the logits XLA computes."""

@@ -6,8 +6,7 @@ drafter's own tests (layouts, checkpoints, what its drafts are) live in its file
 
 A sampling case runs every verifier the drafter has (standard and block, or block alone where the case is
 about the block verifier) on one batch that holds all its sampling settings, through one compiled loop
-(the verifier and the settings are data; asserted). These 16 cases hold the 23 drafter x verifier groups
-that were separate cases before; no group or setting was dropped."""
+(the verifier and the settings are data; asserted)."""
 
 import dataclasses
 import functools

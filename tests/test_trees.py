@@ -1,7 +1,9 @@
 """Draft trees in the speculative loop (SpecConfig.speculative_token_tree; Medusa's sparse trees): greedy
 output identical to autoregressive on a ragged batch of 16 rows with EOS inside accepted paths (one
 while_loop: tests/test_speculative.py); at T > 0 the first three tokens follow the target exactly (chi-square), with the negative
-control that a verifier accepting the first-ranked path fails the same test."""
+control that a verifier accepting the first-ranked path fails the same test. A chi-square case holds all its sampling
+settings in one batch and runs it with both verifiers, recursive rejection sampling and traversal verification,
+through one compiled loop (asserted)."""
 
 import dataclasses
 import functools
