@@ -1,7 +1,9 @@
 # Two jobs, each of which sets itself up on a fresh machine:
 #   make demo   - virtual environment, install, run the main job (every drafter on the bundled models;
 #                 on a GPU also the 8B-shaped speed table: random weights, synthetic acceptance)
-#   make test   - virtual environment with test extras, run the test suite
+#   make test   - virtual environment with test extras, run the test suite (every tier)
+#   make test-fast - the fast tier: no decoding loop compiled, nothing trained, no end-to-end run
+#                 (docs/testing.md says what each tier holds and takes)
 # Where nothing can be installed but the packages are there (e.g. a GPU machine's image), name the
 # interpreter: no virtual environment is made, and it runs this checkout with PYTHONPATH=.
 #   make demo SYSTEM_PYTHON=python3
@@ -24,7 +26,7 @@ endif
 # CPUs ignore it; the 8B-shaped table (`specjax speed`) keeps XLA's defaults.
 BUNDLED_XLA_FLAGS := --xla_gpu_enable_triton_gemm=false
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test test-fast install install-test clean
 
 $(VENV)/.created:
 	@test -n "$(PYTHON_FOUND)" || (echo "no Python >= 3.12 found; see scripts/find_python.sh" && exit 1)
@@ -52,6 +54,9 @@ demo: $(DEMO_SETUP)
 
 test: $(TEST_SETUP)
 	$(RUN) -m pytest -n 2 --dist loadgroup -q tests
+
+test-fast: $(TEST_SETUP)
+	$(RUN) -m pytest -n 2 -q -m fast tests
 
 clean:
 	rm -rf $(VENV) build

@@ -37,14 +37,24 @@ def main() -> None:
     print(header.format("test"))
     for record in sorted(records, key=lambda r: -r["wall_s"])[:args.top]:
         print(line.format(record["test"], *(record.get(key, 0) for key in keys)))
-    seconds, programs = collections.Counter(), collections.Counter()
+    seconds, tests = collections.Counter(), collections.Counter()
+    compiles, hits = collections.Counter(), collections.Counter()
     for record in records:
         for function, duration in record.get("xla_s_by_function", {}).items():
             seconds[function] += duration
-            programs[function] += 1  # tests that compiled it (a test may compile it more than once)
-    print("\n| jitted function | XLA compile s | tests compiling it |\n|---|---|---|")
+            tests[function] += 1
+        compiles.update(record.get("compiles_by_function", {}))
+        hits.update(record.get("cache_hits_by_function", {}))
+    print("\n| jitted function | XLA compile s | compiles | of them persistent cache hits | tests compiling it |\n"
+          "|---|---|---|---|---|")
     for function, duration in seconds.most_common(args.top):
-        print(f"| {function} | {duration:.0f} | {programs[function]} |")
+        print(f"| {function} | {duration:.0f} | {compiles.get(function, '?')} | {hits.get(function, 0)} | "
+              f"{tests[function]} |")
+    loops = [name for name in compiles
+             if name.removeprefix("jit(").removesuffix(")") in ("speculative_loop", "decode_loop", "run_steps")]
+    if loops:
+        print("\nloop programs compiled (persistent cache hits excluded):",
+              ", ".join(f"{name} {compiles[name] - hits.get(name, 0)}" for name in loops))
 
 
 if __name__ == "__main__":

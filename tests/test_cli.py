@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import write_tiny_checkpoint
+from support.checkpoints import write_tiny_checkpoint
 
 from specjax import cli
 from specjax.decoding import generate
@@ -21,6 +21,7 @@ def checkpoint(tmp_path_factory):
     return folder, write_tiny_checkpoint(folder, seed=3)
 
 
+@pytest.mark.e2e
 def test_generate_prints_the_prompt_and_the_models_continuation(checkpoint, capsys):
     folder, tokenizer = checkpoint
     code = cli.main(["generate", "--model", str(folder), "--prompt", "def add(", "--max-new-tokens", "9",
@@ -44,6 +45,7 @@ def test_bad_arguments_exit_with_a_message(checkpoint, capsys):
     assert "nope" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_generate_defaults_to_the_bundled_models():
     """The second half of `make demo`: the bundled target with the bundled draft, from a fresh process."""
     run = subprocess.run([sys.executable, "-m", "specjax.cli", "generate", "--draft", "default:draft",
@@ -54,6 +56,7 @@ def test_generate_defaults_to_the_bundled_models():
     assert "16 tokens in" in run.stderr or "stopped at EOS" in run.stderr
 
 
+@pytest.mark.e2e
 def test_generate_with_a_draft_prints_the_acceptance_summary(checkpoint, capsys):
     folder, _ = checkpoint
     code = cli.main(["generate", "--model", str(folder), "--draft", str(folder), "--prompt", "for i in",
@@ -87,6 +90,7 @@ def autoregressive_text():
     return out.getvalue()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method", sorted(PROPOSERS))
 def test_every_registered_method_prints_the_autoregressive_text_by_default(method, autoregressive_text, capsys):
     """Greedy speculative decoding prints the autoregressive text, then its acceptance summary: the CLI computes
@@ -95,6 +99,7 @@ def test_every_registered_method_prints_the_autoregressive_text_by_default(metho
     assert out.startswith(autoregressive_text) and "speculative: K=4" in out[len(autoregressive_text):]
 
 
+@pytest.mark.e2e
 def test_bfloat16_says_greedy_equality_is_up_to_rounding(capsys):
     assert cli.main(["generate", "--prompt", "x", "--max-new-tokens", "2", "--dtype", "bfloat16"]) == 0
     err = capsys.readouterr().err
@@ -137,6 +142,7 @@ def test_bad_spec_flags_name_the_field_and_the_flag(capsys):
             "(--prompt-lookup-min sets SpecConfig.prompt_lookup_min)") in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_ngram_lookup_flags_reach_the_drafter(capsys):
     out = generate_text(capsys, "--method", "ngram", "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
                         "--num-speculative-tokens", "2")
@@ -176,6 +182,7 @@ def test_a_drafter_folder_without_method_picks_the_method_its_files_say(name, me
     assert cli.choose_method(argparse.Namespace(method=None, draft=str(folder))) == method
 
 
+@pytest.mark.e2e
 def test_long_budgets_generate_in_chunks_with_a_progress_bar(checkpoint, capsys, monkeypatch):
     """Above CHUNK_TOKENS the text so far is continued chunk by chunk (greedy: the text of one call)."""
     folder, _ = checkpoint
@@ -187,6 +194,7 @@ def test_long_budgets_generate_in_chunks_with_a_progress_bar(checkpoint, capsys,
     assert out.out == whole and "generate: 100%" in out.err and "20/20" in out.err
 
 
+@pytest.mark.e2e
 def test_a_bundled_drafter_folder_picks_its_method(autoregressive_text, capsys):
     """`--draft default:eagle1` runs method eagle (an EAGLE head is no draft model)."""
     assert generate_text(capsys, "--draft", "default:eagle1").startswith(autoregressive_text + "speculative: K=4")

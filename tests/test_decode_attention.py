@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, positions_like
+from support.checkpoints import fixture_dir
+from support.models import positions_like
 
 from specjax.config import ModelConfig
 from specjax.models import hf
@@ -92,7 +93,8 @@ def test_a_trees_mask_gives_the_dense_masked_attention(batch, num_new, num_heads
 
 @pytest.mark.parametrize("batch, num_heads, num_kv, head_dim, num_slots, fills", [
     (2, 8, 2, 16, 300, (100, 250)),
-    (4, 32, 8, 128, 512, (200, 63, 0, 505)),  # Llama-3.1-8B's heads over four splits of two blocks
+    pytest.param(4, 32, 8, 128, 512, (200, 63, 0, 505),  # Llama-3.1-8B's heads over four splits of two blocks
+                 marks=pytest.mark.slow),  # long, interpreted: full tier
 ])
 def test_a_rows_result_does_not_depend_on_the_tokens_beside_it(batch, num_heads, num_kv, head_dim, num_slots, fills):
     """The last token of a verification block gets what a decode step at its slot gets once the block's
@@ -159,7 +161,7 @@ def test_the_kernel_is_available_where_its_lowering_is(fresh_availability):
     assert attention_kernel.available()  # interpreted on the CPU, through the Triton lowering's store
 
 
-@pytest.mark.parametrize("missing", ["lowering", "compile"])
+@pytest.mark.parametrize("missing", ["lowering", pytest.param("compile", marks=pytest.mark.slow)])  # one case fast
 def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypatch, fresh_availability, missing):
     """The GPU's default layout (built here on any backend): with Pallas' Triton lowering hidden (its
     import fails) or its compile failing, every layer attends through XLA, one warning says why, and the
@@ -193,10 +195,11 @@ def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypat
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+@pytest.mark.slow
 def test_a_trees_verification_forward_attends_through_the_kernel_and_computes_xlas_logits():
     """The loop's verification forward over a tree (tree_size.tree_verify_forward, as decoding runs it)
     takes the kernel in the decoding layout, not a silent fallback to XLA, with the logits XLA computes."""
-    from conftest import primitives
+    from support.jaxpr import primitives
 
     from specjax.tree_size import tree_verify_forward
 

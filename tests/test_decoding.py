@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue, fixture_dir, golden, primitives
+from support.checkpoints import fixture_dir, golden
+from support.distributions import chi_square_pvalue
+from support.jaxpr import primitives
 
 from specjax.config import ModelConfig, SamplingConfig
 from specjax.decoding import decode_loop, generate, loop_arrays, pad_request
@@ -32,6 +34,7 @@ def exact_first_two_tokens(model, sampling: SamplingConfig) -> np.ndarray:
     return p1[:, None] * p2  # [t1, t2]
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0),
                                       SamplingConfig(temperature=0.7, top_p=0.9),
                                       SamplingConfig(temperature=1.2, top_k=4)], ids=str)
@@ -48,6 +51,7 @@ def test_generated_tokens_follow_the_model_distribution(sampling):
         assert chi_square_pvalue(counts, wrong) < 1e-6
 
 
+@pytest.mark.loop
 def test_a_row_depends_on_its_seed_and_prompt_only():
     model = init_model(TINY, seed=1)
     sampling = SamplingConfig(temperature=1.0)
@@ -60,6 +64,7 @@ def test_a_row_depends_on_its_seed_and_prompt_only():
     assert again == alone and other != alone
 
 
+@pytest.mark.loop
 def test_rows_stop_at_their_own_budget_and_eos():
     model = hf.load(fixture_dir("llama_gqa"))
     ref = golden("llama_gqa")
@@ -82,6 +87,7 @@ def _loop_args(model, prompts, max_new_tokens):
     return (model, *arrays), dict(mode=mode, eos_token_ids=(2,), cache_size=request.cache_size)
 
 
+@pytest.mark.loop
 def test_generation_is_one_program_with_one_while_loop_and_no_host_callback():
     model = hf.load(fixture_dir("llama_gqa"))
     args, static = _loop_args(model, [[1, 2, 3], [4] * 9], 10)
@@ -97,6 +103,7 @@ def test_generation_is_one_program_with_one_while_loop_and_no_host_callback():
     assert "callback" not in hlo and "outfeed" not in hlo and "infeed" not in hlo
 
 
+@pytest.mark.loop
 def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     model = hf.load(fixture_dir("llama_gqa"))
     generate(model, [[1, 2, 3]], max_new_tokens=8)
@@ -106,6 +113,7 @@ def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     assert decode_loop._cache_size() == compiled + 1
 
 
+@pytest.mark.loop
 def test_bucket_padding_does_not_change_greedy_outputs():
     model = hf.load(fixture_dir("qwen2"))
     prompt = golden("qwen2")["prompt_1"].tolist()
@@ -128,6 +136,7 @@ def test_bad_requests_are_refused_with_the_reason(kwargs, message):
         generate(model, **kwargs)
 
 
+@pytest.mark.loop
 def test_positions_bound_the_request():
     """Learned positions and RoPE alike: prompt + max_new_tokens past max_position_embeddings is refused, naming
     both numbers (issue 35: a 6,952-token prompt on a 2,048-position target ran silently)."""
@@ -144,6 +153,7 @@ def test_positions_bound_the_request():
 
 
 
+@pytest.mark.loop
 def test_cache_dtype_is_separate_from_the_model_and_checked():
     from specjax.config import ConfigError
     from specjax.models.kv_cache import KVCache

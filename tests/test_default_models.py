@@ -6,7 +6,7 @@ import collections
 import json
 
 import pytest
-from conftest import REPO
+from support.checkpoints import REPO
 
 from specjax import cli, default_models
 from specjax.config import ConfigError, SpecConfig
@@ -32,6 +32,7 @@ def test_the_card_matches_the_bundled_files():
         assert (default_models.path(name) / "eval.json").exists()
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", METHODS)
 def test_every_bundled_drafter_is_lossless_at_temperature_zero(target_and_prompts, method):
     target, prompts, autoregressive = target_and_prompts
@@ -56,6 +57,7 @@ def sixteen_ragged_rows_with_eos():
     return target, prompts, budgets, eos, generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[eos])
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_dynamic_trees_of_the_bundled_heads_are_lossless_at_temperature_zero(sixteen_ragged_rows_with_eos, method):
     """EAGLE-2 trees (depth 4, top-4, 16 nodes) drafted by the trained heads: paths several drafts deep are
@@ -87,6 +89,7 @@ def test_every_registered_method_has_its_bundled_drafter():
             assert proposer.default_drafter is None and proposer.load("unused", None, None, 1) is None
 
 
+@pytest.mark.e2e
 def test_the_demo_config_runs_end_to_end(tmp_path, capsys):
     """`make demo`'s sweep, on fewer and shorter prompts (its time on the CPU is docs/performance.md's)."""
     assert cli.main(["sweep", str(REPO / "configs/demo.yaml"), "--set", f"output_dir={tmp_path}",
@@ -125,6 +128,7 @@ def test_the_eagle_tree_sweep_sets_a_trees_fields_together():
         load_sweep(REPO / "configs/sweeps/eagle_tree.yaml", ["grid.spec=[{top_p: 0.5}]"])
 
 
+@pytest.mark.e2e
 def test_the_example_research_script_runs():
     import subprocess
     import sys
@@ -134,6 +138,7 @@ def test_the_example_research_script_runs():
     assert "2/2" in run.stdout and "block    mean acceptance length" in run.stdout
 
 
+@pytest.mark.e2e
 def test_a_sweep_records_points_the_drafter_cannot_run_and_goes_on(tmp_path):
     import yaml
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, REPO
+from support.checkpoints import FIXTURES, REPO
 from safetensors.numpy import load_file, save_file
 
 from specjax.config import DFlashTrainConfig, SamplingConfig, SpecConfig, load_yaml
@@ -61,6 +61,7 @@ def test_the_first_block_gives_zlabs_draft_logits(zlab):
     np.testing.assert_allclose(block_logits(target, drafter, committed), golden["first_block_logits"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_every_block_of_zlabs_generation_gives_its_draft_logits(zlab):
     """The blocks z-lab's dflash_generate drafted (after verify steps, on its cropped draft cache), each
     anchored where its acceptance left it, from the greedy output's committed tokens."""
@@ -79,6 +80,7 @@ def test_every_block_of_zlabs_generation_gives_its_draft_logits(zlab):
             break
 
 
+@pytest.mark.loop
 def test_greedy_speculative_output_is_zlabs(zlab):
     target, drafter, golden = zlab
     spec = SpecConfig(method="dflash", num_speculative_tokens=7)
@@ -99,7 +101,8 @@ def test_the_full_block_is_drafted_by_default_where_k_plus_1_is_shorter(zlab):
     assert SpecConfig(method="eagle").dflash_full_block is None
 
 
-@pytest.mark.parametrize("full_block", [False, True], ids=["K_masks", "full_block"])
+@pytest.mark.parametrize("full_block", [pytest.param(False, marks=pytest.mark.slow), True],  # the default: fast tier
+                         ids=["K_masks", "full_block"])
 def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab, full_block):
     """Draft probabilities inside the loop's bookkeeping (prefill, propose, accept n, propose) equal the
     ones of a drafter forward from scratch over the same committed tokens, in both layouts: those of a

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, forward, positions_like
+from support.checkpoints import fixture_dir
+from support.models import forward, positions_like
 
 from specjax import draft_tree
 from specjax.models import hf

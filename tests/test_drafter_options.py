@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import target_and_drafts
+from support.models import target_and_drafts
 
 from specjax.config import ConfigError, ModelConfig, SamplingConfig, SpecConfig
 from specjax.data.tokenizer import train_bpe_tokenizer
@@ -36,6 +36,7 @@ def tokenizers():
     return target, draft
 
 
+@pytest.mark.loop
 def test_heterogeneous_vocabularies_greedy_output_is_identical_and_drafts_are_accepted():
     target_tokenizer, draft_tokenizer = tokenizers()
     target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()

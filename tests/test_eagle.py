@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FR_IDS, HEADS, METHOD, TINY, eagle_config, head_for, ragged_requests, target_and_drafts
+from support.distributions import TINY
+from support.models import FR_IDS, HEADS, METHOD, eagle_config, head_for, target_and_drafts
+from support.requests import ragged_requests
 from safetensors.numpy import load_file
 
 from specjax.config import SamplingConfig, SpecConfig
@@ -24,6 +26,7 @@ from specjax.proposers import build_proposer
 from specjax.proposers.base import Context, TargetOutput
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle_fr"])
 def test_the_heads_decoding_layout_drafts_the_same(name, tmp_path):
     """head_to_decoding_layout (fused q/k/v and gate/up): the same greedy tokens and acceptance counts as the

@@ -7,8 +7,8 @@ import re
 
 import numpy as np
 import pytest
-from conftest import (EOS, NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, dflash_config, exact_joint, head_for,
-                      medusa_for, target_and_drafts, tiny_pair)
+from support.distributions import NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, tiny_pair
+from support.models import EOS, dflash_config, head_for, medusa_for, target_and_drafts
 
 from specjax import verify as verify_registry
 from specjax.config import SamplingConfig, SpecConfig
@@ -78,6 +78,7 @@ def truncated_at_stop(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
     return tokens[:hits[0] + 1] if hits else tokens
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("name", list(SPECS))
 def test_every_request_gets_its_autoregressive_output_under_load(name):
     """32 requests arriving at random steps in a random order, 4 slots: greedy output equal to generate's
@@ -124,6 +125,7 @@ def engine_joint_counts(spec: SpecConfig, drafter):
     return np.split(codes, len(ENGINE_SAMPLINGS)), tokens[:64]
 
 
+@pytest.mark.loop
 @pytest.mark.slow
 @pytest.mark.parametrize("verifier", ["standard", "block"])
 def test_sampled_requests_follow_the_target_distribution_beside_other_requests(verifier):
@@ -141,6 +143,7 @@ def accept_all(target_probs, draft_tokens, draft_probs, keys):
     return n, standard.verify(target_probs, draft_tokens, draft_probs, keys)[1]
 
 
+@pytest.mark.loop
 @pytest.mark.slow
 def test_negative_control_the_engine_with_a_verifier_that_accepts_everything_fails(monkeypatch):
     monkeypatch.setitem(verify_registry.VERIFIERS, "accept_all", verify_registry.Verifier(chain=accept_all, tree=None))
@@ -153,6 +156,7 @@ def test_negative_control_the_engine_with_a_verifier_that_accepts_everything_fai
 
 # ------------------------------------------------------------------------------------ one program
 
+@pytest.mark.loop
 def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
     target, drafts = target_and_drafts()
     engine = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=64, spec=SPECS["draft_model"],
@@ -176,6 +180,7 @@ def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
 
 # ------------------------------------------------------------------------------------------ refusals
 
+@pytest.mark.loop
 @pytest.mark.parametrize("request_kwargs, message", [
     (dict(prompt=[]), r"request bad: prompt is empty: allowed at least one token id"),
     (dict(max_tokens=60), r"request bad: prompt \(3 tokens\) \+ max_tokens \(60\) \+ drafts scored per step \+ 1 "
@@ -204,6 +209,7 @@ def test_sampling_settings_out_of_range_are_refused_naming_the_field():
         Request.make("r", [1], 4, top_p=1.5)
 
 
+@pytest.mark.loop
 def test_an_aborted_request_frees_its_slot_for_the_next():
     """A running request aborted (a client that went away) ends with what it had; the one waiting for its slot
     then gets its full, autoregressive output."""
@@ -218,6 +224,7 @@ def test_an_aborted_request_frees_its_slot_for_the_next():
     assert list(outputs["next"].tokens) == generate(target, [[5, 1]], max_new_tokens=10).sequences()[0]
 
 
+@pytest.mark.loop
 def test_busy_slots_are_kept_first_and_a_visit_steps_only_a_bucket_of_them():
     """When a request ends, the last busy slot's row moves into its slot: a visit then steps the smallest
     power-of-two count of slots that holds the busy ones, and the moved request's output is unchanged."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, write_tiny_checkpoint
+from support.checkpoints import REPO, write_tiny_checkpoint
 
 from specjax import cli
 from specjax.config import ConfigError
@@ -39,6 +39,7 @@ def run_config(models, path, **changes):
     return path
 
 
+@pytest.mark.e2e
 def test_run_prints_the_table_and_greedy_matches(models, tmp_path, capsys):
     assert cli.main(["run", str(run_config(models, tmp_path / "run.yaml"))]) == 0
     out = capsys.readouterr().out
@@ -47,6 +48,7 @@ def test_run_prints_the_table_and_greedy_matches(models, tmp_path, capsys):
     assert "per-position acceptance:" in out
 
 
+@pytest.mark.e2e
 def test_a_run_with_a_draft_vocabulary_stays_lossless(models, tmp_path, capsys):
     """FR-Spec from a config: the EAGLE-1 head drafts over the corpus' 40 most frequent ids, and greedy
     output is still the target's own."""
@@ -72,6 +74,7 @@ def deterministic(record):
     return {k: v for k, v in record.items() if k not in TIMING_FIELDS}
 
 
+@pytest.mark.e2e
 def test_a_killed_sweep_reruns_only_the_missing_points(models, tmp_path):
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     reference = sweep_config(models, tmp_path / "reference.yaml", reference_dir)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, golden, positions_like
+from support.checkpoints import fixture_dir, golden
+from support.models import positions_like
 from safetensors.numpy import load_file
 
 from specjax.decoding import generate
@@ -32,6 +33,7 @@ def test_logits_and_hidden_states_match_transformers(hf_fixture):
     np.testing.assert_allclose(np.asarray(hidden.final), ref["hidden_states"][num_layers], atol=1e-4, rtol=0)
 
 
+@pytest.mark.loop
 def test_greedy_generate_matches_transformers(hf_fixture):
     ref = golden(hf_fixture)
     model = hf.load(fixture_dir(hf_fixture))

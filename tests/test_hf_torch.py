@@ -4,7 +4,8 @@ dependency: CI skips this file; the GPU machine and scripts/make_hf_fixtures.py'
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, positions_like
+from support.checkpoints import fixture_dir
+from support.models import positions_like
 
 torch = pytest.importorskip("torch", reason="torch is not installed (it is not a specjax dependency)")
 transformers = pytest.importorskip("transformers")
@@ -41,6 +42,7 @@ def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(hf_fixtu
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.loop
 def test_greedy_generate_matches_transformers_live():
     folder = fixture_dir("llama_gqa")
     prompt = [5, 17, 99, 3, 42]

@@ -1,26 +1,35 @@
 """Every drafter is lossless. Greedy: speculative output identical to autoregressive, token for token
 (ragged prompts, EOS inside blocks). Sampling: the joint distribution of the first three tokens over
-131,072 rows equals the target's enumerated one (chi-square), and negative controls fail the same
-test. One test each, parametrised over drafters x verifiers x drafting x sampling settings; each
-drafter's own tests (layouts, checkpoints, what its drafts are) live in its file."""
+32,768 rows per setting (131,072 on a GPU) equals the target's enumerated one (chi-square), and negative
+controls fail the same test. One test each, parametrised over drafters x drafting x settings; each
+drafter's own tests (layouts, checkpoints, what its drafts are) live in its file.
 
+A sampling case runs every verifier the drafter has (standard and block, or block alone where the case is
+about the block verifier) on one batch that holds all its sampling settings, through one compiled loop
+(the verifier and the settings are data; asserted)."""
+
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import (EOS, FR_IDS, HEADS, METHOD, NUM_TOKENS, PROMPT, REQUESTS, TINY, autoregressive_outputs,
-                      chi_square_pvalue, dflash_config, eagle_config, exact_joint, head_for, joint_counts_by_sampling,
-                      medusa_for, speculative_joint_counts, target_and_drafts, tiny_pair, trained_dflash)
+from support.distributions import (NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling,
+                                   speculative_joint_counts, tiny_pair)
+from support.models import (EOS, FR_IDS, HEADS, METHOD, dflash_config, eagle_config, head_for, medusa_for,
+                            target_and_drafts, trained_dflash)
+from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
 from specjax.config import SamplingConfig, SpecConfig
-from specjax.decoding import generate
+from specjax.decoding import generate, speculative_loop
 from specjax.models.dflash import drafter_to_decoding_layout, init_dflash
 from specjax.models.dflash import with_draft_vocabulary as dflash_with_draft_vocabulary
 from specjax.models.eagle import init_eagle, with_draft_vocabulary
 from specjax.models.transformer import to_decoding_layout
 from specjax.verify import standard
+
+pytestmark = pytest.mark.loop  # every case decodes through the speculative loop (tests/conftest.py: tiers)
 
 # Drafter name -> SpecConfig.method ("perturbed" and "unrelated": draft models of target_and_drafts()).
 METHODS = {"draft_model": "draft_model", "perturbed": "draft_model", "unrelated": "draft_model", **METHOD,
@@ -163,37 +172,34 @@ def sampling_id(sampling: SamplingConfig) -> str:
                      *([f"top_p{sampling.top_p}"] if sampling.top_p < 1 else [])])
 
 
-def lossless_case(drafter: str, verifier: str, drafting: str = "probabilistic", samplings=(T1,), prompt=PROMPT,
-                  tag: str = "", **options):
-    """A parameter set, named drafter-verifier-drafting[-tag], e.g. "eagle3-block-probabilistic": every sampling
-    setting of `samplings` runs in one batch, beside greedy rows."""
-    spec = SpecConfig(method=METHODS[drafter], num_speculative_tokens=2, rejection_sample_method=verifier,
-                      draft_sample_method=drafting, **options)
-    parts = [drafter, verifier, drafting, *([tag] if tag else [])]
-    return pytest.param(drafter, spec, tuple(samplings), prompt, id="-".join(parts))
+def lossless_case(drafter: str, verifiers=("standard", "block"), drafting: str = "probabilistic", samplings=(T1,),
+                  prompt=PROMPT, tag: str = "", **options):
+    """A parameter set, named drafter-drafting[-verifier][-tag], e.g. "eagle3-probabilistic-block": every sampling
+    setting of `samplings` runs in one batch, beside greedy rows, once per verifier of `verifiers` (the verifier is
+    data of the loop: one compiled program serves them all)."""
+    spec = SpecConfig(method=METHODS[drafter], num_speculative_tokens=2, draft_sample_method=drafting, **options)
+    parts = [drafter, drafting, *(verifiers if len(verifiers) == 1 else []), *([tag] if tag else [])]
+    return pytest.param(drafter, spec, tuple(verifiers), tuple(samplings), prompt, id="-".join(parts))
 
 
 LOSSLESS_CASES = [
     # The draft model: both verifiers, greedy and probabilistic drafting, every sampling setting.
-    *(lossless_case("draft_model", verifier, drafting, SAMPLINGS)
-      for drafting in ("greedy", "probabilistic") for verifier in ("standard", "block")),
-    lossless_case("draft_model", "block", samplings=SAMPLINGS[:3:2], tag="pallas", verify_impl="pallas"),
-    lossless_case("draft_model", "block", tag="float8_cache", kv_cache_dtype="float8_e4m3fn"),
-    *(lossless_case(name, "block") for name in ("eagle", "eagle3", "eagle_fr")),
-    # EAGLE-2 dynamic trees: each node's top-k (deterministic), recursive rejection sampling.
-    *(lossless_case(name, "standard", "greedy", samplings, tag="tree5-top2", total_tokens=5, top_k=2)
-      for name, samplings in (("eagle", SAMPLINGS[:1]), ("eagle3", SAMPLINGS[1:2]), ("eagle_fr", SAMPLINGS[2:3]),
+    *(lossless_case("draft_model", drafting=drafting, samplings=SAMPLINGS) for drafting in ("greedy", "probabilistic")),
+    lossless_case("draft_model", ("block",), samplings=SAMPLINGS[:3:2], tag="pallas", verify_impl="pallas"),
+    lossless_case("draft_model", ("block",), tag="float8_cache", kv_cache_dtype="float8_e4m3fn"),
+    *(lossless_case(name, ("block",)) for name in ("eagle", "eagle3", "eagle_fr")),
+    # EAGLE-2 dynamic trees: each node's top-k (deterministic), recursive rejection sampling ('standard') and
+    # traversal verification ('block' on a tree).
+    lossless_case("eagle", drafting="greedy", tag="tree5-top2", total_tokens=5, top_k=2),
+    *(lossless_case(name, ("standard",), "greedy", samplings, tag="tree5-top2", total_tokens=5, top_k=2)
+      for name, samplings in (("eagle3", SAMPLINGS[1:2]), ("eagle_fr", SAMPLINGS[2:3]),
                               ("draft_model", SAMPLINGS[1:2]))),
-    # ... and traversal verification ('block' on a tree).
-    lossless_case("eagle", "block", "greedy", tag="tree5-top2", total_tokens=5, top_k=2),
-    *(lossless_case("medusa", verifier) for verifier in ("standard", "block")),
+    lossless_case("medusa"),
     # DFlash: both verifiers, greedy and probabilistic drafting, T 1 and top-k.
-    lossless_case("dflash_fr", "block"),  # FR-Spec: drafts and their probabilities inside half the ids
-    *(lossless_case("dflash", verifier, drafting, SAMPLINGS[:3:2]) for drafting in ("greedy", "probabilistic")
-      for verifier in ("standard", "block")),
+    lossless_case("dflash_fr", ("block",)),  # FR-Spec: drafts and their probabilities inside half the ids
+    *(lossless_case("dflash", drafting=drafting, samplings=SAMPLINGS[:3:2]) for drafting in ("greedy", "probabilistic")),
     # N-gram lookup drafts one-hot (greedy) from the context.
-    *(lossless_case("ngram", verifier, "greedy", prompt=REPEATING_PROMPT, prompt_lookup_min=1, prompt_lookup_max=3)
-      for verifier in ("standard", "block")),
+    lossless_case("ngram", drafting="greedy", prompt=REPEATING_PROMPT, prompt_lookup_min=1, prompt_lookup_max=3),
 ]
 
 
@@ -206,18 +212,24 @@ GREEDY_ROWS = 64  # greedy rows in each batch: they must give the target's greed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter, spec, samplings, prompt", LOSSLESS_CASES)
-def test_speculative_sampling_is_lossless(drafter, spec, samplings, prompt):
+@pytest.mark.parametrize("drafter, spec, verifiers, samplings, prompt", LOSSLESS_CASES)
+def test_speculative_sampling_is_lossless(drafter, spec, verifiers, samplings, prompt):
     """Each sampling setting's rows follow the target's processed distribution exactly (chi-square), in
-    one batch that mixes them with each other and with greedy rows."""
-    counts, metrics, greedy_tokens = joint_counts_by_sampling(spec, samplings, tiny_drafter(drafter), prompt,
-                                                              GREEDY_ROWS)
-    assert 0 < metrics.summary()["acceptance_rate"] < 1  # both paths taken
+    one batch that mixes them with each other and with greedy rows, with each verifier; the verifiers share
+    one compiled loop."""
     expected_greedy = generate(tiny_pair()[0], [prompt], max_new_tokens=NUM_TOKENS).tokens[0]
-    assert (greedy_tokens == expected_greedy).all()
-    for sampling, sampling_counts in zip(samplings, counts):
-        p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling, prompt))
-        assert p_value > LOSSLESS_ALPHA, (sampling_id(sampling), p_value)
+    programs = []
+    for verifier in verifiers:
+        spec = dataclasses.replace(spec, rejection_sample_method=verifier)
+        counts, metrics, greedy_tokens = joint_counts_by_sampling(spec, samplings, tiny_drafter(drafter), prompt,
+                                                                  GREEDY_ROWS)
+        programs.append(speculative_loop._cache_size())
+        assert 0 < metrics.summary()["acceptance_rate"] < 1, verifier  # both paths taken
+        assert (greedy_tokens == expected_greedy).all(), verifier
+        for sampling, sampling_counts in zip(samplings, counts):
+            p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling, prompt))
+            assert p_value > LOSSLESS_ALPHA, (verifier, sampling_id(sampling), p_value)
+    assert programs == programs[:1] * len(programs)  # the second verifier compiled nothing
 
 
 def accept_all(target_probs, draft_tokens, draft_probs, keys):

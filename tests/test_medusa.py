@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, medusa_for, positions_like
+from support.checkpoints import fixture_dir
+from support.models import medusa_for, positions_like
 from safetensors.numpy import save_file
 
 from specjax.config import SamplingConfig, SpecConfig

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, primitives, speculative_loop_args
+from support.checkpoints import fixture_dir
+from support.jaxpr import primitives, speculative_loop_args
 
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
@@ -73,6 +74,7 @@ def test_rows_of_different_lengths_in_one_batch():
     assert propose([row[:-1] for row in rows[:3]], 3, 2, 3) == [[3, 8, 1], [3, 11, 12], [3, 40, 5]]
 
 
+@pytest.mark.loop
 def test_a_draft_without_a_match_is_rejected_and_the_target_token_emitted():
     rng = np.random.default_rng(3)
     # Distinct prompt tokens and min n 2: the suffix (last prompt token, first new token) has no
@@ -88,6 +90,7 @@ def test_a_draft_without_a_match_is_rejected_and_the_target_token_emitted():
 
 # -------------------------------------------------------------------------------------- repetition
 
+@pytest.mark.loop
 @pytest.mark.parametrize("num_draft, min_length", [(2, 2.5), (5, 4.5)])
 def test_acceptance_is_high_when_the_continuation_is_in_the_context(num_draft, min_length):
     # The random llama_gqa fixture does not copy from its context: after P + G + P (G its greedy
@@ -110,6 +113,7 @@ def test_acceptance_is_high_when_the_continuation_is_in_the_context(num_draft, m
 
 # ------------------------------------------------------------------------------------- one program
 
+@pytest.mark.loop
 def test_ngram_generation_is_one_program_with_one_while_loop():
     spec, sampling = ngram_spec(3, 1, 3), SamplingConfig(temperature=0.8)
     args, static = speculative_loop_args(target(), None, [[1, 2, 3], [4] * 9], 10, spec, sampling, eos_token_ids=(2,))

@@ -20,7 +20,10 @@ from specjax.verify.testing import KINDS, random_verify_inputs
 TILE = 256  # small tiles: several per row, the last one partial (V below is not a multiple)
 
 
-@pytest.mark.parametrize("batch, num_draft, vocab", [(1, 1, 1000), (3, 4, 1000), (64, 8, 700), (3, 8, 2049)])
+# The two largest shapes are interpreted for long: full tier (`slow`; docs/testing.md).
+@pytest.mark.parametrize("batch, num_draft, vocab", [(1, 1, 1000), (3, 4, 1000),
+                                                     *(pytest.param(*shape, marks=pytest.mark.slow)
+                                                       for shape in ((64, 8, 700), (3, 8, 2049)))])
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_equals_the_reference_exactly(batch, num_draft, vocab, kind):
     seed = batch * 1000 + num_draft * 10 + KINDS.index(kind)

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "research-guide.md"
 EXAMPLE = REPO / "docs" / "examples" / "bigram.py"
@@ -60,6 +62,7 @@ def test_the_guide_shows_the_example_and_its_registry_line():
     assert 'load_models("default:target", "bigram", dtype="float32")' in guide
 
 
+@pytest.mark.e2e
 def test_the_example_drafter_is_one_file_and_one_registry_line(tmp_path):
     shutil.copytree(REPO / "specjax", tmp_path / "specjax", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(EXAMPLE, tmp_path / "specjax" / "proposers" / "bigram.py")
@@ -85,6 +88,7 @@ def test_the_example_drafter_is_one_file_and_one_registry_line(tmp_path):
     assert float(run.stdout.split("accepted: ")[1]) > 0
 
 
+@pytest.mark.e2e
 def test_a_drafter_registers_from_the_users_own_script(tmp_path):
     """The guide's claim: importing a module with a @register'ed class makes the method usable in that process,
     with no line added to the package (in a subprocess: the registry is process-wide)."""

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue
+from support.distributions import chi_square_pvalue
 
 from specjax.config import ConfigError, SamplingConfig
 from specjax.verify.sampling import categorical, processed_probs, sample

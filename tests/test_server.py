@@ -5,7 +5,6 @@ away mid-stream frees its slot; SIGTERM lets requests in flight finish (or end w
 exits 0. Two servers on the bundled models: EAGLE with 4 slots and detailed metrics, n-gram with 1 slot."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import REPO
+from support.checkpoints import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
 from specjax import cli
@@ -41,12 +40,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        # The suite's persistent compilation cache (tests/conftest.py), for the server's programs too.
-        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(REPO / ".pytest_cache" / "jax")
-        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}
         with log.open("w") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--port", str(self.port),
-                                             *args], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                                             *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"the server exited ({self.process.returncode}):\n{log.read_text()}"
@@ -128,6 +124,7 @@ def check_metrics(metrics: dict, fields: set[str]) -> None:
         assert [per_step.count(n) for n in range(len(histogram))] == histogram
 
 
+@pytest.mark.e2e
 def test_completion_with_the_openai_client(server, tokenizer):
     completion = server.client.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=24,
                                                   temperature=0)
@@ -147,6 +144,7 @@ def test_completion_with_the_openai_client(server, tokenizer):
     assert by_ids["choices"][0]["text"] == choice.text
 
 
+@pytest.mark.e2e
 def test_chat_with_the_openai_client(server):
     chat = server.client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=[
         {"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os"}])
@@ -159,6 +157,7 @@ def test_chat_with_the_openai_client(server):
     assert plain["choices"][0]["text"] == chat.choices[0].message.content
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_streaming_gives_the_whole_text_and_the_metrics_in_the_usage_chunk(server, kind):
     if kind == "chat":
@@ -188,6 +187,7 @@ def test_streaming_gives_the_whole_text_and_the_metrics_in_the_usage_chunk(serve
     assert all(c.choices and "metrics" not in (c.model_extra or {}) for c in plain)
 
 
+@pytest.mark.e2e
 def test_a_request_is_independent_of_the_ones_beside_it(server):
     """Greedy text served alone equals the text served among sampled requests (4 slots, 6 requests)."""
     alone = server.client.completions.create(model=MODEL, prompt="import sys\n", max_tokens=32, temperature=0)
@@ -209,6 +209,7 @@ def test_a_request_is_independent_of_the_ones_beside_it(server):
         check_metrics(result.model_extra["metrics"]["speculative_decoding"], DETAILED_FIELDS)
 
 
+@pytest.mark.e2e
 def test_metrics_endpoint_counts_with_vllm_names(server):
     before = server.metrics()
     completion = server.client.completions.create(model=MODEL, prompt="for i in range(", max_tokens=20, temperature=0)
@@ -233,6 +234,7 @@ def test_metrics_endpoint_counts_with_vllm_names(server):
                                                ("model_name", MODEL))) == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("body, status, param, says", [
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
     ({"prompt": "x", "n": 2}, 400, "n", "n = 2 is invalid"),
@@ -252,6 +254,7 @@ def test_a_bad_request_gets_a_4xx_naming_the_field_and_the_server_goes_on(server
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.e2e
 def test_models_health_and_one_access_log_line_per_request(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = server.client.models.list()
@@ -268,6 +271,7 @@ def test_models_health_and_one_access_log_line_per_request(server):
         assert field in lines[0]
 
 
+@pytest.mark.e2e
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(one_slot):
     """One slot: the second request could not start before the first's 900 tokens, were its slot kept."""
     body = {"prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
@@ -290,6 +294,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(one_slot):
     check_metrics(second.model_extra["metrics"]["speculative_decoding"], SUMMARY_FIELDS)
 
 
+@pytest.mark.e2e
 def test_sigterm_lets_requests_in_flight_finish_or_end_with_a_clear_error(one_slot):
     """A short request finishes; a long one (queued behind it in the one slot) ends with the shutdown's error
     after the 3 s drain, or finishes if it can; new requests are refused; the process exits 0."""

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import positions_like
+from support.models import positions_like
 from jax.sharding import PartitionSpec
 
 from specjax import sharding
@@ -93,6 +93,7 @@ def test_logits_match_one_device(models, mesh_shape):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_autoregressive_tokens_match_one_device(models, prompts, mesh_shape):
     for sampling in (GREEDY, T1):
@@ -102,6 +103,7 @@ def test_autoregressive_tokens_match_one_device(models, prompts, mesh_shape):
         assert got.sequences() == want.sequences()
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
 def test_the_decoding_layout_matches_one_device(models, prompts, mesh_shape):
     """to_decoding_layout and head_to_decoding_layout made for the mesh's model axis: the same greedy and sampled tokens as
@@ -146,6 +148,7 @@ VERIFIER_CASES = [pytest.param(mesh, *VERIFIERS[0], id=f"greedy-{mesh[0]}x{mesh[
     for name, case in zip(["standard", "block", "block-gathered-logits", "synthetic"], VERIFIERS[1:])]
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("mesh_shape, sampling, changes, gather_logits", VERIFIER_CASES)
 def test_speculative_tokens_match_one_device_for_every_verifier(models, prompts, mesh_shape, sampling, changes,
                                                                   gather_logits):
@@ -158,6 +161,7 @@ def test_speculative_tokens_match_one_device_for_every_verifier(models, prompts,
     assert got.metrics.summary() == want.metrics.summary()
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["eagle", "eagle_fr", "eagle3", "medusa", "ngram", "eagle3_tree"])
 def test_every_drafter_matches_one_device(models, prompts, method):
     tree = dict(total_tokens=8, top_k=2) if method.endswith("_tree") else {}  # an EAGLE-2 dynamic tree
@@ -175,6 +179,7 @@ def test_every_drafter_matches_one_device(models, prompts, method):
         assert bound.draft_lm_head.sharding.spec == PartitionSpec(None, sharding.MODEL)
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("mesh_shape, fsdp", [((8, 1), False), ((2, 4), False), ((8, 1), True), ((2, 4), True)])
 def test_a_training_step_on_a_mesh_equals_the_one_device_step(tmp_path, mesh_shape, fsdp):
     rng = np.random.default_rng(1)
@@ -215,6 +220,7 @@ def parameter_shapes(module) -> set[tuple[int, ...]]:
     return shapes
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("layout", ["stacked", "decoding"])
 def test_the_compiled_loops_all_reduce_activations_and_never_gather_weights(models, prompts, layout):
     """Also for the decoding layout (to_decoding_layout for 4 model shards): its fused q/k/v and gate/up
@@ -260,6 +266,7 @@ def test_the_vocabulary_argmax_is_jnps_in_one_all_gather(mesh_shape, shape):
     assert not collectives(text, "all-reduce")
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "T1"])
 def test_a_decode_step_makes_two_all_reduces_a_layer_one_for_the_embedding_and_one_all_gather(models, prompts,
                                                                                               sampling):
@@ -278,6 +285,7 @@ def test_a_decode_step_makes_two_all_reduces_a_layer_one_for_the_embedding_and_o
     assert counts == {"all-reduce": 2 * TARGET.num_layers + 1, "all-gather": 1}
 
 
+@pytest.mark.e2e
 def test_runs_and_generate_take_a_mesh_from_the_command_line(tmp_path, capsys):
     import yaml
 

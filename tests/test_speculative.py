@@ -7,9 +7,10 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import (EOS, PROMPT, TINY, dflash_config, equations, medusa_for, primitives, ragged_requests,
-                      speculative_loop_args,
-                      target_and_drafts, tiny_pair)
+from support.distributions import PROMPT, TINY, tiny_pair
+from support.jaxpr import equations, primitives, speculative_loop_args
+from support.models import EOS, dflash_config, medusa_for, target_and_drafts
+from support.requests import ragged_requests
 
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
@@ -19,6 +20,7 @@ from specjax.models.transformer import init_model
 
 # ------------------------------------------------------------------------------------------- synthetic
 
+@pytest.mark.loop
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [2.0, 3.3, 4.5])
 def test_synthetic_mean_acceptance_length_is_the_one_asked_for(length):
@@ -39,6 +41,7 @@ def test_synthetic_rates_from_a_length_follow_vllm():
 
 # --------------------------------------------------------------------------------------------- metrics
 
+@pytest.mark.loop
 def test_metric_identities():
     target, drafts = target_and_drafts()
     prompts, budgets = ragged_requests()
@@ -92,6 +95,7 @@ def test_per_request_has_summarys_fields_as_plain_numbers_and_vllms_names():
 
 # ------------------------------------------------------------------------------------ one program
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["draft_model", "dflash", "medusa_tree"])
 def test_speculative_generation_is_one_program_with_one_while_loop(method):
     target, drafts = target_and_drafts()
@@ -175,6 +179,7 @@ def _exp_output_widths(sampling: SamplingConfig) -> set[int]:
     return {eqn.outvars[0].aval.shape[-1] for eqn, _ in equations(jaxpr) if eqn.primitive.name == "exp"}
 
 
+@pytest.mark.loop
 def test_at_temperature_zero_nothing_over_the_vocabulary_is_exponentiated():
     vocab = target_and_drafts()[0].config.vocab_size
     assert vocab not in _exp_output_widths(SamplingConfig(temperature=0.0))
@@ -184,6 +189,7 @@ def test_at_temperature_zero_nothing_over_the_vocabulary_is_exponentiated():
 MIXED = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9), SamplingConfig(temperature=1.0, top_k=5)]
 
 
+@pytest.mark.loop
 def test_one_program_serves_greedy_and_sampled_rows_with_either_lossless_verifier():
     """Sampling settings and the lossless rule are data: greedy, T 0.7 top-p 0.9 and T 1 top-k 5 rows share
     one loop with standard and with block verification; each row is what it is alone."""
@@ -204,6 +210,7 @@ def test_one_program_serves_greedy_and_sampled_rows_with_either_lossless_verifie
         assert alone.sequences()[0] == standard.sequences()[row]
 
 
+@pytest.mark.loop
 def test_a_temperature_sweep_compiles_the_loop_once():
     target, drafts = target_and_drafts()
     spec = SpecConfig(num_speculative_tokens=3, draft_sample_method="probabilistic")

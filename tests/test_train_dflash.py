@@ -7,7 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, drafter_run_config, train_through_cli
+from support.checkpoints import REPO, drafter_run_config, train_through_cli
 
 from specjax.config import DFlashTrainConfig, SpecConfig
 from specjax.decoding import generate
@@ -16,6 +16,8 @@ from specjax.models.dflash import init_dflash, load_dflash
 from specjax.training import dflash as dflash_training
 from specjax.training.evaluation import held_out_prompts
 from specjax.training.loop import CheckpointCorrupted, Checkpoints, read_metrics
+
+pytestmark = pytest.mark.train  # each test trains a drafter or reads a trained one (tests/conftest.py: tiers)
 
 CONFIG = REPO / "configs/train/tiny_dflash.yaml"
 TOTAL_STEPS = 40  # the config's; it checkpoints every 20

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, drafter_run_config, train_through_cli
+from support.checkpoints import REPO, drafter_run_config, train_through_cli
 
 from specjax.config import HeadTrainConfig, SpecConfig
 from specjax.decoding import generate
@@ -18,6 +18,8 @@ from specjax.models.eagle import load_eagle
 from specjax.training.eagle import EAGLE_KINDS, build_head, closing_eval, train_eagle
 from specjax.training.evaluation import held_out_prompts
 from specjax.training.loop import Checkpoints, read_metrics
+
+pytestmark = pytest.mark.train  # each test trains a head or reads a trained one (tests/conftest.py: tiers)
 
 EAGLE_CONFIG = REPO / "configs/train/tiny_eagle.yaml"
 REDUCED_VOCAB_OVERRIDES = {"eagle1": ["draft_vocab_size=200"],

@@ -3,7 +3,7 @@ and draft losslessly, and they are accepted more often than the untrained heads.
 
 import numpy as np
 import pytest
-from conftest import REPO
+from support.checkpoints import REPO
 
 from specjax.config import HeadTrainConfig, SpecConfig, TrainConfig, load_yaml
 from specjax.decoding import generate
@@ -13,6 +13,8 @@ from specjax.training.evaluation import held_out_prompts
 from specjax.training.lm import train_lm
 from specjax.training.loop import read_metrics
 from specjax.training.medusa import train_medusa
+
+pytestmark = pytest.mark.train  # each test trains heads or reads trained ones (tests/conftest.py: tiers)
 
 LM_CONFIG = REPO / "configs/train/tiny_lm.yaml"
 MEDUSA_CONFIG = REPO / "configs/train/tiny_medusa.yaml"

@@ -14,10 +14,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import REPO
+from support.checkpoints import REPO
 
 from specjax.config import ConfigError, TrainConfig, load_yaml
 from specjax.training.loop import CheckpointCorrupted, Checkpoints, read_metrics
+
+pytestmark = pytest.mark.train  # each test trains, resumes or reads a training run (tests/conftest.py: tiers)
 
 CONFIG = REPO / "configs/train/tiny_lm.yaml"
 TOTAL_STEPS = 40

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import dflash_config, eagle_config, forward, positions_like, primitives, target_and_drafts
+from support.jaxpr import primitives
+from support.models import dflash_config, eagle_config, forward, positions_like, target_and_drafts
 from flax import nnx
 
 from specjax.config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, TrainConfig, TrainingRun
@@ -59,6 +60,7 @@ def loss_and_grads(config):
     return jax.jit(jax.value_and_grad(loss))(params), jax.make_jaxpr(jax.grad(loss))(params)
 
 
+@pytest.mark.train
 def test_remat_policies_give_the_same_loss_and_gradients():
     def products(jaxpr):
         return sum(name == "dot_general" for name, _ in primitives(jaxpr.jaxpr))
@@ -102,6 +104,7 @@ def head_loss_and_grads(kind: str, remat: str):
     return jax.jit(value_and_grad)(params), products
 
 
+@pytest.mark.train
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3", "dflash"])
 def test_remat_of_draft_heads_gives_the_same_loss_and_gradients(kind):
     (loss, grads), products = head_loss_and_grads(kind, "none")
@@ -134,6 +137,7 @@ def train_three_steps(tmp_path, **changes):
     return loop.read_metrics(tmp_path / "metrics.jsonl")
 
 
+@pytest.mark.train
 def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
     whole = train_three_steps(tmp_path / "whole")
     accumulated = train_three_steps(tmp_path / "accumulated", grad_accum_steps=4)
@@ -145,6 +149,7 @@ def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
         np.testing.assert_allclose([r[name] for r in parallel], [r[name] for r in whole], rtol=1e-5)
 
 
+@pytest.mark.train
 def test_bfloat16_compute_keeps_float32_master_weights(tmp_path):
     run = run_config(tmp_path, compute_dtype="bfloat16", remat="layer")
     config = execution_config(dataclasses.replace(CONFIG, param_dtype="bfloat16"), run)

@@ -4,7 +4,8 @@ row by row, and each row of a ragged batch equals that prompt run alone."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fixture_dir, forward, positions_like
+from support.checkpoints import fixture_dir
+from support.models import forward, positions_like
 
 from specjax.models import hf, transformer
 from specjax.models.kv_cache import KVCache
@@ -73,8 +74,10 @@ def test_bfloat16_compute_stays_close_to_float32():
     assert np.abs(np.asarray(bf16) - np.asarray(f32)).max() < 0.15 * np.abs(np.asarray(f32)).max()
 
 
-@pytest.mark.parametrize("model_shards, attention_kernel", [(1, False), (2, False), (1, True)])
-@pytest.mark.parametrize("name", ["llama_gqa", "gpt2", "qwen2"])
+# The interpreted kernel's cases of gpt2 and qwen2 are long: full tier (`slow`); llama_gqa's stays fast.
+@pytest.mark.parametrize("name, model_shards, attention_kernel", [
+    *((name, *case) for name in ("llama_gqa", "gpt2", "qwen2") for case in ((1, False), (2, False))),
+    ("llama_gqa", 1, True), *(pytest.param(name, 1, True, marks=pytest.mark.slow) for name in ("gpt2", "qwen2"))])
 def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_kernel):
     """to_decoding_layout (per-layer arrays, fused q/k/v and gate/up, shard-major for model_shards; cached
     steps attending through the Pallas decode-attention kernel, interpreted here, or XLA) computes

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue
+from support.distributions import chi_square_pvalue
 
 from specjax import draft_tree as tree_shapes
 from specjax.verify import block, standard
@@ -236,7 +236,7 @@ def test_traversal_verification_of_a_chain_is_block_verification_draw_for_draw()
     assert float(n.mean()) > float(standard.verify_with_draws(target, tokens, draft, Draws(uniforms, exponentials))[0].mean())
 
 
-@pytest.mark.parametrize("drafting", ["iid", "without_replacement"])
+@pytest.mark.parametrize("drafting", [pytest.param("iid", marks=pytest.mark.slow), "without_replacement"])  # one fast
 def test_traversal_verification_accepts_more_than_recursive_rejection_sampling_with_sampled_siblings(drafting):
     """Its reason to exist (arXiv 2505.12398 reports 2-6% longer accepted paths): on the ragged tree, about
     10% more tokens a step here; with deterministic top-k siblings the two accept the same (not asserted)."""

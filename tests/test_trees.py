@@ -1,16 +1,21 @@
 """Draft trees in the speculative loop (SpecConfig.speculative_token_tree; Medusa's sparse trees): greedy
 output identical to autoregressive on a ragged batch of 16 rows with EOS inside accepted paths (one
 while_loop: tests/test_speculative.py); at T > 0 the first three tokens follow the target exactly (chi-square), with the negative
-control that a verifier accepting the first-ranked path fails the same test."""
+control that a verifier accepting the first-ranked path fails the same test. A chi-square case holds all its sampling
+settings in one batch and runs it with both verifiers, recursive rejection sampling and traversal verification,
+through one compiled loop (asserted)."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (EOS, REQUESTS, autoregressive_outputs, chi_square_pvalue, exact_joint, head_for, medusa_for,
-                      speculative_joint_counts, target_and_drafts, tiny_pair)
+from support.distributions import (chi_square_pvalue, exact_joint, joint_counts_by_sampling, speculative_joint_counts,
+                                   tiny_pair)
+from support.models import EOS, head_for, medusa_for, target_and_drafts
+from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import tree_size
 from specjax import verify as verify_registry
@@ -28,6 +33,7 @@ def tree_spec(tree=TREE, method="medusa", **options):
     return SpecConfig(method=method, num_speculative_tokens=max(map(len, tree)), speculative_token_tree=tree, **options)
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["medusa", "draft_model"])
 def test_greedy_tree_output_is_identical_to_autoregressive(method):
     target, drafts = target_and_drafts()
@@ -42,41 +48,48 @@ def test_greedy_tree_output_is_identical_to_autoregressive(method):
     assert sum(histogram[2:]) > 0, histogram  # paths of depth >= 2 were accepted
 
 
-SAMPLINGS = {"T1": SamplingConfig(temperature=1.0), "T0.7": SamplingConfig(temperature=0.7),
-             "top_k2": SamplingConfig(temperature=1.0, top_k=2)}
-# Recursive rejection sampling ('standard') in every setting; traversal verification ('block') in each
-# sampling setting once, with both draftings.
-TREE_SAMPLING_CASES = [
-    *(pytest.param("standard", sampling, drafting, id=f"{sampling}-{drafting}")
-      for sampling in SAMPLINGS for drafting in ("greedy", "probabilistic")),
-    *(pytest.param("block", sampling, drafting, id=f"{sampling}-{drafting}-block")
-      for sampling, drafting in (("T1", "probabilistic"), ("T0.7", "greedy"), ("top_k2", "probabilistic")))]
+SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_k=2))
 
 
+def tree_joint_counts(spec: SpecConfig, samplings, drafter, verifiers=("standard", "block")):
+    """{verifier: counts per sampling setting}: every setting of `samplings` in one batch, once per verifier;
+    the verifier is data of the loop, so the second run compiles nothing (checked)."""
+    counts, programs = {}, []
+    for verifier in verifiers:
+        counts[verifier], metrics, _ = joint_counts_by_sampling(
+            dataclasses.replace(spec, rejection_sample_method=verifier), samplings, drafter)
+        programs.append(speculative_loop._cache_size())
+        assert 0 < metrics.summary()["acceptance_rate"] < 1, verifier
+    assert programs == programs[:1] * len(programs)
+    return counts
+
+
+def check_lossless(counts, samplings):
+    for verifier, by_sampling in counts.items():
+        for sampling, sampling_counts in zip(samplings, by_sampling):
+            p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling))
+            assert p_value > 1e-4, (verifier, sampling, p_value)
+
+
+@pytest.mark.loop
 @pytest.mark.slow
-@pytest.mark.parametrize("verifier, sampling, drafting", TREE_SAMPLING_CASES)
-def test_tree_sampling_is_lossless(verifier, sampling, drafting):
-    """Greedy drafting: each head's top-k (q one-hot); probabilistic: draws without replacement (with top-k 2,
-    a third sibling's draw has no probability left and is fixed)."""
-    sampling = SAMPLINGS[sampling]
+@pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
+def test_tree_sampling_is_lossless(drafting):
+    """Recursive rejection sampling ('standard') and traversal verification ('block') at T 1, T 0.7 and top-k 2,
+    one batch per verifier. Greedy drafting: each head's top-k (q one-hot); probabilistic: draws without
+    replacement (with top-k 2, a third sibling's draw has no probability left and is fixed)."""
     heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
-    spec = tree_spec(SMALL_TREE, draft_sample_method=drafting, rejection_sample_method=verifier)
-    counts, metrics = speculative_joint_counts(spec, sampling, heads)
-    assert 0 < metrics.summary()["acceptance_rate"] < 1
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
+    check_lossless(tree_joint_counts(tree_spec(SMALL_TREE, draft_sample_method=drafting), SAMPLINGS, heads), SAMPLINGS)
 
 
+@pytest.mark.loop
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling, verifier", [(SamplingConfig(temperature=1.0), "standard"),
-                                               (SamplingConfig(temperature=0.7, top_k=5), "standard"),
-                                               (SamplingConfig(temperature=1.0), "block")],
-                         ids=["T1", "T0.7-top_k5", "T1-block"])
-def test_draft_model_tree_sampling_is_lossless(sampling, verifier):
-    """A draft model's tree (its top-k at each node, written into its own cache and moved after acceptance)."""
-    spec = tree_spec(SMALL_TREE, method="draft_model", rejection_sample_method=verifier)
-    counts, metrics = speculative_joint_counts(spec, sampling, tiny_pair()[1])
-    assert 0 < metrics.summary()["acceptance_rate"] < 1
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling)) > 1e-4
+def test_draft_model_tree_sampling_is_lossless():
+    """A draft model's tree (its top-k at each node, written into its own cache and moved after acceptance), at
+    T 1 and T 0.7 with top-k 5, with either verifier."""
+    samplings = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5))
+    counts = tree_joint_counts(tree_spec(SMALL_TREE, method="draft_model"), samplings, tiny_pair()[1])
+    check_lossless(counts, samplings)
 
 
 def first_ranked(target_probs, tokens, parents, draft_probs, keys):
@@ -87,6 +100,7 @@ def first_ranked(target_probs, tokens, parents, draft_probs, keys):
     return path, length, jax.vmap(jax.random.categorical)(keys, jnp.log(last))
 
 
+@pytest.mark.loop
 @pytest.mark.slow
 def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
     rule = verify_registry.VERIFIERS["standard"]
@@ -121,6 +135,7 @@ def test_a_malformed_tree_is_a_config_error_naming_the_problem(tree, message):
         SpecConfig(method="medusa", num_speculative_tokens=2, speculative_token_tree=tree)
 
 
+@pytest.mark.loop
 def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     target, _ = target_and_drafts()
     heads = medusa_for(target, num_heads=3, scale=0.05)
@@ -131,6 +146,7 @@ def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     assert first.sequences() != second.sequences()
 
 
+@pytest.mark.e2e
 def test_a_sweep_over_trees_plots_acceptance_against_tree_size(tmp_path):
     from specjax.experiments import plot
 
@@ -297,6 +313,7 @@ def test_dynamic_trees_are_refused_where_they_are_not_built_or_do_not_fit():
         generate(target, [[1, 2]], max_new_tokens=8, cache_size=48, spec=spec, drafter=head_for("eagle"))
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_synthetic_acceptance_of_a_tree_accepts_the_first_ranked_path_to_the_set_length(method):
     """The benchmark mode: rates (1, 1, 0) accept exactly two nodes of the first-ranked path every step,
@@ -338,6 +355,7 @@ def test_estimated_acceptance_sums_the_best_nodes_confidences_scaled_to_the_meas
     np.testing.assert_allclose(tree_size.estimated_acceptance(log_probs, (1, 2, 3), measured=3.0), (2.0, 2.75, 3.0))
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("method", ["eagle", "draft_model"])
 def test_total_tokens_auto_chooses_a_size_and_its_output_is_the_autoregressive_one(method):
     """The calibration (at the largest of 8 and 16 nodes) and the choice; greedy output = autoregressive."""

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import chi_square_pvalue
+from support.distributions import chi_square_pvalue
 
 from specjax.verify import block, greedy, standard, synthetic
 from specjax.verify.common import from_draws

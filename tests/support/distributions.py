@@ -1,0 +1,83 @@
+"""Exact distributions and the test that compares counts with them: the chi-square p-value, a tiny
+target over 8 token ids whose first three tokens can be enumerated, and the speculative counts to
+compare with its joint distribution (all sampling settings of a case in one batch: they are data)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig, SamplingConfig, SpecConfig
+from specjax.decoding import generate
+from specjax.models.transformer import init_model
+from specjax.verify.sampling import processed_probs
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit of observed counts to exact probabilities. Outcomes expected fewer
+    than min_expected times are pooled into one cell (the test's approximation needs that); any count
+    where the probability is zero gives 0 (an impossible outcome was drawn)."""
+    from scipy import stats  # scipy only where a test counts
+
+    counts, probs = np.asarray(counts).ravel(), np.asarray(probs, np.float64).ravel()
+    if np.any(counts[probs == 0]):
+        return 0.0
+    support = probs > 0
+    counts, probs = counts[support], probs[support]
+    expected = probs / probs.sum() * counts.sum()
+    rare = expected < min_expected
+    if rare.any():
+        counts = np.append(counts[~rare], counts[rare].sum())
+        expected = np.append(expected[~rare], expected[rare].sum())
+    return float(stats.chisquare(counts, expected).pvalue)
+
+
+TINY = ModelConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                   intermediate_size=32, init_std=0.6)
+PROMPT = [1, 5, 2]
+# Rows of the losslessness tests' one batch. On the CPU 32,768 (their run time is most of the suite's);
+# on a GPU 131,072: the top-p miscompilation docs/testing.md tells of showed there only from about
+# 20,000 rows on. The negative controls fail with p below 1e-30 at either size (docs/testing.md).
+NUM_ROWS = 32_768 if jax.default_backend() == "cpu" else 131_072
+NUM_TOKENS = 3
+
+
+@functools.cache
+def tiny_pair():
+    """A target and a draft model over 8 token ids, whose first three tokens can be enumerated."""
+    return init_model(TINY, seed=1), init_model(TINY, seed=2)
+
+
+def exact_joint(model, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) of the target alone, from full forwards over every continuation."""
+    vocab = TINY.vocab_size
+    contexts = np.array([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+    positions = jnp.broadcast_to(jnp.arange(contexts.shape[1]), contexts.shape)
+    logits, _, _ = model(jnp.asarray(contexts), positions)
+    probs = np.asarray(processed_probs(logits, sampling), np.float64).reshape(vocab, vocab, len(prompt) + 2, vocab)
+    p1 = probs[0, 0, len(prompt) - 1]
+    p2 = probs[:, 0, len(prompt)]  # [t1, t2]
+    p3 = probs[:, :, len(prompt) + 1]  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def joint_counts_by_sampling(spec: SpecConfig, samplings, drafter, prompt: list[int] = PROMPT, greedy_rows: int = 0):
+    """Counts of the first NUM_TOKENS tokens from the tiny target, NUM_ROWS rows for each of `samplings`,
+    all in one batch (one program: the settings are data) with `greedy_rows` greedy rows among them.
+    Returns ([counts per sampling], metrics of the whole batch, the greedy rows' tokens [greedy_rows, N])."""
+    configs = [SamplingConfig()] * greedy_rows + [s for s in samplings for _ in range(NUM_ROWS)]
+    result = generate(tiny_pair()[0], [prompt] * len(configs), max_new_tokens=NUM_TOKENS, sampling=configs,
+                      seeds=np.arange(len(configs)), cache_size=32, spec=spec, drafter=drafter)
+    assert (result.num_generated == NUM_TOKENS).all()
+    codes = np.ravel_multi_index(result.tokens[greedy_rows:].T, (TINY.vocab_size,) * NUM_TOKENS)
+    counts = [np.bincount(part, minlength=TINY.vocab_size ** NUM_TOKENS) for part in np.split(codes, len(samplings))]
+    return counts, result.metrics, result.tokens[:greedy_rows]
+
+
+def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig, drafter, prompt: list[int] = PROMPT):
+    """Counts of the first NUM_TOKENS tokens over NUM_ROWS rows (one batch) from the tiny target."""
+    counts, metrics, _ = joint_counts_by_sampling(spec, [sampling], drafter, prompt)
+    return counts[0], metrics
+
+

@@ -1,0 +1,108 @@
+"""The models the tests decode with: the fixture target and its draft models, EAGLE heads, Medusa heads
+and DFlash drafters for it (the trained DFlash drafter is a committed fixture), and `forward`, a model
+call as one program."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.models import hf
+from specjax.models.dflash import DFlashConfig, DFlashDrafter, load_dflash
+from specjax.models.eagle import EagleConfig, init_eagle, with_draft_vocabulary
+from specjax.models.medusa import MedusaConfig, init_medusa
+
+from support.checkpoints import TRAINED_DFLASH, fixture_dir
+
+EOS = 7
+
+
+@functools.partial(jax.jit, static_argnames=("hidden_layers", "compute_logits", "causal"))
+def forward(model, tokens, positions, cache=None, *, hidden_layers=(), compute_logits=True, causal=True,
+            attention_mask=None):
+    """model(tokens, positions, cache, ...) as one program: called eagerly, a model compiles one program per
+    operation and shape, which made the model-level tests' time mostly compiling (docs/testing.md)."""
+    return model(tokens, positions, cache, hidden_layers=hidden_layers, compute_logits=compute_logits,
+                 causal=causal, attention_mask=attention_mask)
+
+
+def positions_like(tokens) -> jnp.ndarray:
+    """Positions 0..T-1 for every row of a [B, T] token array."""
+    batch, length = tokens.shape
+    return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+
+
+def perturbed(model, scale: float, seed: int = 0):
+    """The model with Gaussian noise on every weight: a draft that agrees with it often, not always."""
+    leaves, treedef = jax.tree.flatten(model)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+@functools.cache
+def target_and_drafts():
+    """The llama_gqa fixture and two draft models for it: "perturbed" (close) and "unrelated"."""
+    target = hf.load(fixture_dir("llama_gqa"))
+    return target, {"perturbed": perturbed(target, 0.01), "unrelated": hf.load(fixture_dir("llama_mha_tied"))}
+
+
+def dflash_config(target_config: ModelConfig, target_layer_ids: tuple[int, ...], block_size: int,
+                  **layer_changes) -> DFlashConfig:
+    """A DFlash drafter's shape for a target: one Qwen3 layer as wide as the target's (layer_changes
+    change it), the target's last id as mask."""
+    layer = dataclasses.replace(target_config, num_layers=1, qk_norm=True, architecture="Qwen3ForCausalLM",
+                                **layer_changes)
+    return DFlashConfig(layer=layer, target_layer_ids=target_layer_ids, mask_token_id=target_config.vocab_size - 1,
+                        block_size=block_size, num_target_layers=target_config.num_layers)
+
+
+@functools.cache
+def trained_dflash() -> DFlashDrafter:
+    """A DFlash drafter (block 16, reading both layers) for target_and_drafts()'s target, trained for
+    300 steps on the target's greedy continuations of random prompts, distilling its distribution
+    (scripts/make_test_fixtures.py). The target is random, so little of that generalises: its drafts are
+    accepted now and then (a mean acceptance length of about 1.03 at K 8), enough for greedy tests to
+    verify accepted drafts."""
+    return load_dflash(TRAINED_DFLASH, target_and_drafts()[0].config)
+
+
+def eagle_config(target_config, version, **kwargs):
+    layer = dataclasses.replace(target_config, num_layers=1, init_std=0.1)
+    if version == 3:
+        kwargs.setdefault("fuse_layers", (0, 1, 2))
+    return EagleConfig(layer=layer, version=version, **kwargs)
+
+
+HEADS = {"eagle": dict(version=1), "eagle3": dict(version=3, draft_vocab_size=100)}
+# FR-Spec: the "eagle" head drafting from half the target's 128 ids; the target's greedy output has
+# tokens outside them too (checked in the greedy test).
+FR_IDS = np.arange(0, 128, 2)
+METHOD = {"eagle": "eagle", "eagle3": "eagle3", "eagle_fr": "eagle"}  # head name -> SpecConfig.method
+
+
+@functools.cache
+def head_for(name):
+    """An EAGLE head for target_and_drafts()'s target: "eagle", "eagle3" or "eagle_fr"."""
+    if name == "eagle_fr":
+        return with_draft_vocabulary(head_for("eagle"), FR_IDS)
+    target, _ = target_and_drafts()
+    return init_eagle(eagle_config(target.config, **HEADS[name]), seed=3)
+
+
+def with_random_blocks(heads, scale: float, seed: int = 0):
+    """The heads with Gaussian residual blocks: zero blocks plus the copied LM head make every head
+    repeat the target's next token; random ones make the heads disagree."""
+    w_key, b_key = jax.random.split(jax.random.key(seed))
+    heads.block_w.set_value(scale * jax.random.normal(w_key, heads.block_w.shape))
+    heads.block_b.set_value(scale * jax.random.normal(b_key, heads.block_b.shape))
+    return heads
+
+
+def medusa_for(model, num_heads: int, num_layers: int = 1, scale: float = 0.0, shared: bool = False):
+    config = MedusaConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=model.config.hidden_size,
+                          vocab_size=model.config.vocab_size, shared_lm_head=shared)
+    return with_random_blocks(init_medusa(config, model), scale)
+
