@@ -97,3 +97,159 @@ def test_a_state_built_from_a_prefix_plus_the_rest_equals_the_state_built_in_one
     step_keys = jax.random.split(jax.random.key(1), batch)
     propose = jax.jit(lambda state: proposer.propose(params, state, context, step_keys)[0])
     np.testing.assert_array_equal(propose(rest.proposer)[:len(prompts)], propose(whole.proposer)[:len(prompts)])
+
+
+# ------------------------------------------------------------------------------------- the engine
+
+def shared_prefix_requests(count: int = 8, seed: int = 0) -> list[Request]:
+    """Two system prompts of 37 tokens, each request one of them plus a unique suffix of 2-9 tokens."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(10, 120, 37).tolist() for _ in range(2)]
+    return [Request.make(f"r{i}", systems[i % 2] + rng.integers(10, 120, int(rng.integers(2, 10))).tolist(),
+                         int(rng.integers(4, 10))) for i in range(count)]
+
+
+def autoregressive(requests: list[Request]) -> dict:
+    target = target_and_drafts()[0]
+    out = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
+                   eos_token_ids=(EOS,)).sequences()
+    return {r.request_id: want for r, want in zip(requests, out)}
+
+
+def serve(name: str | None, requests: list[Request], **config) -> tuple[dict, Engine]:
+    """Outputs by id of an engine with the drafter of `name` (None: autoregressive) and these config fields."""
+    fields = dict(max_num_seqs=4, max_model_len=80, eos_token_ids=(EOS,), steps_per_visit=4, max_prefill_batch=2,
+                  block_size=8) | config
+    engine = Engine(target_and_drafts()[0], EngineConfig(spec=None if name is None else SPECS[name], **fields),
+                    drafter=None if name is None else drafter_for(name))
+    return {o.request_id: o for o in engine.run(requests)}, engine
+
+
+@pytest.mark.parametrize("name", ["eagle", "dflash", "draft_model", "ngram"])
+def test_greedy_outputs_are_identical_with_the_prefix_cache_on_and_off(name):
+    """Requests sharing system prompts: off, on (EAGLE: with its tail-block drop) and on without the drop
+    (EAGLE only: the others have no drop), each request's tokens the autoregressive ones; the cache hits."""
+    requests = shared_prefix_requests()
+    want = autoregressive(requests)
+    runs = [dict(), dict(enable_prefix_caching=True)]
+    if name == "eagle":
+        runs.append(dict(enable_prefix_caching=True, disable_eagle_block_drop=True))
+    for config in runs:
+        outputs, engine = serve(name, requests, **config)
+        assert {k: list(o.tokens) for k, o in outputs.items()} == want, config
+        if config:
+            stats = engine.stats()["prefix_cache"]
+            assert stats["hit_tokens"] > 0 and stats["hit_tokens"] == sum(o.num_cached_tokens for o in outputs.values())
+
+
+def constructed_workload() -> list[Request]:
+    """A 12-token system prompt S (3 blocks of 4), served one request at a time."""
+    system = list(range(20, 32))
+    return [Request.make("a", system + [1, 2], 3),  # 13 tokens before its last: 3 full blocks, none cached yet
+            Request.make("b", system + [3, 4, 5], 3),  # 3 blocks, all of S's
+            Request.make("c", system[:8] + [9, 9, 9, 9, 9], 3),  # 3 blocks, the first 2 S's
+            Request.make("d", system + [1, 2], 3),  # a's prompt again: its 3 blocks
+            Request.make("e", system[:3], 3)]  # 2 tokens before its last: no full block
+
+
+@pytest.mark.parametrize("name, drop, cached", [
+    ("ngram", False, [0, 12, 8, 12, 0]),
+    ("eagle", False, [0, 12, 8, 12, 0]),  # disable_eagle_block_drop
+    ("eagle", True, [0, 8, 4, 8, 0]),  # the last matched block recomputed
+])
+def test_hit_counts_are_exact_on_a_constructed_workload(name, drop, cached):
+    requests = constructed_workload()
+    outputs, engine = serve(name, requests, max_num_seqs=1, max_prefill_batch=1, block_size=4,
+                            enable_prefix_caching=True, disable_eagle_block_drop=name == "eagle" and not drop)
+    assert [outputs[r.request_id].num_cached_tokens for r in requests] == cached
+    stats = engine.stats()["prefix_cache"]
+    queried = [3, 3, 3, 3, 0]
+    assert stats["requests"] == 5 and stats["queried_blocks"] == sum(queried)
+    assert stats["queried_tokens"] == sum(len(r.prompt) for r in requests)
+    assert stats["hit_tokens"] == sum(cached) and stats["hit_blocks"] == sum(cached) // 4
+    assert stats["hit_rate"] == sum(cached) / sum(len(r.prompt) for r in requests)
+    assert stats["dropped_blocks"] == (3 if drop else 0)
+    # a stores S's 3 blocks; c its third (S[:8] + [9, 9, 9, 9]); with the drop b and d store nothing new (the
+    # dropped block is recomputed, and its key is in the pool already), c recomputes S's second block.
+    assert stats["stored_blocks"] == 4
+    assert {k: list(o.tokens) for k, o in outputs.items()} == autoregressive(requests)
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_right():
+    """A pool of 4 blocks of 4 under prompts of 5 distinct prefixes, each served twice: blocks are evicted and
+    stored again, every output stays the autoregressive one."""
+    rng = np.random.default_rng(3)
+    prefixes = [rng.integers(10, 120, 12).tolist() for _ in range(5)]
+    requests = [Request.make(f"r{i}", prefixes[i % 5] + [int(rng.integers(10, 120))], 4) for i in range(10)]
+    outputs, engine = serve("eagle", requests, max_num_seqs=2, block_size=4, num_prefix_blocks=4,
+                            enable_prefix_caching=True, disable_eagle_block_drop=True)
+    stats = engine.stats()["prefix_cache"]
+    assert stats["evicted_blocks"] > 0
+    assert {k: list(o.tokens) for k, o in outputs.items()} == autoregressive(requests)
+
+
+def test_blocks_held_by_running_requests_are_never_evicted():
+    """A pool of 3 blocks, all held by a long request: a request with another prefix admitted beside it stores
+    nothing (and evicts nothing); once the long one ends its blocks are free and the next request evicts them."""
+    long = Request.make("long", list(range(20, 33)), 30)  # 12 tokens before its last: 3 blocks of 4
+    other = Request.make("other", list(range(40, 53)), 2)
+    again = Request.make("again", list(range(40, 53)), 2)
+    target = target_and_drafts()[0]
+    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, steps_per_visit=2, block_size=4,
+                                         num_prefix_blocks=3, enable_prefix_caching=True, eos_token_ids=(EOS,)))
+    engine.add_request(long)
+    engine.step()
+    held = dict(engine.prefix_cache.table.by_key)
+    assert len(held) == 3 and all(engine.prefix_cache.table.refs[b] == 1 for b in held.values())
+    engine.add_request(other)
+    outputs = {}
+    while "other" not in outputs:
+        outputs.update({o.request_id: o for o in engine.step()})
+    assert engine.prefix_cache.table.by_key == held  # the long request's blocks, untouched
+    stats = engine.stats()["prefix_cache"]
+    assert stats["full_pool"] == 3 and stats["evicted_blocks"] == 0
+    outputs.update({o.request_id: o for o in engine.run([])})  # the long request ends: its blocks are released
+    assert not engine.prefix_cache.table.refs.any()
+    outputs.update({o.request_id: o for o in engine.run([again])})
+    assert engine.stats()["prefix_cache"]["evicted_blocks"] == 3
+    assert {k: list(o.tokens) for k, o in outputs.items()} == autoregressive([long, other, again])
+
+
+@pytest.mark.parametrize("name", [None, "eagle", "dflash"])
+def test_chunked_prefill_gives_the_whole_prefill_outputs(name):
+    """max_num_batched_tokens 16 under prompts of up to 46 tokens: long prompts prefilled in chunks of 16, 8
+    (a power of two at most what is left of a visit's budget), with and without prefix caching."""
+    requests = shared_prefix_requests()
+    want = autoregressive(requests)
+    for config in (dict(), dict(enable_prefix_caching=True)):
+        outputs, engine = serve(name, requests, max_num_batched_tokens=16, **config)
+        assert {k: list(o.tokens) for k, o in outputs.items()} == want, config
+
+
+def test_a_long_prompt_prefilled_in_chunks_does_not_stall_the_running_requests():
+    """A running request gets tokens at the visits between the chunks of a long prompt admitted after it."""
+    short = Request.make("short", [5, 1, 2], 20)
+    long = Request.make("long", list(range(10, 70)), 2)
+    target = target_and_drafts()[0]
+    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=96, steps_per_visit=1, eos_token_ids=(EOS,),
+                                         max_num_batched_tokens=16))
+    engine.add_request(short)
+    engine.step()
+    engine.add_request(long)
+    outputs = {o.request_id: o for o in engine.run([])}
+    between = [t for t in outputs["short"].token_times if t < outputs["long"].first_token_time]
+    assert len(between) >= 4  # one token a visit while the 60-token prompt is prefilled 16 tokens a visit
+    assert {k: list(o.tokens) for k, o in outputs.items()} == autoregressive([short, long])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(block_size=0), r"EngineConfig.block_size = 0 is invalid: allowed an integer >= 1"),
+    (dict(num_prefix_blocks=-1), r"EngineConfig.num_prefix_blocks = -1 is invalid: allowed an integer >= 1"),
+    (dict(max_num_batched_tokens=0), r"EngineConfig.max_num_batched_tokens = 0 is invalid: allowed None or an integer"),
+    (dict(enable_prefix_caching="yes"), r"EngineConfig.enable_prefix_caching = 'yes' is invalid: allowed True or False"),
+    (dict(disable_eagle_block_drop=True), r"EngineConfig.disable_eagle_block_drop = True is invalid without "
+                                          r"enable_prefix_caching"),
+])
+def test_a_bad_prefix_or_chunk_setting_is_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**fields)
