@@ -160,8 +160,9 @@ def store_blocks(pool: KVCache, cache: KVCache, rows, blocks, targets, *, block_
 class PrefixCache:
     """The pool (the target's blocks and the drafter's) with its table and counters, as the engine uses it."""
 
-    def __init__(self, block_size: int, num_blocks: int, drop_tail: bool):
+    def __init__(self, block_size: int, num_blocks: int, drop_tail: bool, max_model_len: int):
         self.block_size, self.drop_tail = block_size, drop_tail
+        self.row_blocks = -(-max_model_len // block_size)  # blocks of a row at most: the copies' fixed width
         self.table = BlockTable(num_blocks)
         self.stats = PrefixStats()
         self.pools: tuple[KVCache, KVCache | None] | None = None  # made at the first admission, like its caches
@@ -190,8 +191,7 @@ class PrefixCache:
             num = self.table.num_blocks
             self.pools = (pool_like(target, num, self.block_size),
                           None if draft is None else pool_like(draft, num, self.block_size))
-        width = max(1, max(map(len, blocks)))
-        ids = np.zeros((len(blocks), width), np.int32)
+        ids = np.zeros((len(blocks), self.row_blocks), np.int32)  # one shape per batch: one program
         for row, held in enumerate(blocks):
             ids[row, :len(held)] = held
         ids, counts = jnp.asarray(ids), jnp.asarray([len(held) for held in blocks], jnp.int32)
@@ -222,15 +222,18 @@ class PrefixCache:
                 mine.append(block)
             held.append(mine)
         if sources:
-            size = 1 << max(0, len(sources) - 1).bit_length()  # padded to a power of two: few compiles
-            pad = size - len(sources)
-            args = [jnp.asarray(x + [fill] * pad, jnp.int32)
-                    for x, fill in ((sources, 0), (blocks, 0), (targets, self.table.num_blocks))]
-            pool_target = store_blocks(self.pools[0], target, *args, block_size=self.block_size)
-            pool_draft = None if draft is None else store_blocks(self.pools[1], draft, *args,
-                                                                 block_size=self.block_size)
-            self.pools = (pool_target, pool_draft)
+            self.copy_in(target, draft, sources, blocks, targets)
         return held
+
+    def copy_in(self, target: KVCache, draft: KVCache | None, sources: list, blocks: list, targets: list) -> None:
+        """Block blocks[i] of row sources[i] into pool block targets[i], padded to one shape per batch (one
+        program each: a target past the pool copies nothing)."""
+        pad = target.lengths.shape[0] * self.row_blocks - len(sources)
+        args = [jnp.asarray(x + [fill] * pad, jnp.int32)
+                for x, fill in ((sources, 0), (blocks, 0), (targets, self.table.num_blocks))]
+        pool_target = store_blocks(self.pools[0], target, *args, block_size=self.block_size)
+        pool_draft = None if draft is None else store_blocks(self.pools[1], draft, *args, block_size=self.block_size)
+        self.pools = (pool_target, pool_draft)
 
     def release(self, blocks: list[int]) -> None:
         self.table.release(blocks)

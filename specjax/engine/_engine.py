@@ -154,7 +154,7 @@ class Engine:
         self.prefix_cache = None if not config.enable_prefix_caching else PrefixCache(
             config.block_size, config.num_prefix_blocks,
             drop_tail=not config.disable_eagle_block_drop and spec is not None
-            and proposer_class(spec.method).draft_kv_reads_next_token)
+            and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
         self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
         self._new_caches = {}  # batch -> jitted maker of empty (target, drafter) cache rows
 
@@ -306,7 +306,36 @@ class Engine:
             batch *= 2
         for rows in self._row_buckets():
             _, self.state = run(self.state, jnp.int32(0), jnp.int32(rows + 1), rows)
+        self._warm_offsets(mode, prompt_len)
         jax.block_until_ready(self.state)
+
+    def _warm_offsets(self, mode: SamplingMode, prompt_len: int) -> None:
+        """Compiles the prefills from an offset that prefix caching and chunked prefill run: each admission
+        bucket at each width, the block copies; a long prompt's chunks (one row, power-of-two widths up to
+        max_num_batched_tokens). Nothing changes in the pool (its copies go past it) or the slots."""
+        init, config = self._program(mode)[1], self.config
+        top = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), config.max_model_len)
+        widths = [w for w in (decoding.MIN_PROMPT_BUCKET << i for i in range(top.bit_length())) if w <= top]
+        batches = []
+        if self.prefix_cache is not None:
+            batches = [b for b in (1 << i for i in range(8)) if b <= decoding.bucket(
+                min(config.max_prefill_batch, config.max_num_seqs))]
+        chunk_widths = []
+        if config.max_num_batched_tokens is not None:
+            chunk_widths = [1 << i for i in range(config.max_num_batched_tokens.bit_length())]
+            batches = sorted(set(batches) | {1})
+        for batch in batches:
+            for width in widths + (chunk_widths if batch == 1 else []):
+                caches = self._empty_caches(mode, batch)
+                if self.prefix_cache is not None:
+                    caches = self.prefix_cache.load(*caches, [[]] * batch)
+                rows = init(*_free_rows(batch, top), decoding.Prefix(target=caches[0], draft=caches[1],
+                                                                    start=jnp.zeros(batch, jnp.int32), width=width))
+            if self.prefix_cache is not None:
+                proposer = self._program(mode)[0]
+                self.prefix_cache.copy_in(_decode(rows).cache,
+                                          None if proposer is None else proposer.prefix_cache(rows.proposer),
+                                          [], [], [])
 
     def _row_buckets(self) -> list[int]:
         """The counts of slots a visit steps: powers of two below max_num_seqs, and max_num_seqs."""
