@@ -253,3 +253,33 @@ def test_a_long_prompt_prefilled_in_chunks_does_not_stall_the_running_requests()
 def test_a_bad_prefix_or_chunk_setting_is_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**fields)
+
+
+# ------------------------------------------------------------------------------------- the load script
+
+def test_the_shared_prefix_workload_is_system_prompts_plus_suffixes_of_their_own():
+    from specjax.bench_serve import shared_prefix_prompts
+
+    base = [list(range(100 * i, 100 * i + 64)) for i in range(20)]
+    prompts = shared_prefix_prompts(base, 12, num_prefixes=3, prefix_len=80, suffix_len=10)
+    systems = {tuple(p[:80]) for p in prompts}
+    assert len(systems) == 3 and all(len(p) == 90 for p in prompts)
+    assert [p[:80] for p in prompts[:3]] == [list(range(64)) + list(range(100, 116)),
+                                            list(range(116, 164)) + list(range(200, 232)),
+                                            list(range(232, 264)) + list(range(300, 348))]
+    suffixes = [tuple(p[80:]) for p in prompts]
+    assert len(set(suffixes)) == 12 and not set(suffixes[0]) & set().union(*systems)
+    with pytest.raises(ValueError, match="--num-prefixes 30 x --prefix-len 80 needs more prompt tokens"):
+        shared_prefix_prompts(base, 12, num_prefixes=30, prefix_len=80, suffix_len=10)
+
+
+def test_specjax_bench_serve_is_the_scripts_parser(capsys):
+    from specjax import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench-serve", "--help"])
+    assert exit_info.value.code == 0 and "--workload {prompts,shared-prefix}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bench-serve", "--prefix-caching", "on"])
+    assert "--prefix-caching 'on' is invalid: allowed a comma-separated list of ['off', 'drop', 'keep']" in (
+        capsys.readouterr().err)
