@@ -25,6 +25,8 @@ SPECS = {
     "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=3),
     "eagle": SpecConfig(method="eagle", num_speculative_tokens=3),
     "eagle3": SpecConfig(method="eagle3", num_speculative_tokens=3),
+    "eagle_tree": SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=6, top_k=2),
+    "draft_model_tree": SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=6, top_k=2),
     "dflash": SpecConfig(method="dflash", num_speculative_tokens=3),
     "medusa": SpecConfig(method="medusa", num_speculative_tokens=3),
     "ngram": SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3),
@@ -34,7 +36,7 @@ SPECS = {
 @functools.cache
 def drafter_for(name: str):
     target, drafts = target_and_drafts()
-    if name == "draft_model":
+    if name.startswith("draft_model"):
         return drafts["perturbed"]
     if name == "medusa":
         return medusa_for(target, num_heads=3, scale=0.05)
@@ -42,7 +44,7 @@ def drafter_for(name: str):
         return init_dflash(dflash_config(target.config, (0, 1), 8))
     if name == "ngram":
         return None
-    return head_for(name)
+    return head_for(name.removesuffix("_tree"))
 
 
 def filled(cache, stop: int):
@@ -140,6 +142,19 @@ def test_greedy_outputs_are_identical_with_the_prefix_cache_on_and_off(name):
         if config:
             stats = engine.stats()["prefix_cache"]
             assert stats["hit_tokens"] > 0 and stats["hit_tokens"] == sum(o.num_cached_tokens for o in outputs.values())
+
+
+def test_sampled_outputs_are_identical_with_the_prefix_cache_on_and_off():
+    """Sampled requests draw from their seeds numbered by their own tokens and steps: the same tokens whether
+    their prefix was prefilled or copied from the pool (EAGLE with its tail-block drop: the drafter's state is
+    the same, so are its drafts and the steps. Without the drop the drafts may differ, and with them which
+    step draws which token: the same distribution, not the same tokens)."""
+    requests = [Request.make(r.request_id, r.prompt, r.max_tokens, temperature=0.8, top_p=0.9, seed=i)
+                for i, r in enumerate(shared_prefix_requests())]
+    runs = [serve("eagle", requests, **config)[0] for config in (dict(), dict(enable_prefix_caching=True))]
+    tokens = [{k: o.tokens for k, o in outputs.items()} for outputs in runs]
+    assert tokens[0] == tokens[1]
+    assert sum(o.num_cached_tokens for o in runs[1].values()) > 0
 
 
 def constructed_workload() -> list[Request]:
