@@ -56,6 +56,9 @@ def ngram_draft(tokens: Int[Array, "B S"], lengths: Int[Array, " B"], num_draft:
 @register("ngram")
 @dataclasses.dataclass(frozen=True)
 class NgramProposer(WeightlessProposer):
+    def init(self, params, prompt, lengths, target_out) -> tuple:
+        return ()
+
     def extend(self, params, cache: None, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
                start: Int[Array, " B"], target_out: TargetOutput) -> tuple:
         return ()
