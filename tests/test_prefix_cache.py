@@ -101,6 +101,39 @@ def test_a_state_built_from_a_prefix_plus_the_rest_equals_the_state_built_in_one
     np.testing.assert_array_equal(propose(rest.proposer)[:len(prompts)], propose(whole.proposer)[:len(prompts)])
 
 
+@pytest.mark.parametrize("name", ["eagle", "dflash", "draft_model"])
+def test_the_entry_before_a_prefix_end_depends_on_the_next_token_only_where_the_drafter_says_so(name):
+    """A prefix of 8 positions prefilled from prompt A, the rest from prompt B (equal to A but from position 8
+    on): the drafter's cache differs from B's own prefill at slot 7 exactly where draft_kv_reads_next_token
+    (EAGLE: pair 7 holds A's token 8), and nowhere for the others: why the engine drops EAGLE's last block."""
+    target, drafter, spec = target_and_drafts()[0], drafter_for(name), SPECS[name]
+    prompt_a = [(5 * t) % 90 + 10 for t in range(14)]
+    prompt_b = prompt_a[:8] + [(3 * t) % 90 + 11 for t in range(6)]
+    request = pad_request(target, [prompt_a, prompt_b], 4, lookahead=spec.num_draft_nodes + 1)
+    (tokens, lengths, budgets, keys, sampling), mode = loop_arrays(request)
+    proposer = build_proposer(spec, mode, request.cache_size, drafter)
+    params = proposer.bind(drafter, target)
+
+    @functools.partial(jax.jit, static_argnames="width")
+    def init(tokens, prefix_target, prefix_draft, start, width):
+        prefix = None if prefix_target is None else Prefix(target=prefix_target, draft=prefix_draft, start=start,
+                                                           width=width)
+        return decoding.speculative_init(target, params, tokens, lengths, budgets, keys, sampling,
+                                         proposer=proposer, eos_token_ids=(), prefix=prefix)
+
+    swapped = tokens[::-1]  # row 0 prompt B, row 1 prompt A: each row's prefix from the other prompt
+    start = jnp.full((2,), 8, jnp.int32)
+    first = init(swapped, target.create_cache(2, request.cache_size), proposer.new_cache(params, 2),
+                 jnp.zeros_like(start), 8)
+    mixed = init(tokens, first.decode.cache, proposer.prefix_cache(first.proposer), start, tokens.shape[1])
+    whole = init(tokens, None, None, None, 0)
+    differs = [np.abs(a - b).max(axis=tuple(i for i in range(a.ndim) if i != a.ndim - 3)) > 1e-4
+               for a, b in zip(filled(proposer.prefix_cache(mixed.proposer), 13),
+                               filled(proposer.prefix_cache(whole.proposer), 13))]
+    slots = sorted({int(i) for d in differs for i in np.flatnonzero(d)})
+    assert slots == ([7] if proposer.draft_kv_reads_next_token else [])
+
+
 # ------------------------------------------------------------------------------------- the engine
 
 def shared_prefix_requests(count: int = 8, seed: int = 0) -> list[Request]:
