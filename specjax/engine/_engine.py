@@ -370,10 +370,8 @@ class Engine:
             budget -= self._next_chunk(budget, free, prefilled)
             free = [slot for slot in free if slot not in self.running]
         while self.waiting and len(free) > (self.chunked is not None) and budget > 0:
-            admitted, used = self._admit(free[:len(free) - (self.chunked is not None)], budget)
-            if admitted is not None:
-                prefilled.append(admitted)
-                free = free[len(admitted[1]):]
+            used = self._admit(free[:len(free) - (self.chunked is not None)], budget, prefilled)
+            free = [slot for slot in free if slot not in self.running]
             budget -= used
             if not used:
                 break
@@ -400,10 +398,10 @@ class Engine:
         self._compact()
         return ended
 
-    def _admit(self, free: list[int], budget: float) -> tuple[tuple[Any, list[int]] | None, int]:
+    def _admit(self, free: list[int], budget: float, prefilled: list) -> int:
         """Prefills the first waiting requests that fit in `budget` prompt tokens into the free slots; the
-        first that does not fit starts a chunked prefill (max_num_batched_tokens). Returns (the prefilled rows
-        and their slots, or None; the prompt tokens prefilled)."""
+        first that does not fit starts a chunked prefill (max_num_batched_tokens). Appends (the prefilled rows,
+        their slots) to `prefilled`; returns the prompt tokens prefilled."""
         admitted, used = [], 0
         for request, arrival in self.waiting:
             if len(admitted) == min(len(free), self.config.max_prefill_batch):
@@ -415,7 +413,8 @@ class Engine:
             used += todo
         for _ in admitted:
             self.waiting.popleft()
-        prefilled = self._prefill(admitted, free[:len(admitted)]) if admitted else None
+        if admitted:
+            prefilled.append(self._prefill(admitted, free[:len(admitted)]))
         if self.waiting and self.chunked is None and budget - used > 0 and len(free) > len(admitted) and (
                 len(admitted) < self.config.max_prefill_batch):
             request, arrival = self.waiting.popleft()  # too long for what is left of the budget: in chunks
@@ -427,9 +426,9 @@ class Engine:
                 caches = self.prefix_cache.load(*caches, [blocks])
             self.chunked = _Chunked(request=request, arrival=arrival, start=start, caches=caches, keys=keys,
                                     matched=len(blocks), blocks=blocks)
-            # Its first chunk is not its last (it did not fit), so nothing is prefilled into a slot yet.
-            used += self._next_chunk(budget - used, free[len(admitted):], [])
-        return prefilled, used
+            # Its last chunk when the blocks its batch mates just stored leave few enough tokens: then a slot.
+            used += self._next_chunk(budget - used, free[len(admitted):], prefilled)
+        return used
 
     def _cached_tokens(self, prompt) -> int:
         """Prompt tokens the prefix cache would give this prompt now (0 without one); changes nothing."""
