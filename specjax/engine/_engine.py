@@ -315,7 +315,9 @@ class Engine:
         max_num_batched_tokens). Nothing changes in the pool (its copies go past it) or the slots."""
         init, config = self._program(mode)[1], self.config
         top = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), config.max_model_len)
-        widths = [w for w in (decoding.MIN_PROMPT_BUCKET << i for i in range(top.bit_length())) if w <= top]
+        # The admission widths: powers of two from the minimum bucket, and the cache's length where that is less.
+        widths = sorted({w for w in (decoding.MIN_PROMPT_BUCKET << i for i in range(top.bit_length())) if w < top}
+                        | {top})
         batches = []
         if self.prefix_cache is not None:
             batches = [b for b in (1 << i for i in range(8)) if b <= decoding.bucket(
