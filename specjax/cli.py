@@ -334,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded at once (default: 8)")
     srv.add_argument("--max-model-len", type=int, default=None,
                      help="prompt + max_tokens + K + 1 at most per request (default: 1024)")
+    srv.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                     help="reuse the KV of prompt blocks other requests prefilled (docs/serving.md)")
+    srv.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="prompt tokens prefilled per engine visit; longer prompts in chunks (default: whole)")
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoints')")
     srv.add_argument("--host", default=None, help="default: 127.0.0.1")
     srv.add_argument("--port", type=int, default=None, help="default: 8000")
@@ -366,10 +370,19 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--drafter", default="eagle", help="eagle | eagle_fr | eagle3 | draft_model")
     speed.add_argument("--output", default=None, help="also write speed_<shape>.json and .md into this folder")
     speed.set_defaults(run=_speed)
+    # Its own parser (specjax/bench_serve.py, which scripts/bench_serve.py runs too) reads the arguments: main.
+    commands.add_parser("bench-serve", add_help=False, help="load on the serving engine: TTFT, TPOT, throughput, "
+                        "acceptance, prefix cache hit rate (specjax bench-serve --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench-serve"]:
+        from specjax import bench_serve
+
+        bench_serve.main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

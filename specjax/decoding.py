@@ -103,15 +103,27 @@ def token_keys(state: DecodeState) -> PRNGKeyArray:
 def prefill(model: Transformer, prompt_tokens: Int[Array, "B T"], prompt_lengths: Int[Array, " B"],
             budgets: Int[Array, " B"], keys: PRNGKeyArray, sampling: SamplingParams, *, mode: SamplingMode,
             eos_token_ids: tuple[int, ...], cache_size: int, cache_dtype: str | None,
-            hidden_layers: tuple[int, ...] = ()) -> tuple[DecodeState, TargetOutput]:
+            hidden_layers: tuple[int, ...] = (), cache: KVCache | None = None, start: Int[Array, " B"] | None = None,
+            width: int | None = None) -> tuple[DecodeState, TargetOutput]:
     """Runs every (right-padded) prompt through the model in one call and emits the first new token of
-    each row, drawn with fold_in(its token stream, 0) in both loops. Budgets may be 0 (padding rows)."""
+    each row, drawn with fold_in(its token stream, 0) in both loops. Budgets may be 0 (padding rows).
+
+    From an offset (prefix caching, chunked prefill): `cache` already holds row b's first start[b] positions
+    and the call runs the `width` tokens from there (default: the rest of the padded prompt); the returned
+    hidden states are the window's, index i at position start[b] + i. The first token is drawn only where the
+    window reaches the prompt's end (an earlier chunk's draw is not used)."""
     batch, prompt_len = prompt_tokens.shape
     rows = jnp.arange(batch)
-    cache = model.create_cache(batch, cache_size, cache_dtype and DTYPES[cache_dtype])
-    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    _, hidden, cache = model(prompt_tokens, positions, cache, hidden_layers=hidden_layers, compute_logits=False)
-    logits = model.unembed(hidden.final[rows, prompt_lengths - 1])
+    if cache is None:
+        cache = model.create_cache(batch, cache_size, cache_dtype and DTYPES[cache_dtype])
+    start = jnp.zeros_like(prompt_lengths) if start is None else start
+    width = prompt_len if width is None else width
+    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    # Window slots past the padded prompt read its last column: past every row's prompt, never used.
+    window = jnp.take_along_axis(prompt_tokens, jnp.minimum(positions, prompt_len - 1), axis=1)
+    _, hidden, cache = model(window, positions, cache.with_lengths(start), hidden_layers=hidden_layers,
+                             compute_logits=False)
+    logits = model.unembed(hidden.final[rows, jnp.clip(prompt_lengths - 1 - start, 0, width - 1)])
     tokens = constrain(jnp.zeros((batch, cache_size), jnp.int32), BATCH).at[:, :prompt_len].set(prompt_tokens)
     state = DecodeState(tokens=tokens, lengths=prompt_lengths, num_generated=jnp.zeros_like(budgets),
                         done=budgets <= 0, cache=cache.with_lengths(prompt_lengths), budgets=budgets,
@@ -168,18 +180,36 @@ class SpecState:
 def speculative_init(model: Transformer, draft_params: Any, prompt_tokens: Int[Array, "B T"],
                      prompt_lengths: Int[Array, " B"], budgets: Int[Array, " B"], keys: PRNGKeyArray,
                      sampling: SamplingParams, *, proposer: Proposer, eos_token_ids: tuple[int, ...],
-                     cache_dtype: str | None = None) -> SpecState:
-    """The target's prefill, its first token, and the proposer's state for it."""
+                     cache_dtype: str | None = None, prefix: Prefix | None = None) -> SpecState:
+    """The target's prefill, its first token, and the proposer's state for it; with a prefix, the prefill
+    continues from caches that already hold each row's first prefix.start[b] positions (Proposer.extend)."""
+    offset = {} if prefix is None else dict(cache=prefix.target, start=prefix.start, width=prefix.width)
     decode, target_out = prefill(model, prompt_tokens, prompt_lengths, budgets, keys, sampling,
                                  mode=proposer.settings.sampling, eos_token_ids=eos_token_ids,
                                  cache_size=proposer.settings.cache_size, cache_dtype=cache_dtype,
-                                 hidden_layers=proposer.hidden_layers)
+                                 hidden_layers=proposer.hidden_layers, **offset)
     # The proposer sees each prompt followed by the prefill's token: tokens[b, :lengths[b]].
     committed = decode.tokens[:, :prompt_tokens.shape[1] + 1]
-    return SpecState(decode=decode, proposer=proposer.init(draft_params, committed, decode.lengths, target_out),
+    if prefix is None:
+        state = proposer.init(draft_params, committed, decode.lengths, target_out)
+    else:
+        state = proposer.extend(draft_params, prefix.draft, committed, decode.lengths, prefix.start, target_out)
+    return SpecState(decode=decode, proposer=state,
                      counters=AcceptanceCounters.zeros(prompt_tokens.shape[0],
                                                        proposer.settings.spec.num_speculative_tokens,
                                                        max_steps=proposer.settings.cache_size))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("target", "draft", "start"), meta_fields=("width",))
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """Caches that already hold each row's first start[b] positions (a prefix cache's blocks, or a long
+    prompt's earlier chunks), and how many positions the next prefill call runs (static)."""
+
+    target: KVCache
+    draft: KVCache | None  # the proposer's (Proposer.new_cache); None for one that keeps none
+    start: Int[Array, " B"]
+    width: int
 
 
 def speculative_step(model: Transformer, draft_params: Any, state: SpecState, method: Int[Array, ""], *,

@@ -27,12 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import decoding
-from specjax.config import SamplingConfig, SpecConfig
+from specjax.config import DTYPES, SamplingConfig, SpecConfig
+from specjax.engine._blocks import PrefixCache, block_keys
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 from specjax.engine._slots import NO_BATCH, batch_axes, insert_rows, move_rows, release_slots
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Transformer
-from specjax.proposers import build_proposer
+from specjax.proposers import build_proposer, proposer_class
 from specjax.verify import lossless_verifiers, method_index
 from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams
 
@@ -56,12 +57,37 @@ class EngineConfig:
     # Requests admitted by one prefill call at most (its rows are padded to a power of two).
     max_prefill_batch: int = 8
     kv_cache_dtype: str | None = None  # the target's cache dtype (None: the model's)
+    # Prefix caching (vLLM's name): full prompt blocks of the target's and the drafter's caches kept in a pool
+    # beside the slots, keyed by a hash chain of their tokens; a request's matched blocks are copied into its
+    # slot and only the rest is prefilled (engine/_blocks.py; saves prefill compute, not memory).
+    enable_prefix_caching: bool = False
+    block_size: int = 16  # prompt tokens per cached block (vLLM's block_size)
+    num_prefix_blocks: int = 256  # blocks the pool holds; unreferenced ones are evicted least recently used first
+    # Keep the last matched block for drafters whose cache entry at i depends on token i + 1 (EAGLE;
+    # Proposer.draft_kv_reads_next_token), which vLLM drops and recomputes: measures what reusing it does to
+    # acceptance (vLLM's disable_eagle_block_drop). Outputs stay lossless either way.
+    disable_eagle_block_drop: bool = False
+    # Prompt tokens prefilled per visit at most (vLLM's max_num_batched_tokens, with chunked prefill on): a
+    # longer prompt is prefilled in chunks over several visits while the running requests step between them.
+    # None: whole prompts, max_prefill_batch of them a call.
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch"):
+        for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch", "block_size",
+                     "num_prefix_blocks"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed an integer >= 1")
+        value = self.max_num_batched_tokens
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"EngineConfig.max_num_batched_tokens = {value!r} is invalid: allowed None or an "
+                             "integer >= 1")
+        for name in ("enable_prefix_caching", "disable_eagle_block_drop"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
+        if self.disable_eagle_block_drop and not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.disable_eagle_block_drop = True is invalid without enable_prefix_caching: "
+                             "allowed only with enable_prefix_caching = True")
 
     @property
     def lookahead(self) -> int:
@@ -80,6 +106,21 @@ class _Running:
     token_times: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     stopped: bool = False  # emitted one of the request's stop ids (which the device does not know)
+    blocks: list = dataclasses.field(default_factory=list)  # prefix cache blocks it holds (released at its end)
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache (vLLM's num_cached_tokens)
+
+
+@dataclasses.dataclass
+class _Chunked:
+    """A long prompt prefilled in chunks (max_num_batched_tokens): its caches so far, one row."""
+
+    request: Request
+    arrival: float
+    start: int  # positions its caches hold
+    caches: tuple  # (the target's KVCache, the drafter's or None)
+    keys: list  # its prefix cache block keys, matched blocks, held blocks
+    matched: int
+    blocks: list
 
 
 class Engine:
@@ -110,6 +151,12 @@ class Engine:
         self._programs: dict[SamplingMode, tuple] = {}
         self.state = None
         self._draft_params = None
+        self.prefix_cache = None if not config.enable_prefix_caching else PrefixCache(
+            config.block_size, config.num_prefix_blocks,
+            drop_tail=not config.disable_eagle_block_drop and spec is not None
+            and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
+        self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
+        self._new_caches = {}  # batch -> jitted maker of empty (target, drafter) cache rows
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -137,7 +184,13 @@ class Engine:
         self.aborted.add(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished or self.aborted)
+        return bool(self.waiting or self.running or self.finished or self.aborted or self.chunked)
+
+    def stats(self) -> dict:
+        """The engine's counters: device steps, visits, and the prefix cache's (hits and queries in tokens and
+        blocks, hit_rate; None when prefix caching is off)."""
+        return {"steps": self.steps_run, "visits": self.visits,
+                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict()}
 
     def run(self, requests=()) -> list[RequestOutput]:
         """Adds the requests and steps until every request has ended; outputs in the order they ended."""
@@ -162,10 +215,11 @@ class Engine:
             proposer = None
             weights = (model, None)
 
-            def init_rows(weights, tokens, lengths, budgets, keys, sampling):
+            def init_rows(weights, tokens, lengths, budgets, keys, sampling, prefix=None):
+                offset = {} if prefix is None else dict(cache=prefix.target, start=prefix.start, width=prefix.width)
                 return decoding.prefill(weights[0], tokens, lengths, budgets, keys, sampling, mode=mode,
                                         eos_token_ids=eos, cache_size=config.max_model_len,
-                                        cache_dtype=config.kv_cache_dtype)[0]
+                                        cache_dtype=config.kv_cache_dtype, **offset)[0]
 
             def step(weights, state):
                 return decoding.decode_step(weights[0], state, mode=mode, eos_token_ids=eos)
@@ -176,9 +230,9 @@ class Engine:
                 self._draft_params = proposer.bind(self.drafter, model)
             weights = (model, self._draft_params)
 
-            def init_rows(weights, tokens, lengths, budgets, keys, sampling):
+            def init_rows(weights, tokens, lengths, budgets, keys, sampling, prefix=None):
                 return decoding.speculative_init(*weights, tokens, lengths, budgets, keys, sampling, proposer=proposer,
-                                                 eos_token_ids=eos, cache_dtype=config.kv_cache_dtype)
+                                                 eos_token_ids=eos, cache_dtype=config.kv_cache_dtype, prefix=prefix)
 
             def step(weights, state):
                 return decoding.speculative_step(*weights, state, self._method, proposer=proposer,
@@ -252,7 +306,38 @@ class Engine:
             batch *= 2
         for rows in self._row_buckets():
             _, self.state = run(self.state, jnp.int32(0), jnp.int32(rows + 1), rows)
+        self._warm_offsets(mode, prompt_len)
         jax.block_until_ready(self.state)
+
+    def _warm_offsets(self, mode: SamplingMode, prompt_len: int) -> None:
+        """Compiles the prefills from an offset that prefix caching and chunked prefill run: each admission
+        bucket at each width, the block copies; a long prompt's chunks (one row, power-of-two widths up to
+        max_num_batched_tokens). Nothing changes in the pool (its copies go past it) or the slots."""
+        init, config = self._program(mode)[1], self.config
+        top = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), config.max_model_len)
+        # The admission widths: powers of two from the minimum bucket, and the cache's length where that is less.
+        widths = sorted({w for w in (decoding.MIN_PROMPT_BUCKET << i for i in range(top.bit_length())) if w < top}
+                        | {top})
+        batches = []
+        if self.prefix_cache is not None:
+            batches = [b for b in (1 << i for i in range(8)) if b <= decoding.bucket(
+                min(config.max_prefill_batch, config.max_num_seqs))]
+        chunk_widths = []
+        if config.max_num_batched_tokens is not None:
+            chunk_widths = [1 << i for i in range(config.max_num_batched_tokens.bit_length())]
+            batches = sorted(set(batches) | {1})
+        for batch in batches:
+            for width in widths + (chunk_widths if batch == 1 else []):
+                caches = self._empty_caches(mode, batch)
+                if self.prefix_cache is not None:
+                    caches = self.prefix_cache.load(*caches, [[]] * batch)
+                rows = init(*_free_rows(batch, top), decoding.Prefix(target=caches[0], draft=caches[1],
+                                                                    start=jnp.zeros(batch, jnp.int32), width=width))
+            if self.prefix_cache is not None:
+                proposer = self._program(mode)[0]
+                self.prefix_cache.copy_in(_decode(rows).cache,
+                                          None if proposer is None else proposer.prefix_cache(rows.proposer),
+                                          [], [], [])
 
     def _row_buckets(self) -> list[int]:
         """The counts of slots a visit steps: powers of two below max_num_seqs, and max_num_seqs."""
@@ -282,9 +367,16 @@ class Engine:
             ended += self._abort()
         free = [slot for slot in range(self.config.max_num_seqs) if slot not in self.running]
         prefilled = []  # (prefilled rows, their slots) of this visit's admissions
-        while self.waiting and free:  # one prefill call per max_prefill_batch requests
-            prefilled.append(self._admit(free))
-            free = free[len(prefilled[-1][1]):]
+        budget = self.config.max_num_batched_tokens or float("inf")  # prompt tokens this visit may prefill
+        if self.chunked is not None:
+            budget -= self._next_chunk(budget, free, prefilled)
+            free = [slot for slot in free if slot not in self.running]
+        while self.waiting and len(free) > (self.chunked is not None) and budget > 0:
+            used = self._admit(free[:len(free) - (self.chunked is not None)], budget, prefilled)
+            free = [slot for slot in free if slot not in self.running]
+            budget -= used
+            if not used:
+                break
         if not self.running:
             return ended
         mode = SamplingMode.of([r.request.sampling for r in self.running.values()])
@@ -308,17 +400,73 @@ class Engine:
         self._compact()
         return ended
 
-    def _admit(self, free: list[int]) -> tuple[Any, list[int]]:
-        """Prefills the first waiting requests into the free slots: (the prefilled rows, their slots)."""
-        count = min(len(free), len(self.waiting), self.config.max_prefill_batch)
-        admitted = [self.waiting.popleft() for _ in range(count)]
-        slots = free[:count]
-        mode = SamplingMode.of([request.sampling for request, _ in admitted])
+    def _admit(self, free: list[int], budget: float, prefilled: list) -> int:
+        """Prefills the first waiting requests that fit in `budget` prompt tokens into the free slots; the
+        first that does not fit starts a chunked prefill (max_num_batched_tokens). Appends (the prefilled rows,
+        their slots) to `prefilled`; returns the prompt tokens prefilled."""
+        admitted, used = [], 0
+        for request, arrival in self.waiting:
+            if len(admitted) == min(len(free), self.config.max_prefill_batch):
+                break
+            todo = len(request.prompt) - self._cached_tokens(request.prompt)
+            if used + todo > budget:
+                break
+            admitted.append((request, arrival))
+            used += todo
+        for _ in admitted:
+            self.waiting.popleft()
+        if admitted:
+            prefilled.append(self._prefill(admitted, free[:len(admitted)]))
+        if self.waiting and self.chunked is None and budget - used > 0 and len(free) > len(admitted) and (
+                len(admitted) < self.config.max_prefill_batch):
+            request, arrival = self.waiting.popleft()  # too long for what is left of the budget: in chunks
+            keys, blocks = self._lookup(request.prompt)
+            start = len(blocks) * self.config.block_size
+            mode = self._mode_of([request])
+            caches = self._empty_caches(mode, 1)
+            if self.prefix_cache is not None:
+                caches = self.prefix_cache.load(*caches, [blocks])
+            self.chunked = _Chunked(request=request, arrival=arrival, start=start, caches=caches, keys=keys,
+                                    matched=len(blocks), blocks=blocks)
+            # Its last chunk when the blocks its batch mates just stored leave few enough tokens: then a slot.
+            used += self._next_chunk(budget - used, free[len(admitted):], prefilled)
+        return used
+
+    def _cached_tokens(self, prompt) -> int:
+        """Prompt tokens the prefix cache would give this prompt now (0 without one); changes nothing."""
+        if self.prefix_cache is None:
+            return 0
+        keys = block_keys(prompt, self.config.block_size, len(prompt) - 1)
+        matched = len(self.prefix_cache.table.match(keys))
+        return max(0, matched - self.prefix_cache.drop_tail) * self.config.block_size
+
+    def _lookup(self, prompt) -> tuple[list, list]:
+        return ([], []) if self.prefix_cache is None else self.prefix_cache.lookup(prompt)
+
+    def _mode_of(self, requests: list[Request]) -> SamplingMode:
+        """The program mode that prefills these requests (and widens what the engine has seen)."""
+        mode = SamplingMode.of([request.sampling for request in requests])
         self.mode = self.mode.union(mode)
         mode = GREEDY if not mode.sampled else self.mode
         self._ensure_state(mode)
-        _, init, _, axes = self._program(mode)
-        batch = decoding.bucket(count)
+        return mode
+
+    def _empty_caches(self, mode: SamplingMode, batch: int) -> tuple:
+        """Empty cache rows for a prefill from an offset: (the target's, the drafter's or None)."""
+        if batch not in self._new_caches:
+            proposer = self._program(mode)[0]
+            config, model = self.config, self.model
+            dtype = config.kv_cache_dtype and DTYPES[config.kv_cache_dtype]
+
+            def make(draft_params):
+                draft = None if proposer is None else proposer.new_cache(draft_params, batch)
+                return model.create_cache(batch, config.max_model_len, dtype), draft
+
+            self._new_caches[batch] = jax.jit(make)
+        return self._new_caches[batch](self._draft_params)
+
+    def _row_arrays(self, admitted: list[tuple[Request, float]], batch: int) -> tuple:
+        """The initialiser's arrays for the requests, padded to `batch` rows."""
         width = min(decoding.bucket(max(len(r.prompt) for r, _ in admitted), decoding.MIN_PROMPT_BUCKET),
                     self.config.max_model_len)
         tokens = np.zeros((batch, width), np.int32)
@@ -327,17 +475,80 @@ class Engine:
             tokens[row, :len(request.prompt)] = request.prompt
             lengths[row], budgets[row], seeds[row] = len(request.prompt), request.max_tokens, request.seed
         sampling = SamplingParams.of([r.sampling for r, _ in admitted], batch)
-        rows = init(jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets),
-                    jax.vmap(jax.random.key)(jnp.asarray(seeds)), jax.tree.map(jnp.asarray, sampling))
+        return (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets),
+                jax.vmap(jax.random.key)(jnp.asarray(seeds)), jax.tree.map(jnp.asarray, sampling))
+
+    def _prefill(self, admitted: list[tuple[Request, float]], slots: list[int]) -> tuple[Any, list[int]]:
+        """Prefills the requests (from their prefix cache blocks, where prefix caching is on) into the slots."""
+        count = len(admitted)
+        mode = self._mode_of([request for request, _ in admitted])
+        _, init, _, axes = self._program(mode)
+        batch = decoding.bucket(count)
+        arrays = self._row_arrays(admitted, batch)
+        looked = [self._lookup(request.prompt) for request, _ in admitted]
+        if self.prefix_cache is None:
+            rows = init(*arrays)
+        else:
+            starts = [len(blocks) * self.config.block_size for _, blocks in looked]
+            todo = max(len(request.prompt) - start for (request, _), start in zip(admitted, starts))
+            width = min(decoding.bucket(todo, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len)
+            target, draft = self.prefix_cache.load(*self._empty_caches(mode, batch),
+                                                   [blocks for _, blocks in looked] + [[]] * (batch - count))
+            start = jnp.asarray(starts + [0] * (batch - count), jnp.int32)
+            rows = init(*arrays, decoding.Prefix(target=target, draft=draft, start=start, width=width))
         # Padding rows go to an index past the state's rows, which the scatter drops.
         targets = np.full(batch, self.config.max_num_seqs, np.int32)
         targets[:count] = slots
         self.state = insert_rows(self.state, rows, jnp.asarray(targets), axes=axes)
-        for slot, (request, arrival) in zip(slots, admitted):
-            self.running[slot] = _Running(request=request, arrival=arrival)
-            log.debug("admitted %s into slot %d (%d prompt tokens, max_tokens %d)", request.request_id, slot,
-                      len(request.prompt), request.max_tokens)
+        stored = self._store(mode, rows, [(row, keys, len(blocks)) for row, (keys, blocks) in enumerate(looked)])
+        for row, (slot, (request, arrival)) in enumerate(zip(slots, admitted)):
+            self._start(slot, request, arrival, looked[row][1] + stored[row], len(looked[row][1]))
         return rows, slots
+
+    def _store(self, mode: SamplingMode, rows, keys: list) -> list[list[int]]:
+        """The prefilled rows' new full blocks into the prefix cache; each row's newly held blocks."""
+        if self.prefix_cache is None:
+            return [[] for _ in keys]
+        proposer = self._program(mode)[0]
+        draft = None if proposer is None else proposer.prefix_cache(rows.proposer)
+        return self.prefix_cache.store(_decode(rows).cache, draft, keys)
+
+    def _start(self, slot: int, request: Request, arrival: float, blocks: list, matched: int) -> None:
+        self.running[slot] = _Running(request=request, arrival=arrival, blocks=blocks,
+                                      num_cached_tokens=matched * self.config.block_size)
+        log.debug("admitted %s into slot %d (%d prompt tokens, %d cached, max_tokens %d)", request.request_id, slot,
+                  len(request.prompt), matched * self.config.block_size, request.max_tokens)
+
+    def _next_chunk(self, budget: float, free: list[int], prefilled: list) -> int:
+        """Prefills the next chunk of the chunked prompt, at most `budget` tokens (a power of two of them where
+        more remain, so that chunk programs are few); after its last chunk the request takes the first free
+        slot (one is kept for it). Returns the prompt tokens prefilled."""
+        chunked = self.chunked
+        request = chunked.request
+        todo = len(request.prompt) - chunked.start
+        if budget < 1 or not free:
+            return 0
+        last = todo <= budget
+        width = (min(decoding.bucket(todo, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len) if last
+                 else 1 << (int(budget).bit_length() - 1))
+        mode = self._mode_of([request])
+        _, init, _, axes = self._program(mode)
+        arrays = self._row_arrays([(request, chunked.arrival)], 1)
+        prefix = decoding.Prefix(target=chunked.caches[0], draft=chunked.caches[1],
+                                 start=jnp.asarray([chunked.start], jnp.int32), width=width)
+        rows = init(*arrays, prefix)
+        if not last:
+            proposer = self._program(mode)[0]
+            chunked.caches = (_decode(rows).cache, None if proposer is None else proposer.prefix_cache(rows.proposer))
+            chunked.start += width
+            return width
+        slot = free[0]
+        self.state = insert_rows(self.state, rows, jnp.asarray([slot], jnp.int32), axes=axes)
+        stored = self._store(mode, rows, [(0, chunked.keys, chunked.matched)])
+        self._start(slot, request, chunked.arrival, chunked.blocks + stored[0], chunked.matched)
+        prefilled.append((rows, [slot]))
+        self.chunked = None
+        return todo
 
     def _first_tokens(self, prefilled: list[tuple[Any, list[int]]]) -> None:
         """Streams each admitted request's first token (the prefill's): the time to first token is the
@@ -398,7 +609,10 @@ class Engine:
             ended.append(RequestOutput(request_id=request.request_id, tokens=tuple(running.tokens),
                                        finish_reason=reason, metrics=metrics, arrival_time=running.arrival,
                                        first_token_time=running.first_token_time, finish_time=now,
-                                       token_times=tuple(running.token_times)))
+                                       token_times=tuple(running.token_times),
+                                       num_cached_tokens=running.num_cached_tokens))
+            if self.prefix_cache is not None:
+                self.prefix_cache.release(running.blocks)
             log.debug("finished %s: %d tokens (%s)%s", request.request_id, len(running.tokens), reason,
                      "" if metrics is None else f", mean acceptance length {metrics['mean_acceptance_length']:.2f}")
             del self.running[slot]
@@ -415,13 +629,22 @@ class Engine:
         ended = [RequestOutput(request_id=request.request_id, tokens=(), finish_reason="abort", arrival_time=arrival,
                                finish_time=now) for request, arrival in self.waiting if request.request_id in aborted]
         self.waiting = collections.deque((r, t) for r, t in self.waiting if r.request_id not in aborted)
+        if self.chunked is not None and self.chunked.request.request_id in aborted:
+            chunked, self.chunked = self.chunked, None
+            ended.append(RequestOutput(request_id=chunked.request.request_id, tokens=(), finish_reason="abort",
+                                       arrival_time=chunked.arrival, finish_time=now))
+            if self.prefix_cache is not None:
+                self.prefix_cache.release(chunked.blocks)
         slots = [slot for slot, running in self.running.items() if running.request.request_id in aborted]
         for slot in slots:
             running = self.running.pop(slot)
             ended.append(RequestOutput(request_id=running.request.request_id, tokens=tuple(running.tokens),
                                        finish_reason="abort", arrival_time=running.arrival,
                                        first_token_time=running.first_token_time, finish_time=now,
-                                       token_times=tuple(running.token_times)))
+                                       token_times=tuple(running.token_times),
+                                       num_cached_tokens=running.num_cached_tokens))
+            if self.prefix_cache is not None:
+                self.prefix_cache.release(running.blocks)
             log.info("aborted %s in slot %d after %d tokens", running.request.request_id, slot, len(running.tokens))
         if slots:
             self._release(slots)

@@ -81,6 +81,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: tuple[float, ...] = ()  # when the host saw each token (streamed in chunks per visit)
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache, not prefilled (vLLM's name)
 
     @property
     def ttft(self) -> float | None:

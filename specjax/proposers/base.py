@@ -5,6 +5,8 @@ over a state pytree:
   init(params, prompt[B,T], lengths[B], target_out) -> state
   propose(params, state, context, keys[B]) -> (draft_tokens[B,K], draft_probs[B,K,V] | None, state)
   accept(state, num_accepted[B], next_token[B], target_out) -> state
+and, to prefill from an offset (prefix caching, chunked prefill), `new_cache` / `extend` (init is extend
+from an empty cache) and `prefix_cache`.
 `params` are the drafter's weights (a draft model, EAGLE or Medusa heads; None for n-gram lookup),
 as `bind` made them. draft_probs None means a deterministic draft (one-hot to the verifier).
 
@@ -118,6 +120,10 @@ class Proposer:
     # True where with_draft_vocabulary makes the drafter draft only some target ids (FR-Spec;
     # RunConfig.draft_vocab_size).
     takes_draft_vocabulary: ClassVar[bool] = False
+    # True where the drafter's cache entry at position i depends on the token at i + 1 (EAGLE's pairs (f_i,
+    # x_{i+1})): a prefix cache's last matched block was written with whatever token followed it then, so the
+    # engine recomputes it unless EngineConfig.disable_eagle_block_drop (vLLM's EAGLE last-block drop).
+    draft_kv_reads_next_token: ClassVar[bool] = False
 
     @classmethod
     def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
@@ -148,7 +154,27 @@ class Proposer:
 
     def init(self, params: Any, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
              target_out: TargetOutput) -> Any:
-        raise NotImplementedError
+        """The state after the target's prefill of the whole prompt: extend from an empty cache."""
+        batch = prompt.shape[0]
+        return self.extend(params, self.new_cache(params, batch), prompt, lengths, jnp.zeros_like(lengths), target_out)
+
+    def new_cache(self, params: Any, batch: int) -> Any:
+        """The drafter's empty per-position cache for `batch` rows (a KVCache whose slot j holds position j,
+        what a prefix cache stores and a chunked prefill carries), or None where it keeps none."""
+        return None
+
+    def extend(self, params: Any, cache: Any, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+               start: Int[Array, " B"], target_out: TargetOutput) -> Any:
+        """The state after a prefill that continued from position start[b]: `cache` (new_cache's) holds row
+        b's positions before start[b] (a prefix cache's blocks, earlier chunks); prompt and lengths are
+        init's; target_out is the target's forward over the window of positions start[b] + i. When the
+        window reaches the prompt's end the state is the one init builds over the whole prompt."""
+        raise NotImplementedError(f"{type(self).__name__} defines no extend: prefix caching and chunked prefill "
+                                  "need it (EngineConfig.enable_prefix_caching, max_num_batched_tokens)")
+
+    def prefix_cache(self, state: Any) -> Any:
+        """The state's per-position cache (new_cache's kind), None where it keeps none."""
+        return None
 
     def propose(self, params: Any, state: Any, context: Context,
                 keys: PRNGKeyArray) -> tuple[Int[Array, "B K"], Float[Array, "B K V"] | None, Any]:

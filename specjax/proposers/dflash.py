@@ -116,19 +116,25 @@ class DFlashProposer(Proposer):
     def with_draft_vocabulary(cls, drafter: DFlashDrafter, ids) -> DFlashDrafter:
         return with_draft_vocabulary(drafter, ids)
 
-    def init(self, params: DFlashParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
-             target_out: TargetOutput) -> DFlashState:
-        """The prompt's features go to the cache (lengths - 1 of them: the prefill's token is the first
-        anchor); nothing is pending."""
+    def new_cache(self, params: DFlashParams, batch: int) -> KVCache:
+        width = self.settings.spec.num_speculative_tokens + 1
+        room = max(width, self.num_masks(params.drafter) + 1)  # for the pending window and for the block
+        return params.drafter.create_cache(batch, self.settings.cache_size + room, self.settings.cache_dtype)
+
+    def extend(self, params: DFlashParams, cache: KVCache, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
+               start: Int[Array, " B"], target_out: TargetOutput) -> DFlashState:
+        """The window's features go to the cache (position j's depends on the target's hidden state at j
+        only); the prompt's lengths - 1 of them count (the prefill's token is the first anchor); nothing is
+        pending."""
         drafter, width = params.drafter, self.settings.spec.num_speculative_tokens + 1
-        hidden = target_out.hidden  # over the padded prompt
-        batch, num_positions = hidden.final.shape[:2]
-        room = max(width, self.num_masks(drafter) + 1)  # for the pending window and for the block
-        cache = drafter.create_cache(batch, self.settings.cache_size + room, self.settings.cache_dtype)
-        positions = jnp.broadcast_to(jnp.arange(num_positions, dtype=jnp.int32), (batch, num_positions))
-        cache = drafter.write_context(drafter.context(hidden), positions, cache)
+        hidden = target_out.hidden  # over the window
+        positions = start[:, None] + jnp.arange(hidden.final.shape[1], dtype=jnp.int32)[None, :]
+        cache = drafter.write_context(drafter.context(hidden), positions, cache.with_lengths(start))
         pending = jax.tree.map(lambda x: jnp.zeros((*x.shape[:-2], width, x.shape[-1]), x.dtype), hidden)
         return DFlashState(cache=cache.with_lengths(lengths - 1), pending=pending, num_pending=jnp.zeros_like(lengths))
+
+    def prefix_cache(self, state: DFlashState) -> KVCache:
+        return state.cache
 
     def propose(self, params: DFlashParams, state: DFlashState, context: Context, keys: PRNGKeyArray):
         drafter, settings = params.drafter, self.settings

@@ -105,20 +105,29 @@ class DraftModelProposer(Proposer):
         """The draft model, and the vocabulary bridge when its ids are not the target's."""
         return (params.model, params) if isinstance(params, HeterogeneousDraft) else (params, None)
 
-    def init(self, params, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
-             target_out: TargetOutput) -> DraftModelState:
+    def new_cache(self, params, batch: int) -> KVCache:
+        return self._split(params)[0].create_cache(batch, self.settings.cache_size, self.settings.cache_dtype)
+
+    def extend(self, params, cache: KVCache, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+               start: Int[Array, " B"], target_out: TargetOutput) -> DraftModelState:
+        """The draft runs the committed tokens from start[b] on: the window's width and one more (the
+        prefill's token; propose re-reads the last two anyway)."""
         draft, bridge = self._split(params)
-        batch, length = prompt.shape
-        cache = draft.create_cache(batch, self.settings.cache_size, self.settings.cache_dtype)
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        tokens = prompt if bridge is None else bridge.draft_ids(prompt)
-        _, _, cache = draft(tokens, positions, cache, compute_logits=False)
+        batch = prompt.shape[0]
+        width = min(target_out.hidden.final.shape[1] + 1, prompt.shape[1])
+        positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        tokens = jnp.take_along_axis(prompt, jnp.minimum(positions, prompt.shape[1] - 1), axis=1)
+        tokens = tokens if bridge is None else bridge.draft_ids(tokens)
+        _, _, cache = draft(tokens, positions, cache.with_lengths(start), compute_logits=False)
         nodes = self.settings.spec.num_draft_nodes
         dynamic = self.settings.spec.total_tokens is not None  # the loop's state keeps one structure throughout
         return DraftModelState(cache=cache.with_lengths(lengths),
                                parents=draft_tree.chain_parents(batch, nodes) if dynamic else None,
                                slots=jnp.zeros((batch, nodes), jnp.int32) if dynamic else None,
                                tree_log_probs=jnp.zeros((batch, nodes), jnp.float32) if dynamic else None)
+
+    def prefix_cache(self, state: DraftModelState) -> KVCache:
+        return state.cache
 
     def propose(self, params, state: DraftModelState, context: Context, keys: PRNGKeyArray):
         if self.settings.spec.speculative_token_tree is not None:

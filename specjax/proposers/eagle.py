@@ -78,6 +78,7 @@ class EagleProposer(Proposer):
 
     version: ClassVar[int] = 1
     drafts_dynamic_trees: ClassVar[bool] = True
+    draft_kv_reads_next_token: ClassVar[bool] = True  # pair j is (f_j, x_{j+1})
 
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> EagleProposer:
@@ -124,25 +125,29 @@ class EagleProposer(Proposer):
         logits, ids = params.head.draft_logits(features, self.target_head(params), params.draft_lm_head)
         return draft_tree.top_k_log_probs(logits, k, ids)
 
-    def init(self, params: EagleParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
-             target_out: TargetOutput) -> EagleState:
+    def new_cache(self, params: EagleParams, batch: int) -> KVCache:
+        # Past the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
+        spec = self.settings.spec
+        width = spec.num_speculative_tokens + 1
+        draft_slots = width if spec.total_tokens is None else (spec.num_speculative_tokens - 1) * spec.top_k
+        return params.head.create_cache(batch, self.settings.cache_size + width + draft_slots, self.settings.cache_dtype)
+
+    def extend(self, params: EagleParams, cache: KVCache, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
+               start: Int[Array, " B"], target_out: TargetOutput) -> EagleState:
+        """Pairs start .. L-2 of the window go to the cache (pair j: the feature at j with token j + 1, which the
+        prompt holds); pair L-1 (with the prefill's token) waits for propose."""
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens
         batch, width = prompt.shape[0], num_draft + 1
-        # [B, T, D] over the padded prompt; a prompt padded to the whole cache leaves prompt one column short
-        # of T + 1 (the last pair's token lies past the cache), and that pair is past every row's prompt.
-        features = head.fuse(target_out.hidden)[:, :prompt.shape[1] - 1]
+        features = head.fuse(target_out.hidden)  # [B, W, D] over the window
+        positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
+        # Window pairs past a row's prompt read a clipped token: their entries lie past the fill level set below.
+        next_tokens = jnp.take_along_axis(prompt, jnp.minimum(positions + 1, prompt.shape[1] - 1), axis=1)
+        _, cache = head(next_tokens, features, positions, cache.with_lengths(start), params.embed)
         prompt_len = lengths - 1
-        # Pairs 0 .. L-2 go to the cache now; pair L-1 (with the prefill's token) waits for propose. Past
-        # the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
-        spec = self.settings.spec
-        draft_slots = width if spec.total_tokens is None else (num_draft - 1) * spec.top_k
-        cache = head.create_cache(batch, self.settings.cache_size + width + draft_slots, self.settings.cache_dtype)
-        positions = jnp.broadcast_to(jnp.arange(features.shape[1], dtype=jnp.int32), features.shape[:2])
-        _, cache = head(prompt[:, 1:], features, positions, cache, params.embed)
         rows = jnp.arange(batch)
         pending_tokens = jnp.zeros((batch, width), jnp.int32).at[:, 0].set(prompt[rows, prompt_len])
-
-        last = jax.tree.map(lambda x: _at_position(x, prompt_len - 1, width), target_out.hidden)
+        last = jax.tree.map(lambda x: _at_position(x, prompt_len - 1 - start, width), target_out.hidden)
+        spec = self.settings.spec
         return EagleState(cache=cache.with_lengths(prompt_len - 1), committed=prompt_len - 1, tokens=pending_tokens,
                           hidden=last, num_pending=jnp.ones_like(lengths),
                           drafts=jnp.zeros((batch, spec.num_draft_nodes), jnp.int32),
@@ -150,6 +155,9 @@ class EagleProposer(Proposer):
                           else draft_tree.chain_parents(batch, spec.num_draft_nodes),
                           tree_log_probs=None if spec.total_tokens is None
                           else jnp.zeros((batch, spec.num_draft_nodes), jnp.float32))
+
+    def prefix_cache(self, state: EagleState) -> KVCache:
+        return state.cache
 
     def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens

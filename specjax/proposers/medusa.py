@@ -80,11 +80,11 @@ class MedusaProposer(Proposer):
     def bind(self, params: MedusaHeads, target: Transformer) -> BoundMedusa:
         return BoundMedusa(heads=params, lm_head=LMHead.of(target) if params.config.shared_lm_head else None)
 
-    def init(self, params: BoundMedusa, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
-             target_out: TargetOutput) -> MedusaState:
+    def extend(self, params: BoundMedusa, cache: None, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+               start: Int[Array, " B"], target_out: TargetOutput) -> MedusaState:
         # The prefill's last prompt position drew the token that ends prompt[b, :lengths[b]].
         rows = jnp.arange(prompt.shape[0])
-        return MedusaState(feature=target_out.hidden.final[rows, lengths - 2])
+        return MedusaState(feature=target_out.hidden.final[rows, lengths - 2 - start])
 
     def propose(self, params: BoundMedusa, state: MedusaState, context: Context, keys: PRNGKeyArray):
         num_draft, tree = self.settings.spec.num_speculative_tokens, self.settings.spec.speculative_token_tree

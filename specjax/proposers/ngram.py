@@ -56,7 +56,11 @@ def ngram_draft(tokens: Int[Array, "B S"], lengths: Int[Array, " B"], num_draft:
 @register("ngram")
 @dataclasses.dataclass(frozen=True)
 class NgramProposer(WeightlessProposer):
-    def init(self, params, prompt: Int[Array, "B T"], lengths: Int[Array, " B"], target_out: TargetOutput) -> tuple:
+    def init(self, params, prompt, lengths, target_out) -> tuple:
+        return ()
+
+    def extend(self, params, cache: None, prompt: Int[Array, "B T"], lengths: Int[Array, " B"],
+               start: Int[Array, " B"], target_out: TargetOutput) -> tuple:
         return ()
 
     def propose(self, params, state: tuple, context: Context, keys: PRNGKeyArray):

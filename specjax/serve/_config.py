@@ -28,6 +28,11 @@ class ServeConfig:
     max_num_seqs: int = 8
     # Cache entries a request may use: prompt + max_tokens + drafts scored a step + 1 (--max-model-len).
     max_model_len: int = 1024
+    # The engine's prefix caching and chunked prefill, vLLM's names (--enable-prefix-caching,
+    # --max-num-batched-tokens; specjax.engine.EngineConfig says what each does).
+    enable_prefix_caching: bool = False
+    disable_eagle_block_drop: bool = False
+    max_num_batched_tokens: int | None = None
     # Compute dtype of target and drafter (None: the checkpoints').
     dtype: str | None = None
     host: str = "127.0.0.1"  # --host
@@ -73,7 +78,8 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "rejection_sample_method": "spec.rejection_sample_method", "max_num_seqs": "max_num_seqs",
          "max_model_len": "max_model_len", "host": "host", "port": "port",
          "per_request_spec_decode_metrics": "per_request_spec_decode_metrics",
-         "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s"}
+         "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
+         "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens"}
 
 
 def load_serve_config(path=None, flags: dict | None = None, overrides=()) -> ServeConfig:

@@ -58,7 +58,9 @@ def serve(config: ServeConfig) -> int:
     eos = hf.eos_token_ids(default_models.resolve(config.model)) or (
         () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
     engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, spec=spec,
-                                 eos_token_ids=tuple(eos))
+                                 eos_token_ids=tuple(eos), enable_prefix_caching=config.enable_prefix_caching,
+                                 disable_eagle_block_drop=config.disable_eagle_block_drop,
+                                 max_num_batched_tokens=config.max_num_batched_tokens)
     prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
     metrics = ServerMetrics(config.model_name)
     runner = EngineRunner(model, engine_config, drafter, metrics)

@@ -1,0 +1,426 @@
+"""Load on the serving engine, in process: TTFT, TPOT, ITL, end-to-end latency and throughput against load
+(`specjax bench-serve`, and scripts/bench_serve.py with the same arguments).
+
+    python scripts/bench_serve.py --models bundled --methods none,eagle,dflash --concurrency 1,4,16 \\
+        --num-requests 64 --new-tokens 64 --output benchmarks/results/bench_serve_cpu
+    python scripts/bench_serve.py --models 8b --methods none,eagle:5:4,dflash:15:6 --concurrency 1,16,64,256 \\
+        --prompt-len 128 --new-tokens 128 --output $OUT
+
+--models bundled: the bundled target and drafters, prompts from the bundled held-out set (windows of
+the standard library's sources), real acceptance. --models 8b: Llama-3.1-8B-shaped random bfloat16
+weights (specjax.speed's), random prompts, synthetic acceptance: each method is NAME:K:TAU, the
+verifier accepting a mean of TAU tokens a step (rejection_sample_method 'synthetic'; said in the
+results). Load is a fixed number of requests in flight (--concurrency, a closed loop: a new request
+arrives when one ends) or Poisson arrivals at --rate requests/s (--burstiness: gamma-distributed
+gaps of that shape, 1 = Poisson, as vLLM's bench serve). Each point is measured after the engine has
+compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
+(arrival to first token), TPOT ((last - first token) / (tokens - 1)), ITL (gaps between a request's
+successive token deliveries; the engine delivers each visit's tokens together), E2E latency, output
+tokens/s over the point's wall time; host overhead = the share of step time not spent waiting for the
+device. Writes NAME.json, NAME.md and NAME.png (throughput and TPOT against load, one line per method).
+
+--workload shared-prefix: --num-prefixes system prompts of --prefix-len tokens, request i the system prompt
+i mod N followed by a suffix of --suffix-len tokens of its own (bundled: windows of the held-out set; 8b:
+random ids), as vLLM's prefix_repetition dataset. --prefix-caching off,drop,keep runs each point with prefix
+caching off, on (EAGLE drafters drop the last matched block), and on keeping it (disable_eagle_block_drop);
+the table adds the prefix cache's hit rate (prompt tokens read from it over prompt tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specjax import benchmarking, speed
+from specjax.config import SpecConfig
+from specjax.decoding import loop_arrays, pad_request
+from specjax.engine import Engine, EngineConfig, Request
+
+COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "requests"),
+           ("output_tok_s", "output tok/s"), ("with_prefill_tok_s", "static: with prefill tok/s"), ("request_s", "req/s"),
+           ("ttft_mean_ms", "TTFT mean ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+           ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
+           ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
+           ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
+           ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate")]
+PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
+                "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str  # none (autoregressive) or a SpecConfig method
+    num_speculative_tokens: int = 0
+    tau: float | None = None  # synthetic acceptance (8b models)
+
+    @classmethod
+    def parse(cls, text: str) -> Method:
+        name, *rest = text.split(":")
+        if name == "none":
+            return cls("none")
+        return cls(name, int(rest[0]) if rest else 4, float(rest[1]) if len(rest) > 1 else None)
+
+    def spec(self) -> SpecConfig | None:
+        if self.name == "none":
+            return None
+        if self.tau is not None:
+            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens)
+        return SpecConfig(method=self.name, num_speculative_tokens=self.num_speculative_tokens)
+
+
+def bundled_models(methods: list[Method]):
+    """(target, {method: drafter}, prompts) of the bundled models, in float32 as runs are, and the held-out
+    prompts runs use (64 tokens each)."""
+    from specjax import experiments
+
+    target, tokenizer, _ = experiments.load_models("default:target", dtype="float32")
+    drafters = {m.name: None if m.name in ("none", "ngram") else
+                experiments.load_models("default:target", m.name, dtype="float32")[2] for m in methods}
+    prompts = experiments.load_prompts(experiments.RunConfig(target="default:target", num_prompts=256, prompt_len=64), tokenizer)
+    return target, drafters, prompts
+
+
+def shaped_models(methods: list[Method], prompt_len: int, shape: str):
+    """Random target and drafters of benchmarking.SHAPES[shape] (speed's), random prompts."""
+    target_config, draft_config = benchmarking.SHAPES[shape]
+    target = speed.build_target(target_config)
+    drafters = {m.name: (None if m.name == "none" else speed.build_drafter(m.name, target_config, draft_config))
+                for m in methods}
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, target_config.vocab_size, (1024, prompt_len)).tolist()
+    return target, drafters, prompts
+
+
+def shared_prefix_prompts(base: list, count: int, *, num_prefixes: int, prefix_len: int, suffix_len: int) -> list:
+    """count prompts: system prompt i mod num_prefixes (prefix_len tokens, base prompts joined) and a suffix of
+    suffix_len tokens of its own (a base prompt's start, those after the system prompts' in turn)."""
+    tokens = [t for prompt in base for t in prompt]
+    if len(tokens) < num_prefixes * prefix_len or len(base) < 2:
+        raise ValueError(f"--num-prefixes {num_prefixes} x --prefix-len {prefix_len} needs more prompt tokens than "
+                         f"the {len(tokens)} at hand: allowed at most {len(tokens) // max(prefix_len, 1)} prefixes")
+    systems = [tokens[i * prefix_len:(i + 1) * prefix_len] for i in range(num_prefixes)]
+    used = -(-num_prefixes * prefix_len // len(base[0]))  # base prompts the system prompts took
+    if used + count > len(base):
+        raise ValueError(f"{count} requests with suffixes of their own need {used + count} prompts: allowed at most "
+                         f"{len(base) - used} requests with these system prompts")
+    suffixes = [base[used + i][:suffix_len] for i in range(count)]
+    return [systems[i % num_prefixes] + suffixes[i] for i in range(count)]
+
+
+def percentile(values, q) -> float | None:
+    return float(np.percentile(values, q)) * 1e3 if len(values) else None
+
+
+def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None,
+              rate: float | None, burstiness: float, seed: int) -> dict:
+    """Serves num_requests requests under the load; the point's metrics."""
+    rng = np.random.default_rng(seed)
+    requests = [Request.make(f"q{i}", prompts[i % len(prompts)], new_tokens) for i in range(num_requests)]
+    stats0 = engine.stats()["prefix_cache"]
+    if rate is not None:  # open loop: arrival times drawn up front
+        gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+        arrivals = np.cumsum(gaps) - gaps[0]
+    steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
+    outputs, sent, start = [], 0, time.perf_counter()
+    while len(outputs) < num_requests:
+        now = time.perf_counter() - start
+        if rate is None:
+            while sent < num_requests and sent - len(outputs) < concurrency:
+                engine.add_request(requests[sent])
+                sent += 1
+        else:
+            while sent < num_requests and arrivals[sent] <= now:
+                engine.add_request(requests[sent])
+                sent += 1
+            if not engine.has_work():  # idle until the next arrival
+                time.sleep(max(0.0, arrivals[sent] - now))
+                continue
+        outputs += engine.step()
+    wall = time.perf_counter() - start
+    bad = [o for o in outputs if o.finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests were refused: {bad[0].error}")
+    records = [Record(o.arrival_time, o.first_token_time, o.finish_time, len(o.tokens), o.token_times, o.metrics)
+               for o in outputs]
+    step_s, wait_s = engine.step_s - step0, engine.device_wait_s - wait0
+    steps = engine.steps_run - steps0
+    hit_rate = None
+    if stats0 is not None:
+        stats = engine.stats()["prefix_cache"]
+        queried = stats["queried_tokens"] - stats0["queried_tokens"]
+        hit_rate = (stats["hit_tokens"] - stats0["hit_tokens"]) / queried if queried else 0.0
+    return {**summarize(records, wall), "steps": steps, "visits": engine.visits - visits0, "hit_rate": hit_rate,
+            "host_share": (step_s - wait_s) / step_s if step_s else None,
+            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One request as a client saw it: times (perf_counter seconds), tokens, its acceptance counts."""
+
+    arrival: float
+    first_token: float
+    finish: float
+    num_tokens: int
+    token_times: tuple  # when each token (or each streamed chunk) arrived
+    metrics: dict | None  # steps and accepted drafts (the engine's names) or vLLM's object (the server's)
+
+
+def summarize(records: list[Record], wall: float) -> dict:
+    """vLLM bench serve's metrics over the requests of one load point."""
+    ttft = [r.first_token - r.arrival for r in records]
+    tpot = [(r.finish - r.first_token) / (r.num_tokens - 1) for r in records if r.num_tokens > 1]
+    itl = [gap for r in records for gap in np.diff(sorted(set(r.token_times)))]
+    e2e = [r.finish - r.arrival for r in records]
+    metrics = [r.metrics for r in records if r.metrics]
+    steps = sum(m.get("steps", m.get("num_spec_steps", 0)) for m in metrics)
+    accepted = sum(m.get("accepted", m.get("num_accepted_draft_tokens", 0)) for m in metrics)
+    return {
+        "requests": len(records), "output_tok_s": sum(r.num_tokens for r in records) / wall,
+        "request_s": len(records) / wall, "wall_s": wall,
+        "ttft_mean_ms": float(np.mean(ttft)) * 1e3, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+        "tpot_mean_ms": float(np.mean(tpot)) * 1e3 if tpot else None, "tpot_p50_ms": percentile(tpot, 50),
+        "tpot_p99_ms": percentile(tpot, 99), "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
+        "e2e_mean_ms": float(np.mean(e2e)) * 1e3, "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
+        "mean_acceptance_length": 1 + accepted / steps if steps else None,
+    }
+
+
+def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None, rate: float | None,
+               burstiness: float, seed: int) -> dict:
+    """The same load against a `specjax serve` at url: streamed /v1/completions of token-id prompts, greedy,
+    with the usage chunk (and the speculative metrics, where the server reports them)."""
+    import asyncio
+    import json
+
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    gaps = None if rate is None else rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+
+    async def one(client, index: int) -> Record:
+        body = {"prompt": list(prompts[index % len(prompts)]), "max_tokens": new_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        arrival, times, usage, metrics = time.perf_counter(), [], None, None
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"request {index}: HTTP {response.status_code}: {(await response.aread())[:200]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    metrics = (chunk.get("metrics") or {}).get("speculative_decoding")
+        finish = time.perf_counter()
+        return Record(arrival, times[0] if times else finish, finish, usage["completion_tokens"], tuple(times), metrics)
+
+    async def run() -> list[Record]:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+            if rate is None:  # closed loop: `concurrency` clients, each sending its next request when one ends
+                queue = list(range(num_requests))[::-1]
+                records = []
+
+                async def client_loop():
+                    while queue:
+                        records.append(await one(client, queue.pop()))
+
+                await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+                return records
+            tasks = []
+            for index, gap in enumerate(gaps):
+                await asyncio.sleep(gap if index else 0.0)
+                tasks.append(asyncio.create_task(one(client, index)))
+            return list(await asyncio.gather(*tasks))
+
+    start = time.perf_counter()
+    records = asyncio.run(run())
+    return summarize(records, time.perf_counter() - start)
+
+
+def plot(rows: list[dict], path: Path, load_label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label in dict.fromkeys(row["label"] for row in rows):
+        points = [row for row in rows if row["label"] == label]
+        loads = [row["load"] for row in points]
+        left.plot(loads, [row["output_tok_s"] for row in points], marker="o", label=label)
+        if all(row.get("tpot_mean_ms") for row in points):  # the static peer has no per-request latency
+            right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label)
+    for axis, title in ((left, "output tokens/s"), (right, "TPOT mean (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel(load_label)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", choices=("bundled", *benchmarking.SHAPES), default="bundled")
+    parser.add_argument("--methods", default="none,eagle", help="comma-separated: none or NAME[:K[:TAU]]")
+    parser.add_argument("--concurrency", default="1,4,16", help="requests in flight (a closed loop)")
+    parser.add_argument("--rate", default=None, help="Poisson arrival rates (requests/s) instead of --concurrency")
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128, help="8b models' random prompts")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="slots of one engine serving every load (default: an engine of c slots for each load c)")
+    parser.add_argument("--steps-per-visit", type=int, default=16)
+    parser.add_argument("--max-prefill-batch", type=int, default=16, help="requests prefilled in one call at most")
+    parser.add_argument("--static-batches", default="", help="static generate AR at these batches, the peer")
+    parser.add_argument("--url", default=None, help="load a running `specjax serve` instead (HTTP, streaming); "
+                                                   "--methods then only labels the rows")
+    parser.add_argument("--workload", choices=("prompts", "shared-prefix"), default="prompts",
+                        help="prompts: the models' prompts as they are; shared-prefix: system prompts shared by the "
+                             "requests, each with a suffix of its own")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
+    parser.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of a system prompt")
+    parser.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens of a request's own suffix")
+    parser.add_argument("--prefix-caching", default="off", help="comma-separated: off, drop (prefix caching on, "
+                        "EAGLE's last matched block dropped), keep (on, disable_eagle_block_drop)")
+    parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
+    parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="prompt tokens prefilled per visit (chunked prefill; default: whole prompts)")
+    parser.add_argument("--name", default="bench_serve")
+    parser.add_argument("--output", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    methods = [Method.parse(text) for text in args.methods.split(",")]
+    rates = None if args.rate is None else [float(r) for r in args.rate.split(",")]
+    loads = rates or [int(c) for c in args.concurrency.split(",")]
+    modes = args.prefix_caching.split(",")
+    bad = [mode for mode in modes if mode not in PREFIX_MODES]
+    if bad:
+        parser.error(f"--prefix-caching {bad[0]!r} is invalid: allowed a comma-separated list of {list(PREFIX_MODES)}")
+    if args.url is not None:
+        return http_main(args, methods[0], loads, rates)
+    if args.models == "bundled":
+        target, drafters, prompts = bundled_models(methods)
+    else:
+        target, drafters, prompts = shaped_models(methods, args.prompt_len, args.models)
+    if args.workload == "shared-prefix":
+        count = max(args.num_requests, 2 * int(max(loads)))  # run_point's requests: every suffix its own
+        prompts = shared_prefix_prompts(prompts, count, num_prefixes=args.num_prefixes,
+                                        prefix_len=args.prefix_len, suffix_len=args.suffix_len)
+    prompt_len = max(len(p) for p in prompts)
+    load_label = "request rate (req/s)" if rates else "requests in flight"
+    meta = {**benchmarking.environment(), "models": args.models, "load": load_label,
+            "prompt_len": prompt_len, "new_tokens": args.new_tokens, "steps_per_visit": args.steps_per_visit,
+            "max_prefill_batch": args.max_prefill_batch, "workload": args.workload,
+            **({"num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len}
+               if args.workload == "shared-prefix" else {}),
+            "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "dtype": "bfloat16" if args.models != "bundled" else "float32",
+            "acceptance": "synthetic (tau per method)" if args.models != "bundled" else "measured"}
+    rows = []
+
+    def write():  # after every point: a run stopped by a time limit keeps what it measured
+        json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output, notes=NOTES)
+        plot(rows, json_path.with_suffix(".png"), load_label)
+        return json_path
+
+    for load in ([] if rates else [int(c) for c in args.static_batches.split(",") if c]):
+        rows.append({"method": "static AR", "load": load, "label": "static generate AR",
+                     **static_autoregressive(target, prompts, load, args.new_tokens)})
+        print(f"static generate AR batch {load}: {rows[-1]['output_tok_s']:.1f} tok/s decoding, "
+              f"{rows[-1]['with_prefill_tok_s']:.1f} with prefill", flush=True)
+        write()
+    for method in methods:
+        spec = method.spec()
+        lookahead = 0 if spec is None else spec.num_draft_nodes + 1
+        for mode in modes:
+            engine = None
+            for load in loads:
+                # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
+                # serves every load (a visit steps the smallest power-of-two count of slots holding the busy ones).
+                slots = args.max_num_seqs or (int(load) if rates is None else 64)
+                # A prefix cache would carry one load's blocks into the next: a fresh engine for each.
+                if engine is None or engine.config.max_num_seqs != slots or engine.config.enable_prefix_caching:
+                    config = EngineConfig(max_num_seqs=slots,
+                                          max_model_len=-(-(prompt_len + args.new_tokens + lookahead) // 64) * 64,
+                                          spec=spec, steps_per_visit=args.steps_per_visit,
+                                          max_prefill_batch=min(slots, args.max_prefill_batch),
+                                          block_size=args.block_size, num_prefix_blocks=args.num_prefix_blocks,
+                                          max_num_batched_tokens=args.max_num_batched_tokens, **PREFIX_MODES[mode])
+                    engine = None  # the last one's caches go before the next one's are made
+                    engine = Engine(target, config, drafter=drafters[method.name])
+                    engine.warmup(prompt_len)
+                point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                                  new_tokens=args.new_tokens, concurrency=None if rates else int(load),
+                                  rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+                label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
+                label += "" if len(modes) == 1 else f" prefix {mode}"
+                rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
+                             "label": label, "synthetic_tau": method.tau, "slots": slots, "prefix_caching": mode,
+                             **point})
+                print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
+                      f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "
+                      f"tau {point['mean_acceptance_length'] or 1:.2f}, hit rate {point['hit_rate'] or 0:.3f}, "
+                      f"host {point['host_ms_per_step']:.2f} ms/step", flush=True)
+                json_path = write()
+            del engine
+    print(f"wrote {json_path} and its .md, .png")
+
+
+def http_main(args, method: Method, loads, rates) -> None:
+    """The load points against the server at args.url; prompts as in process (the bundled held-out set's ids,
+    or random ids for --models 8b)."""
+    if args.models == "bundled":
+        from specjax import experiments
+
+        _, tokenizer, _ = experiments.load_models("default:target")
+        prompts = experiments.load_prompts(experiments.RunConfig(target="default:target", num_prompts=256,
+                                                                 prompt_len=64), tokenizer)
+    else:
+        prompts = np.random.default_rng(0).integers(0, benchmarking.SHAPES[args.models][0].vocab_size,
+                                                    (1024, args.prompt_len)).tolist()
+    load_label = "request rate (req/s)" if rates else "requests in flight"
+    meta = {**benchmarking.environment(), "models": args.models, "url": args.url, "load": load_label,
+            "new_tokens": args.new_tokens, "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)"}
+    rows = []
+    for load in loads:
+        point = http_point(args.url, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                           new_tokens=args.new_tokens, concurrency=None if rates else int(load),
+                           rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+        rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
+                     "label": f"{method.name} (HTTP)", **point})
+        print(f"HTTP load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "
+              f"TTFT {point['ttft_mean_ms']:.1f} ms, tau {point['mean_acceptance_length'] or 1:.2f}", flush=True)
+        json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output)
+        plot(rows, json_path.with_suffix(".png"), load_label)
+
+
+def static_autoregressive(target, prompts, batch: int, new_tokens: int) -> dict:
+    """The peer: generate's static batch of `batch` prompts, autoregressive (speed.tokens_per_s: the full
+    run's time less a one-token run's, so neither prefill nor dispatch counts)."""
+    prompt_len = max(len(p) for p in prompts)
+    cache_size = speed.cache_size_for(prompt_len, new_tokens, 0)
+    request = [prompts[i % len(prompts)] for i in range(batch)]
+    run_args = loop_arrays(pad_request(target, request, new_tokens, 0, cache_size))[0]
+    one_args = loop_arrays(pad_request(target, request, 1, 0, cache_size))[0]
+    run = speed.autoregressive_run(target, cache_size)
+    tok_s, _ = speed.tokens_per_s(run, run_args, one_args)
+    with_prefill_s = benchmarking.timed(lambda: run(run_args))
+    return {"output_tok_s": tok_s, "requests": batch, "with_prefill_tok_s": batch * new_tokens / with_prefill_s}
+
+
+NOTES = ("Each engine has as many slots as the load's requests in flight: its step runs every slot, busy or not. "
+         "'static AR' is decoding.generate's autoregressive loop on a static batch of that size: output tok/s counts "
+         "decoding only, 'with prefill' the whole call (the engine's figures include its prefills).")
+
+
+if __name__ == "__main__":
+    main()
