@@ -11,7 +11,8 @@ block (dflash_full_block auto).
 
 AUC: specjax.training.confidence's, on the held-out steps it defines (greedy draft steps over the target's
 own continuation of held-out prompts, each draft given the ones before it accepted; the margin estimator
-fitted on half of them, both scored on the other half). Writes dspark_eval.json and dspark_eval.md to --out and prints the markdown.
+fitted on half of them, both scored on the other half). Writes dspark_eval.json and dspark_eval.md to --out
+and prints the markdown.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from specjax.training.evaluation import held_out_prompts
 
 def acceptance(target, method: str, drafter, prompts, new_tokens: int, k: int, temperature: float) -> dict:
     sampled = temperature > 0
-    spec = SpecConfig(method=method, num_speculative_tokens=k, rejection_sample_method="block" if sampled else "standard",
-                      draft_sample_method="probabilistic" if sampled else "greedy")
+    spec = SpecConfig(method=method, num_speculative_tokens=k, draft_sample_method="probabilistic" if sampled else "greedy",
+                      rejection_sample_method="block" if sampled else "standard")
     result = generate(target, prompts, max_new_tokens=new_tokens, spec=spec, drafter=drafter,
                       sampling=SamplingConfig(temperature=temperature), seeds=np.arange(len(prompts)))
     summary = result.metrics.summary()
@@ -95,7 +96,8 @@ def render(report: dict) -> str:
               f"logit, fitted on {c['fitted_drafts']} drafts), AUC on the other half's {c['scored_drafts']} drafts "
               f"(accepted fraction {c['accepted_fraction']:.3f}; each draft given the ones before it accepted):", "",
               "| estimator | AUC |", "|---|---|",
-              f"| confidence head | {c['auc_confidence_head']:.4f} |", f"| margin (logistic) | {c['auc_margin_logistic']:.4f} |", ""]
+              f"| confidence head | {c['auc_confidence_head']:.4f} |",
+              f"| margin (logistic) | {c['auc_margin_logistic']:.4f} |", ""]
     return "\n".join(lines)
 
 

@@ -185,7 +185,8 @@ def render(card: dict) -> str:
                f"layers {card['heads']['dflash'].get('target_layer_ids')}"),
               *([("dspark", card["heads"]["dspark"],
                   f"DFlash backbone ({card['heads']['dspark'].get('block_size')}-token blocks), Markov head of rank "
-                  f"{card['heads']['dspark'].get('markov_rank')}, confidence head")] if "dspark" in card["heads"] else []))],
+                  f"{card['heads']['dspark'].get('markov_rank')}, confidence head")]
+                if "dspark" in card["heads"] else []))],
         "",
         f"Mean acceptance length, greedy, K = 4, {card['held_out_prompts']['count']} held-out prompts of "
         f"{card['held_out_prompts']['tokens']} tokens, {card['held_out_prompts']['new_tokens']} new tokens "

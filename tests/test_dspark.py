@@ -5,6 +5,7 @@ inside blocks), losslessness by chi-square with standard and block verification 
 negative control, training (loss falls, a stopped run resumes exactly), and bad settings refused."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 from conftest import (EOS, REPO, TINY, autoregressive_outputs, chi_square_pvalue, dflash_config, drafter_run_config,
                       exact_joint, joint_counts_by_sampling, ragged_requests, target_and_drafts, tiny_pair,
                       train_through_cli)
+from block_training_checks import drafts_losslessly, stopped_run_resumes
 from safetensors.numpy import load_file, save_file
 
 from specjax.config import ConfigError, DSparkTrainConfig, SamplingConfig, SpecConfig
@@ -24,7 +26,7 @@ from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, bui
 from specjax.training import dflash as block_training
 from specjax.training.confidence import confidence_against_margin, held_out_steps
 from specjax.training.evaluation import held_out_prompts
-from specjax.training.loop import Checkpoints, read_metrics
+from specjax.training.loop import read_metrics
 
 T1 = SamplingConfig(temperature=1.0)
 
@@ -201,12 +203,8 @@ def test_negative_control_draft_probabilities_without_the_markov_bias_fail(monke
 
 # ------------------------------------------------------------------------------------------ training
 
-CONFIG = REPO / "configs/train/tiny_dspark.yaml"
-TOTAL_STEPS = 40  # the config's; it checkpoints every 20
-
-
-def run_config(target_dir, output_dir, *overrides) -> DSparkTrainConfig:
-    return drafter_run_config(DSparkTrainConfig, CONFIG, target_dir, output_dir, *overrides)
+CONFIG, TOTAL_STEPS = REPO / "configs/train/tiny_dspark.yaml", 40  # its steps; it checkpoints every 20
+run_config = functools.partial(drafter_run_config, DSparkTrainConfig, CONFIG)  # (target_dir, output_dir, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -223,11 +221,7 @@ def test_the_drafter_trains_with_both_heads_and_drafts_losslessly(trained_tiny_t
     drafter = load_dspark(dspark_run / "drafter", target.config)
     assert drafter.config.markov_rank == 16 and drafter.config.sample_from_anchor
     assert np.abs(np.asarray(drafter.markov_w2[...])).max() > 0  # trained away from its zero start
-    held_out = np.memmap(dspark_run / "tokens_held_out.bin", np.uint32, "r")
-    prompts = held_out_prompts(held_out, 3, 24, seed=1)
-    spec = SpecConfig(method="dspark", num_speculative_tokens=8)
-    assert generate(target, prompts, max_new_tokens=20, spec=spec, drafter=drafter).sequences() == \
-        generate(target, prompts, max_new_tokens=20).sequences()
+    drafts_losslessly(target, drafter, dspark_run, "dspark", 8)
     evaluation = json.loads((dspark_run / "drafter/eval.json").read_text())
     assert evaluation["kind"] == "dspark" and evaluation["final_loss"] == losses[-1]
     assert evaluation["mean_acceptance_length"] > 1
@@ -261,31 +255,9 @@ def test_the_confidence_heads_labels_are_each_drafts_acceptance_given_the_ones_b
 
 def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, dspark_run, tmp_path, monkeypatch):
     """Stopped at step 27, the run restarts from its step-20 checkpoint and ends where the uninterrupted one
-    did: the same losses (and confidence losses) step by step, the same weights, heads included."""
-    draw = block_training.sample_anchors
-    calls = []
-
-    def stops_at_27(*args):
-        calls.append(1)
-        if len(calls) == 27:
-            raise KeyboardInterrupt("stopped")
-        return draw(*args)
-
-    monkeypatch.setattr(block_training, "sample_anchors", stops_at_27)
-    config = run_config(trained_tiny_target, tmp_path)
-    with pytest.raises(KeyboardInterrupt):
-        block_training.train_dflash(config)
-    assert Checkpoints(tmp_path / "checkpoints").latest_step() == 20
-    monkeypatch.setattr(block_training, "sample_anchors", draw)
-    block_training.train_dflash(config)
-
-    resumed, reference = read_metrics(tmp_path / "metrics.jsonl"), read_metrics(dspark_run / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))
-    for key in ("loss", "confidence_loss"):
-        assert [r[key] for r in resumed] == [r[key] for r in reference]
-    ours, theirs = load_dspark(tmp_path / "drafter"), load_dspark(dspark_run / "drafter")
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    did: the same losses and confidence losses step by step, the same weights, heads included (resume_check)."""
+    stopped_run_resumes(monkeypatch, run_config(trained_tiny_target, tmp_path), dspark_run, load_dspark, TOTAL_STEPS,
+                        keys=("loss", "confidence_loss"))
 
 
 # ------------------------------------------------------------------------------------ bad settings

@@ -153,7 +153,8 @@ def config_to_hf(config: DSparkConfig) -> dict:
             "confidence_head_with_markov": config.enable_confidence_head and config.markov_rank > 0}
 
 
-def load_dspark(folder: str | Path, target_config: ModelConfig | None = None, dtype: str | None = None) -> DSparkDrafter:
+def load_dspark(folder: str | Path, target_config: ModelConfig | None = None,
+                dtype: str | None = None) -> DSparkDrafter:
     """A DSpark drafter from a folder in DeepSpec's layout (see dflash.load_dflash for target_config, dtype)."""
     return dflash.load_block_drafter(folder, config_from_hf, DSparkDrafter, tensor_rules, "a DSpark drafter",
                                      target_config, dtype, ignored=TARGET_COPIES)

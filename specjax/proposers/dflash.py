@@ -81,15 +81,19 @@ class DFlashProposer(Proposer):
         # hidden_layers: the target layers whose outputs make the context features.
         return cls(settings, params.config.hidden_layers if isinstance(params, DFlashDrafter) else ())
 
+    # The config.json architecture of its checkpoints, and their reader (a subclass's drafter reads its own).
+    architecture: ClassVar[str] = ARCHITECTURE
+    read_checkpoint: ClassVar = staticmethod(load_dflash)
+
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> DFlashDrafter:
         """The drafter computes in the target's dtype (dtype is not used)."""
-        drafter = load_dflash(folder, target.config, target.config.dtype)
+        drafter = cls.read_checkpoint(folder, target.config, target.config.dtype)
         return for_decoding(drafter, model_shards, convert=drafter_to_decoding_layout)
 
     @classmethod
     def recognizes(cls, folder: Path) -> bool:
-        return hf.config_json_or_empty(folder).get("architectures") == [ARCHITECTURE]
+        return hf.config_json_or_empty(folder).get("architectures") == [cls.architecture]
 
     def check(self, params: Any, target_config) -> None:
         if not isinstance(params, DFlashDrafter):

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.models import hf
 from specjax.models.dspark import ARCHITECTURE, DSparkDrafter, load_dspark
-from specjax.models.dflash import drafter_to_decoding_layout
-from specjax.models.transformer import Transformer, for_decoding
 from specjax.proposers.base import Context, TargetOutput, register
 from specjax.proposers.dflash import DFlashParams, DFlashProposer, DFlashState
 from specjax.proposers.draft_model import draw_draft_tokens
@@ -54,16 +50,8 @@ class DSparkProposer(DFlashProposer):
     default_drafter: ClassVar[str | None] = "default:dspark"
     checkpoint_kind: ClassVar[str] = "a DSpark drafter"
     takes_draft_vocabulary: ClassVar[bool] = False
-
-    @classmethod
-    def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> DSparkDrafter:
-        """The drafter computes in the target's dtype (dtype is not used)."""
-        drafter = load_dspark(folder, target.config, target.config.dtype)
-        return for_decoding(drafter, model_shards, convert=drafter_to_decoding_layout)
-
-    @classmethod
-    def recognizes(cls, folder: Path) -> bool:
-        return hf.config_json_or_empty(folder).get("architectures") == [ARCHITECTURE]
+    architecture: ClassVar[str] = ARCHITECTURE
+    read_checkpoint: ClassVar = staticmethod(load_dspark)
 
     def check(self, params: Any, target_config) -> None:
         if not isinstance(params, DSparkDrafter):
