@@ -18,12 +18,14 @@ install_dir=specjax/default_models
 quick=()
 lm_quick=()
 head_quick=()
+block_quick=()
 if [ "${QUICK:-0}" = 1 ]; then
   quick=(--set optimizer.total_steps=12 --set optimizer.warmup_steps=2 --set data.max_files=40
          --set data.held_out_fraction=0.25 --set data.seq_len=64 --set data.batch_size=4 --set checkpoint_every=6
          --set log_every=2)
   lm_quick=(--set data.vocab_size=512)
   head_quick=(--set eval_prompts=4 --set eval_prompt_len=32 --set eval_new_tokens=16)
+  block_quick=(--set regenerate_sequences=64 --set regenerate_prompt_len=16 --set num_anchors=4)
   install_dir=$runs/default_models
 fi
 # Re-running the script skips finished stages and resumes an interrupted one from its last checkpoint.
@@ -53,7 +55,8 @@ for head in medusa eagle1 eagle3; do
 done
 for block in dflash dspark; do
   train "$block" "train-$block" --config "configs/train/default_$block.yaml" --set target="$target_model" \
-    --set output_dir="$runs/$block" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
+    --set output_dir="$runs/$block" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}" \
+    "${block_quick[@]}"
 done
 if [ "$stages" = all ]; then
   "$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"

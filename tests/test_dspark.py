@@ -57,6 +57,9 @@ def test_the_checkpoint_has_deepspecs_names_and_round_trips(tmp_path):
     assert raw["enable_confidence_head"] and raw["confidence_head_with_markov"] and raw["sample_from_anchor"]
     loaded = load_dspark(tmp_path / "d", target.config)
     assert loaded.config == drafter.config
+    del raw["dflash_config"]  # DeepSpec writes its fields at the top level only
+    (tmp_path / "d/config.json").write_text(json.dumps(raw))
+    assert load_dspark(tmp_path / "d").config == drafter.config
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(drafter), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # DeepSpec's checkpoints carry copies of the target's embedding and LM head: not read; anything else is refused.
