@@ -811,8 +811,8 @@ class DSparkTrainConfig(DFlashTrainConfig):
         super().__post_init__()
         require(isinstance(self.markov_rank, int) and not isinstance(self.markov_rank, bool) and self.markov_rank >= 0,
                 "DSparkTrainConfig", "markov_rank", self.markov_rank, "an integer >= 0 (0: no Markov head)")
-        require(self.markov_head_type == "vanilla", "DSparkTrainConfig", "markov_head_type", self.markov_head_type,
-                "'vanilla'")
+        require(self.markov_head_type in ("vanilla", "gated"), "DSparkTrainConfig", "markov_head_type",
+                self.markov_head_type, "'vanilla' or 'gated'")
         require(self.confidence_head_alpha >= 0, "DSparkTrainConfig", "confidence_head_alpha",
                 self.confidence_head_alpha, "a float >= 0 (0: no confidence head)")
         span = self.block_size + self.sample_from_anchor  # the anchor's slot predicts the token after it

@@ -32,10 +32,10 @@ T1 = SamplingConfig(temperature=1.0)
 
 
 def drafter_for(target_config, block_size: int, rank: int, sample_from_anchor: bool = True, scale: float = 0.5,
-                layer_ids=(0, 1), seed: int = 3):
+                layer_ids=(0, 1), seed: int = 3, head: str = "vanilla"):
     """An untrained DSpark drafter with random (not zero) Markov and confidence weights."""
     config = dspark_config(dflash_config(target_config, layer_ids, block_size=block_size), markov_rank=rank,
-                           sample_from_anchor=sample_from_anchor)
+                           sample_from_anchor=sample_from_anchor, markov_head_type=head)
     return with_random_heads(init_dspark(config, seed=seed), scale, seed=seed)
 
 
@@ -43,7 +43,7 @@ def drafter_for(target_config, block_size: int, rank: int, sample_from_anchor: b
 
 def test_the_checkpoint_has_deepspecs_names_and_round_trips(tmp_path):
     target, _ = target_and_drafts()
-    drafter = drafter_for(target.config, block_size=8, rank=4)
+    drafter = drafter_for(target.config, block_size=8, rank=4, head="gated")
     save_dspark(drafter, tmp_path / "d")
     tensors = load_file(tmp_path / "d/model.safetensors")
     vocab, hidden = target.config.vocab_size, target.config.hidden_size
@@ -51,9 +51,11 @@ def test_the_checkpoint_has_deepspecs_names_and_round_trips(tmp_path):
     assert tensors["markov_head.markov_w2.weight"].shape == (vocab, 4)  # a torch Linear(r, V)
     assert tensors["confidence_head.proj.weight"].shape == (1, hidden + 4)
     assert tensors["confidence_head.proj.bias"].shape == (1,)
+    assert tensors["markov_head.gate_proj.weight"].shape == (4, hidden + 4)  # the gated head's Linear(D + r, r)
+    assert tensors["markov_head.gate_proj.bias"].shape == (4,)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= tensors.keys()
     raw = json.loads((tmp_path / "d/config.json").read_text())
-    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["markov_rank"] == 4
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and (raw["markov_rank"], raw["markov_head_type"]) == (4, "gated")
     assert raw["enable_confidence_head"] and raw["confidence_head_with_markov"] and raw["sample_from_anchor"]
     loaded = load_dspark(tmp_path / "d", target.config)
     assert loaded.config == drafter.config
@@ -68,7 +70,7 @@ def test_the_checkpoint_has_deepspecs_names_and_round_trips(tmp_path):
     load_dspark(tmp_path / "d")
     tensors["markov_head.gate.weight"] = np.zeros((4,), np.float32)
     save_file(tensors, tmp_path / "d/model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(hf.CheckpointError, match=r"tensors not used by a DSpark drafter: \['markov_head.gate.weight'\]"):
+    with pytest.raises(hf.CheckpointError, match=r"not used by a DSpark drafter: \['markov_head.gate.weight'\]"):
         load_dspark(tmp_path / "d")
 
 
@@ -129,13 +131,13 @@ def dflash_of(drafter):
 
 # ---------------------------------------------------------------------------- greedy = autoregressive
 
-@pytest.mark.parametrize("num_draft, options", [(4, {}), (8, {"dspark_draft_topk": 6}), (15, {})],
-                         ids=["K4", "K8-top6", "K15"])
-def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, options):
+@pytest.mark.parametrize("num_draft, head, options", [(4, "vanilla", {}), (8, "gated", {"dspark_draft_topk": 6}),
+                                                     (15, "vanilla", {})], ids=["K4", "K8-gated-top6", "K15"])
+def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, head, options):
     """56 ragged prompts, budgets of 1-24 tokens, some rows ending at an EOS inside a block; block 16 with the
     anchor's slot drafting (K 15 of its 16), random heads: drafts are accepted now and then."""
     target, _ = target_and_drafts()
-    drafter = drafter_for(target.config, block_size=16, rank=8)
+    drafter = drafter_for(target.config, block_size=16, rank=8, head=head)
     expected = autoregressive_outputs()
     prompts, budgets = ragged_requests()
     spec = SpecConfig(method="dspark", num_speculative_tokens=num_draft, **options)
@@ -153,8 +155,9 @@ SAMPLINGS = (T1, SamplingConfig(temperature=1.0, top_k=5))
 
 
 def tiny_dspark():
-    """A DSpark drafter for tiny_pair()'s target (8 ids, one layer), Markov bias large enough to matter."""
-    return drafter_for(TINY, block_size=4, rank=4, scale=1.0, layer_ids=(0,), seed=6)
+    """A gated DSpark drafter for tiny_pair()'s target (8 ids, one layer), Markov bias large enough to matter
+    (the vanilla head's draft probabilities are checked exactly above)."""
+    return drafter_for(TINY, block_size=4, rank=4, scale=1.0, layer_ids=(0,), seed=6, head="gated")
 
 
 def tiny_spec(verifier: str) -> SpecConfig:
@@ -164,8 +167,8 @@ def tiny_spec(verifier: str) -> SpecConfig:
 
 @pytest.mark.slow
 def test_speculative_sampling_is_lossless_with_standard_and_block_verification():
-    """Probabilistic drafting from the top-6 candidates with the Markov bias, T 1 and top-k 5 rows beside greedy
-    rows; standard and block verification are one program (the rule is data: verify.method_index)."""
+    """Probabilistic drafting from the top-6 candidates with the gated Markov bias, T 1 and top-k 5 rows beside
+    greedy rows; standard and block verification are one program (the rule is data: verify.method_index)."""
     target = tiny_pair()[0]
     for verifier in ("standard", "block"):
         counts, metrics, greedy_tokens = joint_counts_by_sampling(tiny_spec(verifier), SAMPLINGS, tiny_dspark(),
@@ -185,8 +188,8 @@ def test_negative_control_draft_probabilities_without_the_markov_bias_fail(monke
     draw = dspark_proposer.draw_draft_tokens
     bias = {}
 
-    def biased(self, previous):
-        bias["last"] = original(self, previous)
+    def biased(self, *args):
+        bias["last"] = original(self, *args)
         return bias["last"]
 
     def mislabelled(logits, keys, settings, sampling):
@@ -271,7 +274,7 @@ def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"DSparkConfig.markov_rank = -1 is invalid: allowed an integer >= 0"):
         dataclasses.replace(drafter.config, markov_rank=-1)
     with pytest.raises(ConfigError, match=r"DSparkConfig.markov_head_type = 'rnn' is invalid: allowed one of "
-                                          r"\['vanilla'\]"):
+                                          r"\['vanilla', 'gated'\]"):
         dataclasses.replace(drafter.config, markov_head_type="rnn")
     with pytest.raises(ConfigError, match=r"SpecConfig.dspark_draft_topk = 0 is invalid: allowed null, or an integer "
                                           r">= 1 with method 'dspark'"):

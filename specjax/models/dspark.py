@@ -4,9 +4,10 @@ Generation", arXiv 2607.05147; training code deepseek-ai/DeepSpec, serving vLLM'
 
 The backbone is specjax.models.dflash's drafter, unchanged: one forward over the block gives every slot's
 base logits through the target's LM head. Two small heads sit on it:
-- Markov head (vanilla): logits_k = base_k + W2 . W1[x_{k-1}], with W1 = markov_w1 [V, r], W2 = markov_w2
-  [r, V] and x_0 the anchor (the last committed token). Drafting is sequential over the block for this bias
-  only (x_{k-1} is the draft just drawn). Rank 0 is DFlash.
+- Markov head: logits_k = base_k + W2 . W1[x_{k-1}] (vanilla), with W1 = markov_w1 [V, r], W2 = markov_w2
+  [r, V] and x_0 the anchor (the last committed token); or W2 . (g_k * W1[x_{k-1}]) (gated), with the gate
+  g_k = sigmoid(G . [h_k, W1[x_{k-1}]] + g) from the drafting slot's hidden state h_k. Drafting is sequential
+  over the block for this bias only (x_{k-1} is the draft just drawn). Rank 0 is DFlash.
 - Confidence head: c_k = sigmoid(w . [h_k, W1[x_{k-1}]] + b) from the hidden state h_k of the slot that
   drafts k, the estimated probability that draft k is accepted given that draft k - 1 was.
 With `sample_from_anchor` (DeepSpec's and vLLM's layout) the anchor's slot drafts the first token, so a
@@ -16,7 +17,8 @@ in DFlash (up to block_size - 1).
 Checkpoints follow DeepSpec's Qwen3 DSpark model (deepspec/modeling/dspark/qwen3/modeling.py, read for the
 names): architecture `Qwen3DSparkModel`, DFlash's backbone tensors (fc, hidden_norm, norm, layers.{i}.*),
 `markov_head.markov_w1.weight` [V, r] (an Embedding), `markov_head.markov_w2.weight` [V, r] (a Linear r -> V),
-`confidence_head.proj.weight` [1, D + r] and `confidence_head.proj.bias` [1]; config fields `markov_rank`,
+the gated head's `markov_head.gate_proj.weight` [r, D + r] and `.bias` [r], `confidence_head.proj.weight`
+[1, D + r] and `confidence_head.proj.bias` [1]; config fields `markov_rank`,
 `markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`, `block_size`, `mask_token_id`,
 `target_layer_ids`. DeepSpec's checkpoints also carry copies of the target's `embed_tokens.weight` and
 `lm_head.weight`, which are not read (the target's own are used) and not written.
@@ -37,8 +39,8 @@ from specjax.models import dflash, hf
 from specjax.models.transformer import einsum_f32, init_param
 
 ARCHITECTURE = "Qwen3DSparkModel"
-# DeepSpec's head types are vanilla, gated and rnn; vanilla is the one implemented here.
-MARKOV_HEAD_TYPES = ("vanilla",)
+# DeepSpec's head types are vanilla, gated and rnn (a GRU over the block); rnn is not implemented here.
+MARKOV_HEAD_TYPES = ("vanilla", "gated")
 # Copies of the target's weights in DeepSpec's checkpoints, read from the target instead.
 TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
 
@@ -68,8 +70,8 @@ class DSparkConfig(dflash.DFlashConfig):
 
 class DSparkDrafter(dflash.DFlashDrafter):
     """DFlash's drafter (fc, hidden_norm, layers, final_norm) with the Markov head (markov_w1 [V, r],
-    markov_w2 [r, V]; None at rank 0) and the confidence head (confidence_w [D + r], confidence_b [];
-    None without it)."""
+    markov_w2 [r, V], and for the gated head gate_w [D + r, r], gate_b [r]; None at rank 0) and the
+    confidence head (confidence_w [D + r], confidence_b []; None without it)."""
 
     def __init__(self, config: DSparkConfig, *, rngs: nnx.Rngs):
         super().__init__(config, rngs=rngs)
@@ -77,16 +79,26 @@ class DSparkDrafter(dflash.DFlashDrafter):
         self.markov_w1 = init_param(rngs, (c.vocab_size, rank), c) if rank else None
         # Zero: an untrained head adds no bias, so training starts from the parallel drafter (as DeepSpec forks do).
         self.markov_w2 = init_param(rngs, (rank, c.vocab_size), c, "zeros") if rank else None
+        gated = rank and config.markov_head_type == "gated"
+        self.gate_w = init_param(rngs, (c.hidden_size + rank, rank), c) if gated else None
+        self.gate_b = init_param(rngs, (rank,), c, "zeros") if gated else None
         confidence = config.enable_confidence_head
         self.confidence_w = init_param(rngs, (c.hidden_size + rank,), c, "zeros") if confidence else None
         self.confidence_b = init_param(rngs, (), c, "zeros") if confidence else None
 
-    def markov_bias(self, previous: Int[Array, "*S"]) -> Float[Array, "*S V"]:
-        """W2 . W1[previous]: the float32 bias the Markov head adds to the base logits of the token after
-        `previous` (zeros at rank 0)."""
+    def markov_bias(self, previous: Int[Array, "*S"], hidden: Float[Array, "*S D"]) -> Float[Array, "*S V"]:
+        """The float32 bias the Markov head adds to the base logits of the token after `previous`, drafted by
+        the slot whose hidden state is `hidden` (read by the gated head only): W2 . W1[previous], or W2 .
+        (gate * W1[previous]); zeros at rank 0."""
         if self.markov_w1 is None:
             return jnp.zeros((*previous.shape, self.config.layer.vocab_size), jnp.float32)
-        return einsum_f32("...r,rv->...v", self.markov_w1[...][previous], self.markov_w2[...])
+        embedded = self.markov_w1[...][previous]
+        if self.gate_w is not None:
+            features = jnp.concatenate([hidden.astype(jnp.float32), embedded.astype(jnp.float32)], axis=-1)
+            gate_logit = features @ self.gate_w[...].astype(jnp.float32) + self.gate_b[...].astype(jnp.float32)
+            gate = jax.nn.sigmoid(gate_logit)
+            embedded = (gate * embedded).astype(embedded.dtype)
+        return einsum_f32("...r,rv->...v", embedded, self.markov_w2[...])
 
     def confidence_logit(self, hidden: Float[Array, "*S D"], previous: Int[Array, "*S"]) -> Float[Array, "*S"]:
         """The confidence head's logit from the drafting slot's hidden state and the previous token (its
@@ -115,6 +127,9 @@ def tensor_rules(config: DSparkConfig) -> list[hf.Rule]:
     if config.markov_rank:
         rules += [hf.same("markov_w1", "markov_head.markov_w1.weight"),
                   hf.transposed("markov_w2", "markov_head.markov_w2.weight")]
+        if config.markov_head_type == "gated":
+            rules += [hf.transposed("gate_w", "markov_head.gate_proj.weight"),
+                      hf.same("gate_b", "markov_head.gate_proj.bias")]
     if config.enable_confidence_head:
         rules += [hf.Rule(("confidence_w",), ("confidence_head.proj.weight",), lambda w: (w.reshape(-1),),
                           lambda w: (w.reshape(1, -1),)),
@@ -169,8 +184,8 @@ def with_random_heads(drafter: DSparkDrafter, scale: float, seed: int = 0) -> DS
     """The drafter with Gaussian Markov and confidence weights of standard deviation `scale` (an untrained
     drafter's W2 is zero, so its Markov head would add nothing): for tests and measurements of the heads."""
     changed = jax.tree.map(lambda w: w, drafter)
-    keys = iter(jax.random.split(jax.random.key(seed), 4))
-    for name in ("markov_w1", "markov_w2", "confidence_w"):
+    keys = iter(jax.random.split(jax.random.key(seed), 5))
+    for name in ("markov_w1", "markov_w2", "gate_w", "confidence_w"):
         param = getattr(changed, name)
         if param is not None:
             param.set_value(scale * jax.random.normal(next(keys), param.shape, param.dtype))

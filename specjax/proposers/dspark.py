@@ -82,15 +82,17 @@ class DSparkProposer(DFlashProposer):
         slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
 
         def draw(previous, slot):  # one draft per row, after `previous`
-            logits, slot_key = slot
-            token, probs = draw_draft_tokens(logits + drafter.markov_bias(previous), slot_key, settings,
+            logits, slot_key, slot_hidden = slot
+            token, probs = draw_draft_tokens(logits + drafter.markov_bias(previous, slot_hidden), slot_key, settings,
                                              context.sampling)
             return token, (token, probs)
 
-        _, (drafts, draft_probs) = jax.lax.scan(draw, anchor, (jnp.swapaxes(base, 0, 1), jnp.swapaxes(slot_keys, 0, 1)))
+        slots = tuple(jnp.swapaxes(x, 0, 1) for x in (base, slot_keys, hidden))  # scanned over the K slots
+        _, (drafts, draft_probs) = jax.lax.scan(draw, anchor, slots)
         drafts = jnp.swapaxes(drafts, 0, 1)
         draft_probs = None if draft_probs is None else jnp.swapaxes(draft_probs, 0, 1)
         if state.draft_confidence is not None:
             previous = jnp.concatenate([anchor[:, None], drafts[:, :-1]], axis=1)
-            state = dataclasses.replace(state, draft_confidence=jax.nn.sigmoid(drafter.confidence_logit(hidden, previous)))
+            confidence = jax.nn.sigmoid(drafter.confidence_logit(hidden, previous))
+            state = dataclasses.replace(state, draft_confidence=confidence)
         return drafts, draft_probs, state

@@ -130,9 +130,10 @@ def block_outputs(drafter: DFlashDrafter, target: Transformer, tokens: jax.Array
     logits = unembed(out, target.embed[...], lm_head, target.config.jnp_dtype).reshape(batch_size, num_blocks,
                                                                                        block_size, -1)
     previous = tokens[rows, jnp.maximum(label_positions - 1, 0)]
+    out = out.reshape(batch_size, num_blocks, block_size, -1)
     if isinstance(drafter, DSparkDrafter):
-        logits = logits + drafter.markov_bias(previous)
-    outputs = {"logits": logits, "hidden": out.reshape(batch_size, num_blocks, block_size, -1),
+        logits = logits + drafter.markov_bias(previous, out)
+    outputs = {"logits": logits, "hidden": out,
                "labels": tokens[rows, label_positions], "previous": previous, "draft_index": draft_index}
     if compute_target_logits:  # the target's distribution of x_p is its output at position p - 1
         outputs["target_logits"] = jax.lax.stop_gradient(target_logits)[rows, jnp.maximum(label_positions - 1, 0)]
