@@ -147,6 +147,24 @@ def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, hea
     assert 0 < result.metrics.summary()["acceptance_rate"] < 1
 
 
+def test_the_engine_serves_dspark_requests_with_their_autoregressive_output():
+    """The continuous-batching engine with DSpark (K 3, 4 slots, 32 requests arriving at random steps; the
+    confidence kept per slot in the proposer state): each request's greedy output is generate's alone."""
+    from test_engine import random_requests, serve_arriving, truncated_at_stop
+
+    from specjax.engine import Engine, EngineConfig
+
+    target, _ = target_and_drafts()
+    requests = random_requests(32)
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=SpecConfig(method="dspark", num_speculative_tokens=3),
+                          eos_token_ids=(EOS,), steps_per_visit=3, max_prefill_batch=4)
+    outputs = serve_arriving(Engine(target, config, drafter=drafter_for(target.config, block_size=8, rank=8)), requests)
+    expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
+                        eos_token_ids=(EOS,)).sequences()
+    for request, want in zip(requests, expected):
+        assert list(outputs[request.request_id].tokens) == truncated_at_stop(want, request.stop_token_ids)
+
+
 # ------------------------------------------------------------------------------- exact distribution
 
 LOSSLESS_ALPHA = 1e-4  # test_lossless.py's threshold
