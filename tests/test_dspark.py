@@ -55,7 +55,8 @@ def test_the_checkpoint_has_deepspecs_names_and_round_trips(tmp_path):
     assert tensors["markov_head.gate_proj.bias"].shape == (4,)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= tensors.keys()
     raw = json.loads((tmp_path / "d/config.json").read_text())
-    assert raw["architectures"] == ["Qwen3DSparkModel"] and (raw["markov_rank"], raw["markov_head_type"]) == (4, "gated")
+    assert raw["architectures"] == ["Qwen3DSparkModel"]
+    assert (raw["markov_rank"], raw["markov_head_type"]) == (4, "gated")
     assert raw["enable_confidence_head"] and raw["confidence_head_with_markov"] and raw["sample_from_anchor"]
     loaded = load_dspark(tmp_path / "d", target.config)
     assert loaded.config == drafter.config
