@@ -4,10 +4,12 @@
     PYTHONPATH=. python scripts/make_model_card.py --out specjax/default_models   # measure again only
 
     PYTHONPATH=. python scripts/make_model_card.py --dflash-run runs/default/dflash --out specjax/default_models
+    PYTHONPATH=. python scripts/make_model_card.py --dspark-run runs/default/dspark --out specjax/default_models
 
 With --runs, copies the runs of scripts/train_default_models.sh (target/, draft/, medusa/, eagle1/,
-eagle3/, dflash/) to --out, every model in bfloat16 (refusing more than --max-mb in all), the draft sharing
-the target's tokenizer; --dflash-run installs only a DFlash run. Then measures the installed models: the
+eagle3/, dflash/, dspark/) to --out, every model in bfloat16 (refusing more than --max-mb in all), the draft
+sharing the target's tokenizer; --dflash-run and --dspark-run install only a DFlash or DSpark run (the card
+measures DSpark where it is installed). Then measures the installed models: the
 greedy mean acceptance length at K = 4 of each drafter on held-out prompts (the corpus split the target
 was trained with, tokenized again with its tokenizer), and DFlash's at K = 15 as its K sweep measures it
 (the greedy K = 15 point of configs/sweeps/dflash_k_sweep.yaml, where its project goal is set), and
@@ -30,13 +32,17 @@ from specjax.data.dataset import prepare
 from specjax.experiments import Runner, grid_points, load_sweep
 from specjax.models import hf
 from specjax.models.dflash import load_dflash, save_dflash
+from specjax.models.dspark import load_dspark, save_dspark
 from specjax.models.eagle import load_eagle, save_eagle
 from specjax.models.medusa import load_medusa, save_medusa
 from specjax.models.transformer import num_parameters
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
 
 # installed name: run folder
-HEADS = {"medusa": "medusa/heads", "eagle1": "eagle1/head", "eagle3": "eagle3/head", "dflash": "dflash/drafter"}
+HEADS = {"medusa": "medusa/heads", "eagle1": "eagle1/head", "eagle3": "eagle3/head", "dflash": "dflash/drafter",
+         "dspark": "dspark/drafter"}
+# The block drafters' loaders and writers, installed from their run's drafter/ folder.
+BLOCK_DRAFTERS = {"dflash": (load_dflash, save_dflash), "dspark": (load_dspark, save_dspark)}
 DFLASH_SWEEP = Path(__file__).resolve().parents[1] / "configs/sweeps/dflash_k_sweep.yaml"
 DFLASH_GOAL_POINT = {"sampling.temperature": 0.0, "spec.dflash_full_block": False, "spec.num_speculative_tokens": 15,
                      "spec.rejection_sample_method": "standard"}
@@ -60,14 +66,17 @@ def install(runs: Path, out: Path, max_mb: float) -> None:
     for kind in ("eagle1", "eagle3"):
         save_eagle(load_eagle(runs / HEADS[kind], target.config), out / kind)
     for name, folder in HEADS.items():
-        if name != "dflash":
+        if name not in BLOCK_DRAFTERS:
             shutil.copy(runs / folder / "eval.json", out / name / "eval.json")
-    install_dflash(runs / "dflash", out, max_mb)
+    for name in BLOCK_DRAFTERS:
+        install_block_drafter(name, runs / name, out, max_mb)
 
 
-def install_dflash(run: Path, out: Path, max_mb: float) -> None:
-    save_dflash(load_dflash(run / "drafter", dtype="bfloat16"), out / "dflash")
-    shutil.copy(run / "drafter/eval.json", out / "dflash/eval.json")
+def install_block_drafter(name: str, run: Path, out: Path, max_mb: float) -> None:
+    """A DFlash or DSpark run's drafter, in bfloat16, installed as out/NAME."""
+    load, save = BLOCK_DRAFTERS[name]
+    save(load(run / "drafter", dtype="bfloat16"), out / name)
+    shutil.copy(run / "drafter/eval.json", out / name / "eval.json")
     total_mb = folder_mb(out)
     if total_mb > max_mb:
         raise SystemExit(f"the default models take {total_mb:.1f} MB: allowed at most {max_mb} MB")
@@ -87,8 +96,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, help="install from these training runs first")
     parser.add_argument("--dflash-run", type=Path, help="install only this DFlash training run first")
+    parser.add_argument("--dspark-run", type=Path, help="install only this DSpark training run first")
     parser.add_argument("--out", type=Path, default=Path("specjax/default_models"))
-    parser.add_argument("--max-mb", type=float, default=48.0)
+    parser.add_argument("--max-mb", type=float, default=56.0)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -97,14 +107,16 @@ def main():
     if args.runs:
         out.mkdir(parents=True, exist_ok=True)
         install(args.runs, out, args.max_mb)
-    if args.dflash_run:
-        install_dflash(args.dflash_run, out, args.max_mb)
+    for name, run in (("dflash", args.dflash_run), ("dspark", args.dspark_run)):
+        if run:
+            install_block_drafter(name, run, out, args.max_mb)
 
     target = hf.load(out / "target")
     draft = hf.load(out / "draft")
     medusa = load_medusa(out / "medusa")
     eagle1, eagle3 = (load_eagle(out / kind, target.config) for kind in ("eagle1", "eagle3"))
     dflash = load_dflash(out / "dflash", target.config, target.config.dtype)
+    dspark = load_dspark(out / "dspark", target.config, target.config.dtype) if (out / "dspark").is_dir() else None
     with tempfile.TemporaryDirectory() as corpus_dir:
         tokenizer, _, held_out = prepare(DataConfig(tokenizer=str(out / "target")), Path(corpus_dir))
         prompts = held_out_prompts(held_out, args.prompts, args.prompt_len)
@@ -116,6 +128,7 @@ def main():
         "ngram": (SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=5),
                   None),
         "dflash": (SpecConfig(method="dflash", num_speculative_tokens=4), dflash),
+        **({} if dspark is None else {"dspark": (SpecConfig(method="dspark", num_speculative_tokens=4), dspark)}),
     }
     acceptance = {name: mean_acceptance_length(target, spec, drafter, prompts, args.new_tokens)
                   for name, (spec, drafter) in drafters.items()}
@@ -124,7 +137,8 @@ def main():
         "target": json.loads((out / "target/eval.json").read_text()),
         "draft": json.loads((out / "draft/eval.json").read_text()),
         "heads": {name: {**json.loads((out / name / "eval.json").read_text()), "parameters": num_parameters(head)}
-                  for name, head in (("medusa", medusa), ("eagle1", eagle1), ("eagle3", eagle3), ("dflash", dflash))},
+                  for name, head in (("medusa", medusa), ("eagle1", eagle1), ("eagle3", eagle3), ("dflash", dflash),
+                                     ("dspark", dspark)) if head is not None},
         "acceptance_T0_K4": {name: summary["mean_acceptance_length"] for name, summary in acceptance.items()},
         "acceptance_T0_K15_dflash_sweep": dflash_sweep_point(out),
         "held_out_prompts": {"count": len(prompts), "tokens": args.prompt_len, "new_tokens": args.new_tokens},
@@ -150,7 +164,7 @@ def render(card: dict) -> str:
         f"{t['held_out_tokens'] / 1e6:.2f}M held-out tokens). Stored in bfloat16, {card['size_MB']} MB in all. "
         f"Measured on {env['device']} with JAX {env['jax']}, {env['date']}.", "",
         "Load them by name: `default:target`, `default:draft`, `default:eagle1`, `default:eagle3`, "
-        "`default:medusa`, `default:dflash` in configs and on the command line, or "
+        "`default:medusa`, `default:dflash`, `default:dspark` in configs and on the command line, or "
         "`specjax.default_models.path(name)`.", "",
         "| model | parameters | steps | held-out loss | held-out perplexity |", "|---|---|---|---|---|",
         f"| target | {t['parameters'] / 1e6:.1f}M | {t['steps']} | {t['held_out_loss']:.3f} | "
@@ -168,7 +182,12 @@ def render(card: dict) -> str:
               ("medusa", card["heads"]["medusa"], "4 residual heads sharing the target's LM head"),
               ("dflash", card["heads"]["dflash"],
                f"block drafter: {card['heads']['dflash'].get('block_size')}-token blocks, reads the outputs of "
-               f"layers {card['heads']['dflash'].get('target_layer_ids')}"))], "",
+               f"layers {card['heads']['dflash'].get('target_layer_ids')}"),
+              *([("dspark", card["heads"]["dspark"],
+                  f"DFlash backbone ({card['heads']['dspark'].get('block_size')}-token blocks), Markov head of rank "
+                  f"{card['heads']['dspark'].get('markov_rank')}, confidence head")]
+                if "dspark" in card["heads"] else []))],
+        "",
         f"Mean acceptance length, greedy, K = 4, {card['held_out_prompts']['count']} held-out prompts of "
         f"{card['held_out_prompts']['tokens']} tokens, {card['held_out_prompts']['new_tokens']} new tokens "
         "(n-gram with prompt_lookup_min 2, max 5):", "",

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Trains the default models (target LM, draft LM, Medusa, EAGLE-1 and EAGLE-3 heads, DFlash) and installs them
-# into specjax/default_models with a model card. Meant for the GPU machine:
+# Trains the default models (target LM, draft LM, Medusa, EAGLE-1 and EAGLE-3 heads, DFlash, DSpark) and installs
+# them into specjax/default_models with a model card. Meant for the GPU machine:
 #     PYTHONPATH=. scripts/train_default_models.sh [RUNS_DIR]
+# STAGES="dspark" (a space-separated list of target draft medusa eagle1 eagle3 dflash dspark; default all) runs
+# only those stages and installs only what they trained (--dflash-run / --dspark-run): a drafter stage without
+# RUNS_DIR/target/model trains for the bundled target (specjax/default_models/target) and writes the token files
+# it needs under RUNS_DIR/target again. E.g. the DSpark drafter alone, on the GPU machine:
+#     PYTHONPATH=. STAGES=dspark scripts/train_default_models.sh runs/default
 # QUICK=1 runs every stage with a few steps on a few files (a CPU smoke test of the pipeline; its
-# models are not worth shipping, so it installs into RUNS_DIR/default_models instead).
+# models are not worth shipping, so it installs into RUNS_DIR/default_models instead, and with STAGES set
+# installs nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-runs/default}
@@ -12,32 +18,54 @@ install_dir=specjax/default_models
 quick=()
 lm_quick=()
 head_quick=()
+block_quick=()
 if [ "${QUICK:-0}" = 1 ]; then
   quick=(--set optimizer.total_steps=12 --set optimizer.warmup_steps=2 --set data.max_files=40
          --set data.held_out_fraction=0.25 --set data.seq_len=64 --set data.batch_size=4 --set checkpoint_every=6
          --set log_every=2)
   lm_quick=(--set data.vocab_size=512)
   head_quick=(--set eval_prompts=4 --set eval_prompt_len=32 --set eval_new_tokens=16)
+  block_quick=(--set regenerate_sequences=64 --set regenerate_prompt_len=16 --set num_anchors=4)
   install_dir=$runs/default_models
 fi
 # Re-running the script skips finished stages and resumes an interrupted one from its last checkpoint.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$runs/jax_cache}
-train() {  # train STAGE_DIR SPECJAX_ARGS...: skipped when the stage's eval.json (written last) exists
+stages=${STAGES:-all}
+train() {  # train STAGE_DIR SPECJAX_ARGS...: skipped when the stage's eval.json (written last) exists or not in STAGES
   local stage=$1; shift
+  if [ "$stages" != all ] && [[ " $stages " != *" $stage "* ]]; then return; fi
   if compgen -G "$runs/$stage/*/eval.json" >/dev/null; then echo "$stage: done, skipped"; return; fi
   "$python" -m specjax.cli "$@"
 }
+# The drafters' target: the one trained here, or where its stage did not run here, the bundled one.
+target_model=$runs/target/model
+if [ "$stages" != all ] && [[ " $stages " != *" target "* ]] && [ ! -e "$target_model/config.json" ]; then
+  target_model=specjax/default_models/target
+fi
 
 train target train-lm --config configs/train/default_target.yaml --set output_dir="$runs/target" \
   "${quick[@]}" "${lm_quick[@]}"
 # Later stages reuse the target's tokenizer and token files (data.cache_dir) instead of re-tokenizing.
 train draft train-lm --config configs/train/default_draft.yaml --set output_dir="$runs/draft" \
-  --set data.tokenizer="$runs/target/model" --set data.cache_dir="$runs/target" "${quick[@]}"
+  --set data.tokenizer="$target_model" --set data.cache_dir="$runs/target" "${quick[@]}"
 for head in medusa eagle1 eagle3; do
   command=train-eagle; [ "$head" = medusa ] && command=train-medusa
-  train "$head" "$command" --config "configs/train/default_$head.yaml" --set target="$runs/target/model" \
+  train "$head" "$command" --config "configs/train/default_$head.yaml" --set target="$target_model" \
     --set output_dir="$runs/$head" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
 done
-train dflash train-dflash --config configs/train/default_dflash.yaml --set target="$runs/target/model" \
-  --set output_dir="$runs/dflash" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
-"$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"
+for block in dflash dspark; do
+  train "$block" "train-$block" --config "configs/train/default_$block.yaml" --set target="$target_model" \
+    --set output_dir="$runs/$block" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}" \
+    "${block_quick[@]}"
+done
+if [ "$stages" = all ]; then
+  "$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"
+elif [ "${QUICK:-0}" = 1 ]; then
+  echo "QUICK=1 with STAGES=$stages: nothing installed"
+else
+  installs=()
+  for block in dflash dspark; do
+    [[ " $stages " == *" $block "* ]] && installs+=("--$block-run" "$runs/$block")
+  done
+  if [ ${#installs[@]} -gt 0 ]; then "$python" scripts/make_model_card.py "${installs[@]}" --out "$install_dir"; fi
+fi

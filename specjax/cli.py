@@ -235,6 +235,9 @@ TRAINERS = {
                      "train Medusa heads on a frozen target", "configs/train/tiny_medusa.yaml"),
     "train-dflash": ("DFlashTrainConfig", "specjax.training.dflash:train_dflash",
                      "train a DFlash block drafter on a frozen target", "configs/train/tiny_dflash.yaml"),
+    "train-dspark": ("DSparkTrainConfig", "specjax.training.dflash:train_dflash",
+                     "train a DSpark drafter (DFlash backbone, Markov and confidence heads) on a frozen target",
+                     "configs/train/tiny_dspark.yaml"),
 }
 
 

@@ -238,6 +238,10 @@ def check_token_tree(tree, depth: int) -> tuple[tuple[int, ...], ...]:
     return tuple(paths)
 
 
+# Methods that draft with DFlash's block backbone (SpecConfig.dflash_full_block applies to them).
+BLOCK_METHODS = ("dflash", "dspark")
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, with vLLM's `SpeculativeConfig` names and meanings.
@@ -288,7 +292,11 @@ class SpecConfig:
       drafts worse there: the full block accepted 41-45% more at K 3 and 7 on the default models for
       +0.6% a step at batch 1 and +7-10% at batch 16 at the 8B shape (docs/performance.md, "Acceptance:
       DFlash on the default models"; benchmarks/results/dflash_block_cost); set False where a step's cost
-      grows with the block (large batches).
+      grows with the block (large batches). Method 'dspark' (DFlash's backbone) takes it too.
+    dspark_draft_topk: method 'dspark' only (vLLM's option): each draft is drawn from the dspark_draft_topk
+      candidates of highest base (backbone) logit, with the Markov bias added to those only (vLLM's gathered
+      bias: k rows of W2 read instead of V); null: the whole vocabulary. The draft probabilities the verifier
+      sees are that restricted distribution, so verification stays lossless.
     """
 
     method: str = "draft_model"
@@ -306,6 +314,7 @@ class SpecConfig:
     total_tokens: int | str | None = None
     top_k: int | None = None
     dflash_full_block: bool | None = None
+    dspark_draft_topk: int | None = None
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
@@ -367,9 +376,14 @@ class SpecConfig:
         if self.kv_cache_dtype is not None:
             dtype_from_name(self.kv_cache_dtype, "SpecConfig.kv_cache_dtype")
         require(self.dflash_full_block is None or (isinstance(self.dflash_full_block, bool)
-                                                   and (not self.dflash_full_block or self.method == "dflash")),
+                                                   and (not self.dflash_full_block or self.method in BLOCK_METHODS)),
                 "SpecConfig", "dflash_full_block", self.dflash_full_block,
-                f"null (auto), true or false with method 'dflash'; null or false with method {self.method!r}")
+                f"null (auto), true or false with method 'dflash' or 'dspark'; null or false with method "
+                f"{self.method!r}")
+        topk = self.dspark_draft_topk
+        require(topk is None or (self.method == "dspark" and isinstance(topk, int) and not isinstance(topk, bool)
+                                 and topk >= 1), "SpecConfig", "dspark_draft_topk", topk,
+                f"null, or an integer >= 1 with method 'dspark' (method is {self.method!r})")
         if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
             raise ConfigError(
                 f"SpecConfig.use_heterogeneous_vocab = True with method {self.method!r} and draft_sample_method "
@@ -777,3 +791,31 @@ class DFlashTrainConfig(TrainingRun):
     @property
     def decay_gamma(self) -> float:
         return self.loss_decay_gamma or DFLASH_LOSS_DECAY.get(self.block_size, 7.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DSparkTrainConfig(DFlashTrainConfig):
+    """Training a DSpark drafter (specjax.models.dspark): DFlashTrainConfig's backbone and recipe, with the
+    Markov head trained jointly and the confidence head on the acceptance each block observes
+    (specjax.training.dflash; `specjax train-dspark`)."""
+
+    # The Markov head's rank (0: none, a DFlash drafter in DSpark's layout) and type.
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    # The anchor's slot drafts the first token (DeepSpec's layout); False: the slot after it (DFlash's).
+    sample_from_anchor: bool = True
+    # Weight of the confidence head's loss (DeepSpec's name; 0: no confidence head).
+    confidence_head_alpha: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        require(isinstance(self.markov_rank, int) and not isinstance(self.markov_rank, bool) and self.markov_rank >= 0,
+                "DSparkTrainConfig", "markov_rank", self.markov_rank, "an integer >= 0 (0: no Markov head)")
+        require(self.markov_head_type in ("vanilla", "gated"), "DSparkTrainConfig", "markov_head_type",
+                self.markov_head_type, "'vanilla' or 'gated'")
+        require(self.confidence_head_alpha >= 0, "DSparkTrainConfig", "confidence_head_alpha",
+                self.confidence_head_alpha, "a float >= 0 (0: no confidence head)")
+        span = self.block_size + self.sample_from_anchor  # the anchor's slot predicts the token after it
+        require(self.data.seq_len >= span, "DSparkTrainConfig", "data.seq_len", self.data.seq_len,
+                f"an integer >= {span} (block_size{' + 1 with sample_from_anchor' if self.sample_from_anchor else ''}):"
+                " every block's labels lie inside its sequence")

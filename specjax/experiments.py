@@ -24,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specjax import default_models, sharding
-from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
+from specjax.config import BLOCK_METHODS, ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
 from specjax.proposers import PROPOSERS, UnsupportedSpeculation, proposer_class
 from specjax.proposers.dflash import drafts_full_block
 from specjax.verify import verifier_name
@@ -245,8 +245,9 @@ class Runner:
         return {
             **point_fields(config),
             # What DFlash drafted (dflash_full_block null: the full block where K + 1 < block_size).
-            **({} if config.spec.method != "dflash"
-               else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size)}),
+            **({} if config.spec.method not in BLOCK_METHODS
+               else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size,
+                                                            drafter.config.first_draft_slot)}),
             **({} if choice is None else {"tree_nodes": choice.total_tokens, "tree_size_auto": {
                 "sizes": choice.sizes, "estimated_acceptance": choice.acceptance, "verify_s": choice.verify_s,
                 "rest_s": choice.rest_s, "predicted_tokens_per_s": choice.predicted_tok_s}}),

@@ -14,7 +14,19 @@ from specjax.decoding import generate
 from specjax.experiments import RunConfig, grid_points, load_models, load_prompts, load_sweep
 from specjax.proposers import PROPOSERS
 
-METHODS = ["dflash", "draft_model", "eagle", "eagle3", "medusa", "ngram"]
+# The methods of the demo and K-sweep configs.
+SWEPT = ["dflash", "draft_model", "eagle", "eagle3", "medusa", "ngram"]
+# default:dspark is trained on the GPU machine (scripts/train_default_models.sh's dspark stage); until it is
+# installed, the tests of bundled drafters skip it, saying so.
+DSPARK_INSTALLED = (default_models.path("target").parent / "dspark" / "config.json").exists()
+NOT_INSTALLED = ("default:dspark is not installed yet: run PYTHONPATH=. STAGES=dspark scripts/train_default_models.sh "
+                 "runs/default on the GPU machine")
+METHODS = SWEPT + ["dspark"]
+
+
+def skip_uninstalled(method: str) -> None:
+    if method == "dspark" and not DSPARK_INSTALLED:
+        pytest.skip(NOT_INSTALLED)
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +38,17 @@ def target_and_prompts():
 
 def test_the_card_matches_the_bundled_files():
     card = json.loads((default_models.path("target").parent / "model_card.json").read_text())
-    assert card["size_MB"] <= 48
+    assert card["size_MB"] <= 56
     assert card["vocab_size"] == load_models(default_models.TARGET)[0].config.vocab_size
     for name in default_models.NAMES:
-        assert (default_models.path(name) / "eval.json").exists()
+        if name != "dspark" or DSPARK_INSTALLED:
+            assert (default_models.path(name) / "eval.json").exists()
 
 
 @pytest.mark.loop
 @pytest.mark.parametrize("method", METHODS)
 def test_every_bundled_drafter_is_lossless_at_temperature_zero(target_and_prompts, method):
+    skip_uninstalled(method)
     target, prompts, autoregressive = target_and_prompts
     _, _, drafter = load_models(default_models.TARGET, method, dtype="float32")
     result = generate(target, prompts, max_new_tokens=24, spec=SpecConfig(method=method, num_speculative_tokens=4),
@@ -76,13 +90,16 @@ def test_unknown_default_names_are_refused():
     with pytest.raises(ValueError, match="default model 'eagle2' does not exist: allowed"):
         default_models.resolve("default:eagle2")
     with pytest.raises(ConfigError, match=r"SpecConfig.method = 'lookahead' is invalid: allowed one of "
-                                          r"\['dflash', 'draft_model', 'eagle', 'eagle3', 'medusa', 'ngram'\]"):
+                                          r"\['dflash', 'draft_model', 'dspark', 'eagle', 'eagle3', 'medusa', "
+                                          r"'ngram'\]"):
         load_models(default_models.TARGET, "lookahead")
 
 
 def test_every_registered_method_has_its_bundled_drafter():
     assert sorted(PROPOSERS) == sorted(METHODS)
     for method, proposer in PROPOSERS.items():
+        if method == "dspark" and not DSPARK_INSTALLED:
+            continue
         if proposer.needs_drafter:
             assert (default_models.resolve(proposer.default_drafter) / "config.json").exists(), method
         else:
@@ -97,22 +114,22 @@ def test_the_demo_config_runs_end_to_end(tmp_path, capsys):
     captured = capsys.readouterr()
     out = captured.out
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert sorted(row["method"] for row in rows) == sorted(METHODS)
+    assert sorted(row["method"] for row in rows) == sorted(SWEPT)
     assert all(row["greedy_identical_rows"] == row["prompts"] for row in rows)
     # The verifier that ran at T = 0 is the greedy one; DFlash drafts its whole block at K 4 by default.
-    names = {method: method + (" (full block)" if method == "dflash" else "") for method in METHODS}
-    assert all(f"| {names[method]} | 4 | greedy | 0 | greedy |" in out for method in METHODS), out
+    names = {method: method + (" (full block)" if method == "dflash" else "") for method in SWEPT}
+    assert all(f"| {names[method]} | 4 | greedy | 0 | greedy |" in out for method in SWEPT), out
     # Understandable without the README: the AR tokens/s column, what rows = AR means, why speedups are below 1.
     assert "| AR tokens/s | tokens/s | speedup | rows = AR |" in out and "rows = AR: greedy rows whose" in out
     assert all(row["speedup"] >= 1 for row in rows) or "bound by kernel launches" in out
-    assert "sweep: 100%" in captured.err and f"{len(METHODS)}/{len(METHODS)}" in captured.err
+    assert "sweep: 100%" in captured.err and f"{len(SWEPT)}/{len(SWEPT)}" in captured.err
     assert {p.name for p in tmp_path.glob("*.png")} >= {"acceptance_vs_k.png", "speedup_vs_k.png"}
 
 
 def test_the_k_sweep_config_is_the_full_grid():
     sweep = load_sweep(REPO / "configs/sweeps/k_sweep.yaml")
     assert sweep.grid["spec.num_speculative_tokens"] == list(range(1, 9))
-    assert sorted(sweep.grid["spec.method"]) == sorted(METHODS)
+    assert sorted(sweep.grid["spec.method"]) == sorted(SWEPT)
     with pytest.raises(ConfigError, match="k_sweep.yaml"):
         load_sweep(REPO / "configs/sweeps/k_sweep.yaml", ["grid.spec.method=[eagle, lookahead]"])
 

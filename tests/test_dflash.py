@@ -166,7 +166,7 @@ def test_bad_drafters_and_settings_are_refused(zlab, tmp_path):
         generate(target, [[3, 4]], max_new_tokens=4, spec=SpecConfig(method="dflash", num_speculative_tokens=8),
                  drafter=drafter)
     with pytest.raises(ValueError, match=r"SpecConfig.dflash_full_block = True is invalid: allowed null \(auto\), "
-                                         r"true or false with method 'dflash'; null or false with method 'eagle'"):
+                                         r"true or false with method 'dflash' or 'dspark'; null or false with method 'eagle'"):
         SpecConfig(method="eagle", dflash_full_block=True)
     with pytest.raises(ValueError, match=r"DFlashConfig.target_layer_ids = \(0, 4\) is invalid: allowed layers 0..3"):
         dataclasses.replace(drafter.config, target_layer_ids=(0, 4))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EOS, dflash_config, head_for, medusa_for, target_and_drafts
+from support.models import EOS, dflash_config, head_for, medusa_for, target_and_drafts
 
 from specjax import decoding
 from specjax.config import SpecConfig
@@ -160,6 +160,7 @@ def serve(name: str | None, requests: list[Request], **config) -> tuple[dict, En
     return {o.request_id: o for o in engine.run(requests)}, engine
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("name", ["eagle", "dflash", "draft_model", "ngram"])
 def test_greedy_outputs_are_identical_with_the_prefix_cache_on_and_off(name):
     """Requests sharing system prompts: off, on (EAGLE: with its tail-block drop) and on without the drop
@@ -177,6 +178,7 @@ def test_greedy_outputs_are_identical_with_the_prefix_cache_on_and_off(name):
             assert stats["hit_tokens"] > 0 and stats["hit_tokens"] == sum(o.num_cached_tokens for o in outputs.values())
 
 
+@pytest.mark.loop
 def test_sampled_outputs_are_identical_with_the_prefix_cache_on_and_off():
     """Sampled requests draw from their seeds numbered by their own tokens and steps: the same tokens whether
     their prefix was prefilled or copied from the pool (EAGLE with its tail-block drop: the drafter's state is
@@ -205,6 +207,7 @@ def constructed_workload() -> list[Request]:
     ("eagle", False, [0, 12, 8, 12, 0]),  # disable_eagle_block_drop
     ("eagle", True, [0, 8, 4, 8, 0]),  # the last matched block recomputed
 ])
+@pytest.mark.loop
 def test_hit_counts_are_exact_on_a_constructed_workload(name, drop, cached):
     requests = constructed_workload()
     outputs, engine = serve(name, requests, max_num_seqs=1, max_prefill_batch=1, block_size=4,
@@ -223,6 +226,7 @@ def test_hit_counts_are_exact_on_a_constructed_workload(name, drop, cached):
     assert {k: list(o.tokens) for k, o in outputs.items()} == autoregressive(requests)
 
 
+@pytest.mark.loop
 def test_eviction_under_a_small_pool_keeps_outputs_right():
     """A pool of 4 blocks of 4 under prompts of 5 distinct prefixes, each served twice: blocks are evicted and
     stored again, every output stays the autoregressive one."""
@@ -236,6 +240,7 @@ def test_eviction_under_a_small_pool_keeps_outputs_right():
     assert {k: list(o.tokens) for k, o in outputs.items()} == autoregressive(requests)
 
 
+@pytest.mark.loop
 def test_blocks_held_by_running_requests_are_never_evicted():
     """A pool of 3 blocks, all held by a long request: a request with another prefix admitted beside it stores
     nothing (and evicts nothing); once the long one ends its blocks are free and the next request evicts them."""
@@ -263,6 +268,7 @@ def test_blocks_held_by_running_requests_are_never_evicted():
     assert {k: list(o.tokens) for k, o in outputs.items()} == autoregressive([long, other, again])
 
 
+@pytest.mark.loop
 @pytest.mark.parametrize("name", [None, "eagle", "dflash"])
 def test_chunked_prefill_gives_the_whole_prefill_outputs(name):
     """max_num_batched_tokens 16 under prompts of up to 46 tokens: long prompts prefilled in chunks of 16, 8
@@ -274,6 +280,7 @@ def test_chunked_prefill_gives_the_whole_prefill_outputs(name):
         assert {k: list(o.tokens) for k, o in outputs.items()} == want, config
 
 
+@pytest.mark.loop
 def test_a_long_prompt_prefilled_in_chunks_does_not_stall_the_running_requests():
     """A running request gets tokens at the visits between the chunks of a long prompt admitted after it."""
     short = Request.make("short", [5, 1, 2], 20)

@@ -4,18 +4,16 @@ a run stopped mid-way resumes to the uninterrupted result, and a corrupt checkpo
 
 import json
 
-import jax
 import numpy as np
 import pytest
+from support.block_training import drafts_losslessly, stopped_run_resumes
 from support.checkpoints import REPO, drafter_run_config, train_through_cli
 
-from specjax.config import DFlashTrainConfig, SpecConfig
-from specjax.decoding import generate
+from specjax.config import DFlashTrainConfig
 from specjax.models import hf
 from specjax.models.dflash import init_dflash, load_dflash
 from specjax.training import dflash as dflash_training
-from specjax.training.evaluation import held_out_prompts
-from specjax.training.loop import CheckpointCorrupted, Checkpoints, read_metrics
+from specjax.training.loop import CheckpointCorrupted, read_metrics
 
 pytestmark = pytest.mark.train  # each test trains a drafter or reads a trained one (tests/conftest.py: tiers)
 
@@ -39,13 +37,8 @@ def test_the_drafter_trains_loads_drafts_losslessly_and_beats_an_untrained_one(t
     target = hf.load(trained_tiny_target)
     drafter = load_dflash(dflash_run / "drafter", target.config)
     assert drafter.config.block_size == 8 and drafter.config.target_layer_ids == (0,)
-
+    drafts_losslessly(target, drafter, dflash_run, "dflash", 7)
     held_out = np.memmap(dflash_run / "tokens_held_out.bin", np.uint32, "r")
-    prompts = held_out_prompts(held_out, 3, 24, seed=1)
-    spec = SpecConfig(method="dflash", num_speculative_tokens=7)
-    assert generate(target, prompts, max_new_tokens=20, spec=spec, drafter=drafter).sequences() == \
-        generate(target, prompts, max_new_tokens=20).sequences()
-
     evaluation = json.loads((dflash_run / "drafter/eval.json").read_text())
     assert evaluation["final_loss"] == losses[-1] and evaluation["num_speculative_tokens"] == 7
     config = run_config(trained_tiny_target, dflash_run)
@@ -72,31 +65,9 @@ def test_the_training_sequences_are_the_targets_own_greedy_continuations(trained
 
 
 def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, dflash_run, tmp_path, monkeypatch):
-    """Stopped at step 27 (an exception in the batch pipeline), the run restarts from its step-20
-    checkpoint and ends where the uninterrupted one did: the same losses step by step, the same weights."""
-    draw = dflash_training.sample_anchors
-    calls = []
-
-    def stops_at_27(*args):
-        calls.append(1)
-        if len(calls) == 27:
-            raise KeyboardInterrupt("stopped")
-        return draw(*args)
-
-    monkeypatch.setattr(dflash_training, "sample_anchors", stops_at_27)
-    config = run_config(trained_tiny_target, tmp_path)
-    with pytest.raises(KeyboardInterrupt):
-        dflash_training.train_dflash(config)
-    assert Checkpoints(tmp_path / "checkpoints").latest_step() == 20
-    monkeypatch.setattr(dflash_training, "sample_anchors", draw)
-    dflash_training.train_dflash(config)
-
-    resumed, reference = read_metrics(tmp_path / "metrics.jsonl"), read_metrics(dflash_run / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
-    ours, theirs = load_dflash(tmp_path / "drafter"), load_dflash(dflash_run / "drafter")
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    """Stopped at step 27, the run restarts from its step-20 checkpoint and ends where the uninterrupted one
+    did: the same losses step by step, the same weights (resume_check)."""
+    stopped_run_resumes(monkeypatch, run_config(trained_tiny_target, tmp_path), dflash_run, load_dflash, TOTAL_STEPS)
 
 
 def test_a_corrupt_checkpoint_is_refused(trained_tiny_target, dflash_run, tmp_path):

@@ -1,7 +1,7 @@
 """The bundled default models: a 12.6M-parameter code LM (the target), a 1.4M-parameter draft LM on
-its tokenizer, and EAGLE-1, EAGLE-3 and Medusa heads and a DFlash drafter for the target, trained on
-the Python standard library by scripts/train_default_models.sh. MODEL_CARD.md beside this file gives
-their figures.
+its tokenizer, and EAGLE-1, EAGLE-3 and Medusa heads, a DFlash drafter and a DSpark drafter for the
+target, trained on the Python standard library by scripts/train_default_models.sh (DSpark: its `dspark`
+stage). MODEL_CARD.md beside this file gives their figures.
 
 Anywhere specjax takes a model folder (configs, `specjax generate --model`), `default:NAME` names one of
 them; the draft shares the target's tokenizer. Which one a method drafts with by default is its
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NAMES = ("target", "draft", "eagle1", "eagle3", "medusa", "dflash")
+NAMES = ("target", "draft", "eagle1", "eagle3", "medusa", "dflash", "dspark")
 PREFIX = "default:"
 TARGET = PREFIX + "target"
 

@@ -69,6 +69,11 @@ class DFlashConfig:
                 self.layer.sliding_window, "None (full attention)")
 
     @property
+    def first_draft_slot(self) -> int:
+        """The block slot that predicts the first draft: 1, the slot after the anchor (z-lab's layout)."""
+        return 1
+
+    @property
     def hidden_layers(self) -> tuple[int, ...]:
         """The target's Hidden.layers entries it reads: entry i + 1 is the output of layer i. The last
         layer's output is Hidden.final instead, normed as in transformers' hidden_states."""
@@ -180,7 +185,7 @@ def drafter_to_decoding_layout(drafter: DFlashDrafter, model_shards: int = 1) ->
 
 # ---------------------------------------------------------------------------------- the z-lab layout
 
-def _rules(config: DFlashConfig) -> list[hf.Rule]:
+def tensor_rules(config: DFlashConfig) -> list[hf.Rule]:
     return [hf.transposed("fc", "fc.weight"), hf.same("hidden_norm", "hidden_norm.weight"),
             hf.same("final_norm", "norm.weight"), *hf.decoder_layer_rules(config.layer, "layers.{i}.")]
 
@@ -220,22 +225,36 @@ def load_dflash(folder: str | Path, target_config: ModelConfig | None = None, dt
     """A DFlash drafter from a folder in z-lab's layout. target_config, when given, is checked: equal
     hidden size and vocabulary, and target_layer_ids inside its depth. dtype: the compute and storage
     dtype (default: the checkpoint's)."""
+    return load_block_drafter(folder, config_from_hf, DFlashDrafter, tensor_rules, "a DFlash drafter", target_config,
+                              dtype)
+
+
+def load_block_drafter(folder: str | Path, read_config, module_class, rules, kind: str,
+                       target_config: ModelConfig | None = None, dtype: str | None = None, ignored=()):
+    """A drafter built on DFlash's backbone from its folder: read_config(raw, path) makes its config,
+    module_class(config, rngs=...) the module, rules(config) its tensor table; tensors named in `ignored`
+    may be present and are not read (copies of the target's that the drafter takes from the target)."""
     folder = Path(folder)
-    config = config_from_hf(hf.read_config_json(folder, " (is this a DFlash drafter folder?)"), folder / hf.CONFIG_FILE)
+    config = read_config(hf.read_config_json(folder, f" (is this {kind} folder?)"), folder / hf.CONFIG_FILE)
     reader = hf.TensorReader(folder)
     param_dtype = reader.param_dtype(dtype)
     layer = dataclasses.replace(config.layer, param_dtype=param_dtype, dtype=param_dtype)
     config = dataclasses.replace(config, layer=layer)
     if target_config is not None:
         check_target(config, target_config)
-    drafter = nnx.eval_shape(lambda: DFlashDrafter(config, rngs=nnx.Rngs(0)))
-    used = hf.fill_from_rules(drafter, _rules(config), reader, folder, layer.num_layers, "a DFlash drafter")
-    hf.check_all_used(reader, used, folder, "a DFlash drafter")
+    drafter = nnx.eval_shape(lambda: module_class(config, rngs=nnx.Rngs(0)))
+    used = hf.fill_from_rules(drafter, rules(config), reader, folder, layer.num_layers, kind)
+    hf.check_all_used(reader, used | (reader.keys() & set(ignored)), folder, kind)
     return drafter
 
 
 def save_dflash(drafter: DFlashDrafter, folder: str | Path) -> None:
     """Writes the drafter in z-lab's layout (stacked layers only, as hf.save)."""
+    save_block_drafter(drafter, folder, config_to_hf(drafter.config), tensor_rules(drafter.config))
+
+
+def save_block_drafter(drafter: DFlashDrafter, folder: str | Path, raw: dict, rules: list[hf.Rule]) -> None:
+    """Writes a drafter built on DFlash's backbone: config.json `raw` (with its dtype) and the tensors of `rules`."""
     if not isinstance(drafter.layers, StackedLayers):
         raise ValueError("the drafter's layers are in the decoding layout, which is not a checkpoint layout: "
                          "save the stacked drafter it was made from")
@@ -243,9 +262,8 @@ def save_dflash(drafter: DFlashDrafter, folder: str | Path) -> None:
         raise ValueError("the drafter has a draft vocabulary (with_draft_vocabulary), which z-lab's layout cannot "
                          "hold: save the drafter it was made from and apply the vocabulary at run time")
     config = drafter.config
-    raw = config_to_hf(config)
-    raw["dtype"] = config.layer.param_dtype if config.layer.param_dtype in hf.CHECKPOINT_DTYPES else "float32"
-    hf.write_from_rules(drafter, _rules(config), folder, raw, num_layers=config.layer.num_layers)
+    raw = {**raw, "dtype": config.layer.param_dtype if config.layer.param_dtype in hf.CHECKPOINT_DTYPES else "float32"}
+    hf.write_from_rules(drafter, rules, folder, raw, num_layers=config.layer.num_layers)
 
 
 def check_target(config: DFlashConfig, target_config: ModelConfig) -> None:

@@ -3,6 +3,7 @@ so each drafter is one line here."""
 
 from specjax.proposers import dflash  # noqa: F401  (registers "dflash")
 from specjax.proposers import draft_model  # noqa: F401  (registers "draft_model")
+from specjax.proposers import dspark  # noqa: F401  (registers "dspark")
 from specjax.proposers import eagle  # noqa: F401  (registers "eagle", "eagle3")
 from specjax.proposers import medusa  # noqa: F401  (registers "medusa")
 from specjax.proposers import ngram  # noqa: F401  (registers "ngram")

@@ -60,12 +60,13 @@ class DFlashState:
     num_pending: Int[Array, " B"]  # how many of the window's positions are committed tokens
 
 
-def drafts_full_block(spec: SpecConfig, block_size: int) -> bool:
-    """Whether a DFlash drafter of block_size drafts its whole block: spec.dflash_full_block, or where None
-    (auto) where K + 1 is smaller than the block (SpecConfig's docstring says why)."""
+def drafts_full_block(spec: SpecConfig, block_size: int, first_draft_slot: int = 1) -> bool:
+    """Whether a block drafter of block_size drafts its whole block: spec.dflash_full_block, or where None
+    (auto) where the slots K drafts need (K + first_draft_slot) are fewer than the block (SpecConfig's
+    docstring says why)."""
     if spec.dflash_full_block is not None:
         return spec.dflash_full_block
-    return spec.num_speculative_tokens + 1 < block_size
+    return spec.num_speculative_tokens + first_draft_slot < block_size
 
 
 @register("dflash")
@@ -80,31 +81,41 @@ class DFlashProposer(Proposer):
         # hidden_layers: the target layers whose outputs make the context features.
         return cls(settings, params.config.hidden_layers if isinstance(params, DFlashDrafter) else ())
 
+    # The config.json architecture of its checkpoints, and their reader (a subclass's drafter reads its own).
+    architecture: ClassVar[str] = ARCHITECTURE
+    read_checkpoint: ClassVar = staticmethod(load_dflash)
+
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> DFlashDrafter:
         """The drafter computes in the target's dtype (dtype is not used)."""
-        drafter = load_dflash(folder, target.config, target.config.dtype)
+        drafter = cls.read_checkpoint(folder, target.config, target.config.dtype)
         return for_decoding(drafter, model_shards, convert=drafter_to_decoding_layout)
 
     @classmethod
     def recognizes(cls, folder: Path) -> bool:
-        return hf.config_json_or_empty(folder).get("architectures") == [ARCHITECTURE]
+        return hf.config_json_or_empty(folder).get("architectures") == [cls.architecture]
 
     def check(self, params: Any, target_config) -> None:
         if not isinstance(params, DFlashDrafter):
             raise ValueError(f"method 'dflash' needs a DFlashDrafter as drafter, got {type(params).__name__}")
-        check_target(params.config, target_config)
-        num_draft, block_size = self.settings.spec.num_speculative_tokens, params.config.block_size
-        if num_draft > block_size - 1:
+        self.check_block(params, target_config)
+
+    def check_block(self, drafter: DFlashDrafter, target_config) -> None:
+        """The target's sizes, and K inside the block."""
+        check_target(drafter.config, target_config)
+        num_draft, block_size = self.settings.spec.num_speculative_tokens, drafter.config.block_size
+        most = block_size - drafter.config.first_draft_slot
+        if num_draft > most:
             raise UnsupportedSpeculation(
-                f"SpecConfig.num_speculative_tokens = {num_draft} is more than this DFlash drafter's block holds: "
-                f"allowed 1..{block_size - 1} (block_size - 1)")
+                f"SpecConfig.num_speculative_tokens = {num_draft} is more than this drafter's block holds: "
+                f"allowed 1..{most} (block_size{' - 1' if most < block_size else ''})")
 
     def num_masks(self, drafter: DFlashDrafter) -> int:
-        """Mask positions of the drafted block: K, or the drafter's whole block (dflash_full_block True, or
-        None where K + 1 is smaller than the block: SpecConfig's docstring says why)."""
-        spec, block_size = self.settings.spec, drafter.config.block_size
-        return block_size - 1 if drafts_full_block(spec, block_size) else spec.num_speculative_tokens
+        """Mask positions of the drafted block: those K drafts need, or the drafter's whole block
+        (dflash_full_block True, or None where K drafts need fewer slots: SpecConfig's docstring says why)."""
+        spec, block_size, first = self.settings.spec, drafter.config.block_size, drafter.config.first_draft_slot
+        full = drafts_full_block(spec, block_size, first)
+        return block_size - 1 if full else spec.num_speculative_tokens + first - 1
 
     def bind(self, params: DFlashDrafter, target: Transformer) -> DFlashParams:
         embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
@@ -137,8 +148,20 @@ class DFlashProposer(Proposer):
         return state.cache
 
     def propose(self, params: DFlashParams, state: DFlashState, context: Context, keys: PRNGKeyArray):
-        drafter, settings = params.drafter, self.settings
-        num_draft = settings.spec.num_speculative_tokens
+        hidden, state = self.draft_block(params, state, context)
+        num_draft, settings = self.settings.spec.num_speculative_tokens, self.settings
+        logits = self.logits(params, hidden)  # [B, K, V]
+        slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
+        drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings, context.sampling), in_axes=(1, 1),
+                                       out_axes=(1, 1))(logits, slot_keys)
+        return drafts, draft_probs, state
+
+    def draft_block(self, params: DFlashParams, state: DFlashState,
+                    context: Context) -> tuple[Float[Array, "B K D"], DFlashState]:
+        """One drafter forward over the block: the final hidden states of the K slots that draft (from
+        config.first_draft_slot on), and the state with the pending features written, none pending."""
+        drafter = params.drafter
+        num_draft = self.settings.spec.num_speculative_tokens
         rows = jnp.arange(context.lengths.shape[0])
         anchor_slot = context.lengths - 1  # the last committed token's position; its feature is not known yet
         # Rows that finished keep their committed length, so their cache stays inside its slots.
@@ -150,13 +173,10 @@ class DFlashProposer(Proposer):
         block = jnp.full((rows.shape[0], block_offsets.shape[1]), drafter.config.mask_token_id, jnp.int32)
         block = block.at[:, 0].set(context.tokens[rows, anchor_slot])
         hidden, cache = drafter(block, anchor_slot[:, None] + block_offsets, cache, params.embed)
-        logits = self.logits(params, hidden[:, 1:num_draft + 1])  # [B, K, V]
-        slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
-        drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings, context.sampling), in_axes=(1, 1),
-                                       out_axes=(1, 1))(logits, slot_keys)
+        first = drafter.config.first_draft_slot
         state = dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),  # the block's entries dropped
                                     num_pending=jnp.zeros_like(state.num_pending))
-        return drafts, draft_probs, state
+        return hidden[:, first:first + num_draft], state
 
     def logits(self, params: DFlashParams, hidden: Float[Array, "B K D"]) -> Float[Array, "B K V"]:
         """The drafts' logits through the target's LM head; with a draft vocabulary (FR-Spec), through its
