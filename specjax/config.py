@@ -289,6 +289,9 @@ class SpecConfig:
       +0.6% a step at batch 1 and +7-10% at batch 16 at the 8B shape (docs/performance.md, "Acceptance:
       DFlash on the default models"; benchmarks/results/dflash_block_cost); set False where a step's cost
       grows with the block (large batches).
+    mtp_hidden_state: what feeds MTP module k > 1 (method 'mtp' only): 'chained' (the previous module's
+      output, DeepSeek-V3's recursion) or 'target' (the target's hidden state at every module, as MiMo was
+      trained); null: the checkpoint's default (specjax.models.mtp).
     """
 
     method: str = "draft_model"
@@ -306,6 +309,7 @@ class SpecConfig:
     total_tokens: int | str | None = None
     top_k: int | None = None
     dflash_full_block: bool | None = None
+    mtp_hidden_state: str | None = None
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
@@ -370,6 +374,10 @@ class SpecConfig:
                                                    and (not self.dflash_full_block or self.method == "dflash")),
                 "SpecConfig", "dflash_full_block", self.dflash_full_block,
                 f"null (auto), true or false with method 'dflash'; null or false with method {self.method!r}")
+        require(self.mtp_hidden_state is None or (self.mtp_hidden_state in ("chained", "target")
+                                                  and self.method == "mtp"),
+                "SpecConfig", "mtp_hidden_state", self.mtp_hidden_state,
+                f"null (the checkpoint's), 'chained' or 'target' with method 'mtp'; null with method {self.method!r}")
         if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
             raise ConfigError(
                 f"SpecConfig.use_heterogeneous_vocab = True with method {self.method!r} and draft_sample_method "
