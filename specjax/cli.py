@@ -235,6 +235,8 @@ TRAINERS = {
                      "train Medusa heads on a frozen target", "configs/train/tiny_medusa.yaml"),
     "train-dflash": ("DFlashTrainConfig", "specjax.training.dflash:train_dflash",
                      "train a DFlash block drafter on a frozen target", "configs/train/tiny_dflash.yaml"),
+    "train-mtp": ("MTPTrainConfig", "specjax.training.mtp:train_mtp",
+                  "train multi-token prediction modules on a frozen target", "configs/train/tiny_mtp.yaml"),
 }
 
 

@@ -785,3 +785,62 @@ class DFlashTrainConfig(TrainingRun):
     @property
     def decay_gamma(self) -> float:
         return self.loss_decay_gamma or DFLASH_LOSS_DECAY.get(self.block_size, 7.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MTPTrainConfig(TrainingRun):
+    """Training multi-token prediction modules on a frozen target (specjax.training.mtp)."""
+
+    # The target's Hugging Face folder or default:target (its tokenizer tokenizes the corpus).
+    target: str
+    # Modules: module m (0-based) predicts the token m + 2 after each position (specjax.models.mtp).
+    num_modules: int = 1
+    # The modules' MLP width (None: the target's).
+    intermediate_size: int | None = None
+    # What feeds module m > 0, 'chained' or 'target' (specjax.models.mtp); the saved default of decoding.
+    hidden_state: str = "chained"
+    # DeepSeek-V3's loss over depths: sum over modules of weight_m * cross-entropy_m; None: 1 / num_modules each.
+    loss_weights: tuple[float, ...] | None = None
+    # 0: cross-entropy against the sequence's tokens; 1: against the target's distribution of the same token
+    # (distillation); between: the mix.
+    distill_weight: float = 0.0
+    # 0: train on corpus windows. N > 0: on N sequences the target writes itself from corpus prompts of
+    # regenerate_prompt_len tokens (as DFlashTrainConfig's), saved as regenerated.npy.
+    regenerate_sequences: int = 0
+    regenerate_prompt_len: int = 32
+    regenerate_temperature: float = 0.0
+    # The closing acceptance eval: held-out prompts, greedy, K = eval_num_speculative_tokens (None: num_modules).
+    eval_prompts: int = 32
+    eval_prompt_len: int = 64
+    eval_new_tokens: int = 64
+    eval_num_speculative_tokens: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        name = "MTPTrainConfig"
+        require_positive_ints(self, "num_modules", "eval_prompts", "eval_prompt_len", "eval_new_tokens")
+        require(self.intermediate_size is None
+                or (isinstance(self.intermediate_size, int) and self.intermediate_size >= 1),
+                name, "intermediate_size", self.intermediate_size, "None or an integer >= 1")
+        require(self.hidden_state in ("chained", "target"), name, "hidden_state", self.hidden_state,
+                "'chained' or 'target'")
+        weights = self.loss_weights
+        require(weights is None or (len(weights) == self.num_modules and all(w >= 0 for w in weights)
+                                    and sum(weights) > 0), name, "loss_weights", weights,
+                f"None or {self.num_modules} non-negative weights (one per module), not all 0")
+        require(self.data.seq_len >= self.num_modules + 2, name, "data.seq_len", self.data.seq_len,
+                f"an integer >= num_modules + 2 ({self.num_modules + 2}): the last module's labels lie inside it")
+        require(0.0 <= self.distill_weight <= 1.0, name, "distill_weight", self.distill_weight, "a float in [0, 1]")
+        require(self.regenerate_sequences >= 0, name, "regenerate_sequences", self.regenerate_sequences,
+                "an integer >= 0 (0: train on the corpus)")
+        require(1 <= self.regenerate_prompt_len <= self.data.seq_len, name, "regenerate_prompt_len",
+                self.regenerate_prompt_len, f"an integer in [1, data.seq_len = {self.data.seq_len}]")
+        require(self.regenerate_temperature >= 0.0, name, "regenerate_temperature", self.regenerate_temperature,
+                "a float >= 0 (0: greedy)")
+        k = self.eval_num_speculative_tokens
+        require(k is None or (isinstance(k, int) and k >= 1), name, "eval_num_speculative_tokens", k,
+                "None or an integer >= 1")
+
+    @property
+    def depth_weights(self) -> tuple[float, ...]:
+        return self.loss_weights or (1.0 / self.num_modules,) * self.num_modules
