@@ -27,6 +27,23 @@ train() {  # train STAGE_DIR SPECJAX_ARGS...: skipped when the stage's eval.json
   if compgen -G "$runs/$stage/*/eval.json" >/dev/null; then echo "$stage: done, skipped"; return; fi
   "$python" -m specjax.cli "$@"
 }
+# MTP modules for the trained target (configs/train/default_mtp.yaml): one module, and three (mtp3), on the
+# DFlash stage's regenerated text where it is there (the same recipe and seed). STAGES=mtp runs only this stage,
+# then installs MTP_SHIP (mtp or mtp3; default mtp) as default:mtp.
+mtp_stage() {
+  for variant in mtp mtp3; do
+    modules=1; [ "$variant" = mtp3 ] && modules=3
+    mkdir -p "$runs/$variant"
+    if [ -f "$runs/dflash/regenerated.npy" ] && [ ! -f "$runs/$variant/regenerated.npy" ]; then
+      cp "$runs/dflash/regenerated.npy" "$runs/$variant/"
+    fi
+    train "$variant" train-mtp --config configs/train/default_mtp.yaml --set num_modules="$modules" \
+      --set target="$runs/target/model" --set output_dir="$runs/$variant" --set data.cache_dir="$runs/target" \
+      "${quick[@]}" "${head_quick[@]}"
+  done
+  "$python" scripts/install_mtp.py --run "$runs/${MTP_SHIP:-mtp}" --target "$runs/target/model" --out "$install_dir/mtp"
+}
+if [ "${STAGES:-}" = mtp ]; then mtp_stage; exit 0; fi
 
 train target train-lm --config configs/train/default_target.yaml --set output_dir="$runs/target" \
   "${quick[@]}" "${lm_quick[@]}"
@@ -41,3 +58,4 @@ done
 train dflash train-dflash --config configs/train/default_dflash.yaml --set target="$runs/target/model" \
   --set output_dir="$runs/dflash" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}"
 "$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"
+mtp_stage
