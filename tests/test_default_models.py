@@ -74,7 +74,7 @@ def test_unknown_default_names_are_refused():
     with pytest.raises(ValueError, match="default model 'eagle2' does not exist: allowed"):
         default_models.resolve("default:eagle2")
     with pytest.raises(ConfigError, match=r"SpecConfig.method = 'lookahead' is invalid: allowed one of "
-                                          r"\['dflash', 'draft_model', 'eagle', 'eagle3', 'medusa', 'ngram'\]"):
+                                          r"\['dflash', 'draft_model', 'eagle', 'eagle3', 'medusa', 'mtp', 'ngram'\]"):
         load_models(default_models.TARGET, "lookahead")
 
 

@@ -2,6 +2,7 @@
 (MiMo's tensor names) load, draft losslessly and accept more than untrained ones, and a run stopped mid-way
 resumes to the uninterrupted result."""
 
+import functools
 import json
 
 import jax
@@ -17,17 +18,12 @@ from specjax.training import mtp as mtp_training
 from specjax.training.evaluation import held_out_prompts
 from specjax.training.loop import Checkpoints, read_metrics
 
-CONFIG = REPO / "configs/train/tiny_mtp.yaml"
-TOTAL_STEPS = 40  # the config's; it checkpoints every 20
-
-
-def run_config(target_dir, output_dir, *overrides) -> MTPTrainConfig:
-    return drafter_run_config(MTPTrainConfig, CONFIG, target_dir, output_dir, *overrides)
+CONFIG, TOTAL_STEPS = REPO / "configs/train/tiny_mtp.yaml", 40  # the config's steps; it checkpoints every 20
+run_config = functools.partial(drafter_run_config, MTPTrainConfig, CONFIG)  # (target_dir, output_dir, *overrides)
 
 
 @pytest.fixture(scope="module")
-def mtp_run(trained_tiny_target, tmp_path_factory):
-    """Trained through the CLI, as a user would."""
+def mtp_run(trained_tiny_target, tmp_path_factory):  # trained through the CLI, as a user would
     return train_through_cli("train-mtp", CONFIG, trained_tiny_target, tmp_path_factory.mktemp("mtp"))
 
 
@@ -61,30 +57,28 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, 
     last bits from step 4 on): the same losses step by step, the same weights."""
     uninterrupted = tmp_path / "uninterrupted"
     mtp_training.train_mtp(run_config(trained_tiny_target, uninterrupted))
-    draw = mtp_training.batch_rows
-    calls = []
+    draw, stopped = mtp_training.batch_rows, tmp_path / "stopped"
+    config = run_config(trained_tiny_target, stopped)
+    steps = iter(range(1, TOTAL_STEPS + 1))
 
-    def stops_at_27(*args):
-        calls.append(1)
-        if len(calls) == 27:
+    def draws_until_27(*args):  # the 27th batch raises, as a kill would stop the run there
+        if next(steps) == 27:
             raise KeyboardInterrupt("stopped")
         return draw(*args)
 
-    monkeypatch.setattr(mtp_training, "batch_rows", stops_at_27)
-    config = run_config(trained_tiny_target, tmp_path / "stopped")
+    monkeypatch.setattr(mtp_training, "batch_rows", draws_until_27)
     with pytest.raises(KeyboardInterrupt):
         mtp_training.train_mtp(config)
-    assert Checkpoints(tmp_path / "stopped" / "checkpoints").latest_step() == 20
+    assert Checkpoints(stopped / "checkpoints").latest_step() == 20
     monkeypatch.setattr(mtp_training, "batch_rows", draw)
     mtp_training.train_mtp(config)
 
-    resumed, reference = read_metrics(tmp_path / "stopped/metrics.jsonl"), read_metrics(uninterrupted / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference]
+    resumed, reference = ([(r["step"], r["loss"]) for r in read_metrics(folder / "metrics.jsonl")]
+                          for folder in (stopped, uninterrupted))
+    assert resumed == reference and [step for step, _ in resumed] == list(range(1, TOTAL_STEPS + 1))
     target_config = hf.load_config(trained_tiny_target)
-    ours, theirs = load_mtp(tmp_path / "stopped/mtp", target_config), load_mtp(uninterrupted / "mtp", target_config)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    weights = [jax.tree.leaves(load_mtp(folder / "mtp", target_config)) for folder in (stopped, uninterrupted)]
+    assert all(np.array_equal(a, b) for a, b in zip(*weights, strict=True))
 
 
 def test_bad_loss_weights_are_refused(trained_tiny_target, tmp_path):

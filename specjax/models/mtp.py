@@ -99,8 +99,8 @@ class MTPModules(nnx.Module):
         out = normalize(out, self.final_norm[...][module], None, c)
         return out, None if cache is None else cache.with_lengths(cache.lengths + tokens.shape[1])
 
-    def over_sequence(self, tokens: Int[Array, "B T2"], target_hidden: Float[Array, "B T D"], embed: Float[Array, "V D"],
-                      hidden_state: str | None = None, cache: KVCache | None = None
+    def over_sequence(self, tokens: Int[Array, "B T2"], target_hidden: Float[Array, "B T D"],
+                      embed: Float[Array, "V D"], hidden_state: str | None = None, cache: KVCache | None = None
                       ) -> tuple[list[Float[Array, "B T D"]], KVCache | None]:
         """Every module over a whole sequence, as they are trained: module m at position s (0 .. T-1, T the
         hidden states' length) reads token x_{s+m+1} of `tokens` (zeros past its end) and the hidden state that

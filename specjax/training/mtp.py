@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import default_models
 from specjax.config import ModelConfig, MTPTrainConfig, SpecConfig
-from specjax.data.dataset import batch_at, prepare
-from specjax.data.regenerate import regenerate, regenerated
-from specjax.models import hf
+from specjax.data.dataset import batch_at
+from specjax.data.regenerate import frozen_target_and_tokens, own_text
 from specjax.models.mtp import MTPConfig, MTPModules, init_mtp, save_mtp
 from specjax.models.transformer import Transformer, num_parameters, unembed
 from specjax.training import loop
@@ -40,7 +37,8 @@ from specjax.training.lm import execution_config, fit
 
 
 def modules_config(config: MTPTrainConfig, target_config: ModelConfig) -> MTPConfig:
-    """The untrained modules' shape: Qwen2 layers (MiMo's) as wide as the target's, MLP width config.intermediate_size."""
+    """The untrained modules' shape: Qwen2 layers (MiMo's) as wide as the target's, MLP width
+    config.intermediate_size."""
     layer = dataclasses.replace(target_config, num_layers=config.num_modules, architecture="Qwen2ForCausalLM",
                                 qkv_bias=True, qk_norm=False, out_bias=False, mlp_bias=False, sliding_window=None,
                                 intermediate_size=config.intermediate_size or target_config.intermediate_size)
@@ -82,32 +80,21 @@ def closing_eval(config: MTPTrainConfig, target: Transformer, modules: MTPModule
 
 
 def train_mtp(config: MTPTrainConfig) -> dict:
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    target_dir = default_models.resolve(config.target)
-    data = dataclasses.replace(config.data, tokenizer=str(target_dir))
-    tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
-    target = hf.load(target_dir, param_dtype="float32", dtype=config.compute_dtype)  # float32 master weights
-    if len(tokenizer) > target.config.vocab_size:
-        raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "
-                         f"vocab_size {target.config.vocab_size}")
+    output_dir, target, train_tokens, held_out_tokens = frozen_target_and_tokens(config)
+    data = config.data
     modules = init_mtp(modules_config(config, target.config), seed=config.seed)
 
     def loss_fn(modules, batch, target):
         loss, metrics = mtp_loss(modules, target, batch["tokens"], config.depth_weights, config.distill_weight)
         return loss, {"loss": loss, **metrics}
 
-    own_text = None
-    if config.regenerate_sequences:
-        shape = (config.regenerate_sequences, data.seq_len + 1)
-        own_text = regenerated(output_dir / "regenerated.npy", shape, lambda: regenerate(
-            target, train_tokens, num_sequences=config.regenerate_sequences, prompt_len=config.regenerate_prompt_len,
-            seq_len=data.seq_len, temperature=config.regenerate_temperature, seed=config.seed))
+    sequences = own_text(config, target, train_tokens, output_dir)
 
     def batch_fn(step):  # a function of (seed, step): a resumed run sees the same batches
-        if own_text is None:
-            return {"tokens": batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)[:, :data.seq_len]}
-        return {"tokens": own_text[batch_rows(config.seed, step, len(own_text), data.batch_size), :data.seq_len]}
+        if sequences is None:
+            windows = batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)
+            return {"tokens": windows[:, :data.seq_len]}
+        return {"tokens": sequences[batch_rows(config.seed, step, len(sequences), data.batch_size), :data.seq_len]}
 
     trained = fit(modules, loss_fn, batch_fn, config, output_dir, description="train-mtp", frozen=target,
                   model_config=modules.config.layer)
