@@ -14,7 +14,7 @@ from specjax.decoding import generate
 from specjax.experiments import RunConfig, grid_points, load_models, load_prompts, load_sweep
 from specjax.proposers import PROPOSERS
 
-METHODS = ["dflash", "draft_model", "eagle", "eagle3", "medusa", "ngram"]
+METHODS = ["dflash", "draft_model", "eagle", "eagle3", "medusa", "mtp", "ngram"]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_the_demo_config_runs_end_to_end(tmp_path, capsys):
     assert sorted(row["method"] for row in rows) == sorted(METHODS)
     assert all(row["greedy_identical_rows"] == row["prompts"] for row in rows)
     # The verifier that ran at T = 0 is the greedy one; DFlash drafts its whole block at K 4 by default.
-    names = {method: method + (" (full block)" if method == "dflash" else "") for method in METHODS}
+    names = {method: method + {"dflash": " (full block)", "mtp": " (1 module)"}.get(method, "") for method in METHODS}
     assert all(f"| {names[method]} | 4 | greedy | 0 | greedy |" in out for method in METHODS), out
     # Understandable without the README: the AR tokens/s column, what rows = AR means, why speedups are below 1.
     assert "| AR tokens/s | tokens/s | speedup | rows = AR |" in out and "rows = AR: greedy rows whose" in out
