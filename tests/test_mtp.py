@@ -16,6 +16,7 @@ from conftest import (EOS, FIXTURES, PROMPT, REQUESTS, TINY, autoregressive_outp
 from specjax import verify as verify_registry
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
+from specjax.experiments import recognized_method
 from specjax.models import hf
 from specjax.models.mtp import MTPConfig, init_mtp, load_mtp, save_mtp
 from specjax.models.transformer import Hidden
@@ -199,7 +200,8 @@ def test_modules_save_and_load_in_mimos_layout(tmp_path):
     assert loaded.config == modules.config
     for a, b in zip(jax.tree.leaves(modules), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(a, b)
-    assert proposer_class("mtp").recognizes(tmp_path / "mtp")
+    assert recognized_method(tmp_path / "mtp") == "mtp"
+    assert recognized_method(FIXTURES / "mtp" / "mimo3") == "mtp"  # a MiMo checkpoint: its MTP modules
     assert not proposer_class("mtp").recognizes(fixture_dir("qwen2"))
 
 
