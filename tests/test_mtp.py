@@ -16,6 +16,7 @@ from conftest import (EOS, FIXTURES, PROMPT, REQUESTS, TINY, autoregressive_outp
 from specjax import verify as verify_registry
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
+from specjax.engine import Engine, EngineConfig, Request
 from specjax.experiments import recognized_method
 from specjax.models import hf
 from specjax.models.mtp import MTPConfig, init_mtp, load_mtp, save_mtp
@@ -221,3 +222,23 @@ def test_bad_input_is_refused_naming_the_field():
     wide = modules_for(dataclasses.replace(target.config, hidden_size=32, head_dim=8), num_modules=1)
     with pytest.raises(ValueError, match=r"MTP modules hidden_size 32 differs from the target's 64"):
         generate(target, [[1, 2]], max_new_tokens=2, spec=SpecConfig(method="mtp"), drafter=wide)
+
+
+# ------------------------------------------------------------------------------------------- the engine
+
+def test_the_engine_serves_arriving_requests_their_autoregressive_output():
+    """Requests admitted a few at a time into 3 slots (rows leave and join while the modules' caches and
+    hidden-state windows of the others go on) get the target's greedy tokens, with three modules at K 5."""
+    target = target_and_drafts()[0]
+    prompts, budgets = (x[:12] for x in REQUESTS["ragged"]())
+    requests = [Request.make(f"r{i}", prompt, budget) for i, (prompt, budget) in enumerate(zip(prompts, budgets))]
+    config = EngineConfig(max_num_seqs=3, max_model_len=64, spec=SpecConfig(method="mtp", num_speculative_tokens=5),
+                          eos_token_ids=(EOS,), steps_per_visit=2, max_prefill_batch=2)
+    engine, outputs, pending = Engine(target, config, drafter=greedy_modules()), {}, list(requests)
+    while pending or engine.has_work():
+        for _ in range(2):
+            if pending:
+                engine.add_request(pending.pop(0))
+        outputs.update({o.request_id: list(o.tokens) for o in engine.step()})
+    expected = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS]).sequences()
+    assert [outputs[r.request_id] for r in requests] == expected
