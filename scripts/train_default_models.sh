@@ -27,10 +27,14 @@ train() {  # train STAGE_DIR SPECJAX_ARGS...: skipped when the stage's eval.json
   if compgen -G "$runs/$stage/*/eval.json" >/dev/null; then echo "$stage: done, skipped"; return; fi
   "$python" -m specjax.cli "$@"
 }
-# MTP modules for the trained target (configs/train/default_mtp.yaml): one module, and three (mtp3), on the
-# DFlash stage's regenerated text where it is there (the same recipe and seed). STAGES=mtp runs only this stage,
-# then installs MTP_SHIP (mtp or mtp3; default mtp) as default:mtp.
+# MTP modules for the trained target (configs/train/default_mtp.yaml; the bundled default:target where none was
+# trained in RUNS_DIR): one module, and three (mtp3), on the DFlash stage's regenerated text where it is there
+# (the same recipe and seed). STAGES=mtp runs only this stage, then installs MTP_SHIP (mtp or mtp3; default mtp)
+# as default:mtp.
 mtp_stage() {
+  local target=default:target cache=()
+  if [ -d "$runs/target/model" ]; then target="$runs/target/model"; cache=(--set data.cache_dir="$runs/target"); fi
+  [ "${QUICK:-0}" = 1 ] && cache+=(--set regenerate_sequences=16 --set regenerate_prompt_len=16)
   for variant in mtp mtp3; do
     modules=1; [ "$variant" = mtp3 ] && modules=3
     mkdir -p "$runs/$variant"
@@ -38,10 +42,9 @@ mtp_stage() {
       cp "$runs/dflash/regenerated.npy" "$runs/$variant/"
     fi
     train "$variant" train-mtp --config configs/train/default_mtp.yaml --set num_modules="$modules" \
-      --set target="$runs/target/model" --set output_dir="$runs/$variant" --set data.cache_dir="$runs/target" \
-      "${quick[@]}" "${head_quick[@]}"
+      --set target="$target" --set output_dir="$runs/$variant" "${cache[@]}" "${quick[@]}" "${head_quick[@]}"
   done
-  "$python" scripts/install_mtp.py --run "$runs/${MTP_SHIP:-mtp}" --target "$runs/target/model" --out "$install_dir/mtp"
+  "$python" scripts/install_mtp.py --run "$runs/${MTP_SHIP:-mtp}" --target "$target" --out "$install_dir/mtp"
 }
 if [ "${STAGES:-}" = mtp ]; then mtp_stage; exit 0; fi
 
