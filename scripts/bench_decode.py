@@ -13,7 +13,10 @@ head, gathered once per generation; method eagle), an EAGLE-3 head with its own 
 32000-token draft vocabulary, as released for Llama-3.1-8B (eagle3; a draft step then reads a quarter of
 the LM-head bytes), a Llama-3.2-1B-shaped draft LM (draft_model), a DFlash drafter of z-lab's 8B shape
 (dflash: 5 layers, block 16; one forward drafts all K), the same drafter over a 32000-token draft
-vocabulary (dflash_fr, FR-Spec: its logits read those rows of the target's LM head). For each batch
+vocabulary (dflash_fr, FR-Spec: its logits read those rows of the target's LM head), one MTP module in
+MiMo's layout applied K times (mtp; with --shape mimo7b the target is MiMo-7B's Qwen2 shape, its first MTP
+module as released; T_draft of its bound is one call over its window of K + 1 entries, which drafts the
+first token, plus K - 1 single steps: specjax.proposers.mtp). For each batch
 size and prompt length it reports:
 - autoregressive step time and tokens/s (whole-generation time minus a one-token run, over the
   remaining steps), and its fraction of the HBM floor: the bytes a step must read (every weight but
@@ -94,6 +97,10 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
         if method.startswith("dflash"):  # the whole block's drafts in one step: the pending features, the block
             times[f"t_draft_{method}_s"] = dflash_step(drafter, target, batch, context, num_draft)(draft_cache)
             continue
+        if method == "mtp":  # the module over its window of K + 1 entries, then one step per further draft
+            for name, rows in (("t_draft_mtp_window_s", num_draft + 1), ("t_draft_mtp_s", 1)):
+                times[name] = mtp_step(drafter, target, batch, context, rows, cache_size)(draft_cache)
+            continue
         # One EAGLE draft step as the proposer runs it: the head's layer, then logits through the
         # target's LM head (EAGLE-1), its rows of the draft vocabulary (gathered in bind, outside the
         # timed loop, as once per generation: eagle_fr) or the head's own over its draft vocabulary (EAGLE-3).
@@ -111,6 +118,23 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
                                                jnp.zeros((batch, rows, cfg.hidden_size), cfg.jnp_dtype),
                                                tree_mask(rows) if tree_nodes else None)
     return times
+
+
+def mtp_step(drafter, target, batch: int, context: int, rows: int, cache_size: int):
+    """One call of the first MTP module over `rows` entries per row as the proposer runs it (its layer,
+    then the logits of the last entry through the target's LM head), as a function of its cache."""
+    cfg = target.config
+    proposer = build_proposer(SpecConfig(method="mtp", num_speculative_tokens=max(rows - 1, 1)), SamplingConfig(),
+                              cache_size, drafter)
+    positions = context + jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (batch, rows))
+    features = jnp.zeros((batch, rows, cfg.hidden_size), cfg.jnp_dtype)
+
+    def step(params, cache):
+        out, written = params.modules(0, jnp.zeros((batch, rows), jnp.int32), features, positions, cache, params.embed)
+        return proposer.logits(params, out[:, -1]), (written.with_lengths(cache.lengths),)
+
+    return lambda cache: benchmarking.time_in_loop(step, proposer.bind(drafter, target), cache, invariant=1,
+                                                   carry=True, iterations=10)["median_s"]
 
 
 def dflash_step(drafter, target, batch: int, context: int, num_draft: int):
@@ -221,7 +245,8 @@ def main():
     parser.add_argument("--acceptance-lengths", default="4.0")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--methods", default="eagle",
-                        help="drafters to time: eagle, eagle_fr, eagle3, draft_model, dflash, dflash_fr")
+                        help="drafters to time: eagle, eagle_fr, eagle3, draft_model, dflash, dflash_fr, mtp "
+                             "(with --shape mimo7b: MiMo-7B and one MTP module)")
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--name", default="bench_decode")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -345,9 +370,13 @@ def main():
                         state = speculative_run(target, drafters[method], spec, cache_size, final_state=True)(run_args)
                         row[f"{method}_tau{tau}_measured_tau"] = AcceptanceMetrics.from_counters(
                             state.counters, batch).summary()["mean_acceptance_length"]
-                    # DFlash drafts the block in one forward; the chain drafters take K steps.
+                    # DFlash drafts the block in one forward; the chain drafters take K steps; one MTP
+                    # module runs its window of K + 1 entries (the first draft), then K - 1 steps.
                     draft_steps = 1 if method.startswith("dflash") else num_draft
-                    bound_tok_s = batch * tau / (row["t_verify_s"] + draft_steps * t_draft)
+                    draft_time = draft_steps * t_draft
+                    if method == "mtp":
+                        draft_time = row["t_draft_mtp_window_s"] + (num_draft - 1) * t_draft
+                    bound_tok_s = batch * tau / (row["t_verify_s"] + draft_time)
                     row[f"{method}_tau{tau}_tok_s"] = spec_tok_s
                     row[f"{method}_tau{tau}_bound_tok_s"] = bound_tok_s
                     row[f"{method}_tau{tau}_of_bound"] = spec_tok_s / bound_tok_s

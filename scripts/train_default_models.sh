@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Trains the default models (target LM, draft LM, Medusa, EAGLE-1 and EAGLE-3 heads, DFlash, DSpark) and installs
+# Trains the default models (target LM, draft LM, Medusa, EAGLE-1 and EAGLE-3 heads, DFlash, DSpark, MTP) and installs
 # them into specjax/default_models with a model card. Meant for the GPU machine:
 #     PYTHONPATH=. scripts/train_default_models.sh [RUNS_DIR]
-# STAGES="dspark" (a space-separated list of target draft medusa eagle1 eagle3 dflash dspark; default all) runs
-# only those stages and installs only what they trained (--dflash-run / --dspark-run): a drafter stage without
+# STAGES="dspark" (a space-separated list of target draft medusa eagle1 eagle3 dflash dspark mtp
+# mtp3; default all) runs only those stages and installs only what they trained (--dflash-run / --dspark-run /
+# scripts/install_mtp.py): a drafter stage without
 # RUNS_DIR/target/model trains for the bundled target (specjax/default_models/target) and writes the token files
 # it needs under RUNS_DIR/target again. E.g. the DSpark drafter alone, on the GPU machine:
 #     PYTHONPATH=. STAGES=dspark scripts/train_default_models.sh runs/default
@@ -31,6 +32,7 @@ fi
 # Re-running the script skips finished stages and resumes an interrupted one from its last checkpoint.
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$runs/jax_cache}
 stages=${STAGES:-all}
+[[ " $stages " == *" mtp "* ]] && stages="$stages mtp3"  # the stage mtp trains one module and three
 train() {  # train STAGE_DIR SPECJAX_ARGS...: skipped when the stage's eval.json (written last) exists or not in STAGES
   local stage=$1; shift
   if [ "$stages" != all ] && [[ " $stages " != *" $stage "* ]]; then return; fi
@@ -58,8 +60,24 @@ for block in dflash dspark; do
     --set output_dir="$runs/$block" --set data.cache_dir="$runs/target" "${quick[@]}" "${head_quick[@]}" \
     "${block_quick[@]}"
 done
+# MTP modules for the target (configs/train/default_mtp.yaml): one module, and three (mtp3, with the stage mtp), on
+# the DFlash stage's regenerated text where it is there (the same recipe and seed).
+for variant in mtp mtp3; do
+  modules=1; [ "$variant" = mtp3 ] && modules=3
+  mkdir -p "$runs/$variant"
+  if [ -f "$runs/dflash/regenerated.npy" ] && [ ! -f "$runs/$variant/regenerated.npy" ]; then
+    cp "$runs/dflash/regenerated.npy" "$runs/$variant/"
+  fi
+  mtp_quick=(); [ "${QUICK:-0}" = 1 ] && mtp_quick=(--set regenerate_sequences=16 --set regenerate_prompt_len=16)
+  train "$variant" train-mtp --config configs/train/default_mtp.yaml --set num_modules="$modules" \
+    --set target="$target_model" --set output_dir="$runs/$variant" --set data.cache_dir="$runs/target" \
+    "${quick[@]}" "${head_quick[@]}" "${mtp_quick[@]}"
+done
+# MTP_SHIP (mtp or mtp3; default mtp) is installed as default:mtp.
+install_mtp() { "$python" scripts/install_mtp.py --run "$runs/${MTP_SHIP:-mtp}" --target "$target_model" --out "$install_dir/mtp"; }
 if [ "$stages" = all ]; then
   "$python" scripts/make_model_card.py --runs "$runs" --out "$install_dir"
+  install_mtp
 elif [ "${QUICK:-0}" = 1 ]; then
   echo "QUICK=1 with STAGES=$stages: nothing installed"
 else
@@ -68,4 +86,5 @@ else
     [[ " $stages " == *" $block "* ]] && installs+=("--$block-run" "$runs/$block")
   done
   if [ ${#installs[@]} -gt 0 ]; then "$python" scripts/make_model_card.py "${installs[@]}" --out "$install_dir"; fi
+  if [[ " $stages " == *" mtp"* ]]; then install_mtp; fi
 fi

@@ -30,6 +30,13 @@ SHAPES = {  # name: (target, draft LM)
            ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                        head_dim=64, intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
                        tie_word_embeddings=True, **BF16)),
+    # MiMo-7B (Qwen2 layers, q/k/v biases; its config.json); the draft LM is not used by its MTP module.
+    "mimo7b": (ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=151680, hidden_size=4096, num_layers=36,
+                           num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=11008, qkv_bias=True,
+                           max_position_embeddings=32768, rope_theta=640000.0, norm_eps=1e-5, **BF16),
+               ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=151680, hidden_size=896, num_layers=24,
+                           num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=4864, qkv_bias=True,
+                           max_position_embeddings=32768, tie_word_embeddings=True, **BF16)),
     "tiny": (ModelConfig(vocab_size=512, hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate_size=128, **BF16),
              ModelConfig(vocab_size=512, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,

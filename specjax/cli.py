@@ -238,6 +238,8 @@ TRAINERS = {
     "train-dspark": ("DSparkTrainConfig", "specjax.training.dflash:train_dflash",
                      "train a DSpark drafter (DFlash backbone, Markov and confidence heads) on a frozen target",
                      "configs/train/tiny_dspark.yaml"),
+    "train-mtp": ("MTPTrainConfig", "specjax.training.mtp:train_mtp",
+                  "train multi-token prediction modules on a frozen target", "configs/train/tiny_mtp.yaml"),
 }
 
 

@@ -248,6 +248,8 @@ class Runner:
             **({} if config.spec.method not in BLOCK_METHODS
                else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size,
                                                             drafter.config.first_draft_slot)}),
+            # How many MTP modules drafted (one applied K times, or several chained).
+            **({} if config.spec.method != "mtp" else {"mtp_modules": drafter.config.num_modules}),
             **({} if choice is None else {"tree_nodes": choice.total_tokens, "tree_size_auto": {
                 "sizes": choice.sizes, "estimated_acceptance": choice.acceptance, "verify_s": choice.verify_s,
                 "rest_s": choice.rest_s, "predicted_tokens_per_s": choice.predicted_tok_s}}),
@@ -277,13 +279,14 @@ def point_fields(config: RunConfig) -> dict:
 
 
 def drafter_name(row: dict) -> str:
-    """The method, with its draft vocabulary's size (FR-Spec), its draft tree's nodes and DFlash's full block
-    when set."""
+    """The method, with its draft vocabulary's size (FR-Spec), its draft tree's nodes, DFlash's full block
+    and the number of MTP modules when set."""
     size, nodes, top_k = row.get("draft_vocab_size"), row.get("tree_nodes"), row.get("tree_top_k")
     auto = "auto: " if row.get("tree_size_auto") else ""
     tree = "" if nodes is None else f" ({auto}{nodes}-node tree{'' if top_k is None else f', top-{top_k}'})"
     full_block = " (full block)" if row.get("dflash_full_block") else ""
-    return "".join([row["method"], "" if size is None else f" ({size} ids)", tree, full_block])
+    modules = "" if row.get("mtp_modules") is None else f" ({row['mtp_modules']} module{'s' * (row['mtp_modules'] > 1)})"
+    return "".join([row["method"], "" if size is None else f" ({size} ids)", tree, full_block, modules])
 
 
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")

@@ -29,6 +29,7 @@ from specjax.decoding import decode_loop, loop_arrays, pad_request, speculative_
 from specjax.models.dflash import (DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, init_dflash,
                                    with_draft_vocabulary)
 from specjax.models.eagle import EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle
+from specjax.models.mtp import MTPConfig, init_mtp, mtp_to_decoding_layout
 from specjax.models.transformer import init_model, to_decoding_layout
 from specjax.proposers.base import build_proposer
 from specjax.verify.sampling import SamplingMode
@@ -36,7 +37,9 @@ from specjax.verify.sampling import SamplingMode
 DRAFTERS = {"eagle": "EAGLE-1 head", "eagle_fr": "EAGLE-1 head over 32000 draft ids (FR-Spec)",
             "eagle3": "EAGLE-3 head", "draft_model": "Llama-3.2-1B-shaped draft LM",
             "dflash": "DFlash drafter (5 layers, block 16, as z-lab's for 8B targets)",
-            "dflash_fr": "the DFlash drafter over 32000 draft ids (FR-Spec)"}  # name: what it is at 8b
+            "dflash_fr": "the DFlash drafter over 32000 draft ids (FR-Spec)",
+            "mtp": "one MTP module (MiMo's layout: a Qwen2 layer as wide as the target's), applied K times"}
+# name: what it is at 8b (mtp: at mimo7b)
 DFLASH_LAYERS, DFLASH_BLOCK = 5, 16
 GREEDY = SamplingConfig()
 
@@ -80,12 +83,17 @@ def build_drafter(drafter: str, target_config: ModelConfig, draft_config: ModelC
     (eagle), the same head over a 32000-token draft vocabulary (eagle_fr, FR-Spec: a draft step reads
     those rows of the target's LM head), an EAGLE-3 head with its own LM head over a 32000-token draft
     vocabulary, as released for Llama-3.1-8B (eagle3), a draft LM of draft_config (draft_model), or a
-    DFlash drafter of z-lab's 8B shape: 5 layers as wide as the target's, block 16 (dflash)."""
+    DFlash drafter of z-lab's 8B shape: 5 layers as wide as the target's, block 16 (dflash), or one MTP
+    module as wide as the target's (mtp, as MiMo-7B's first)."""
     if drafter == "draft_model":
         return to_decoding_layout(benchmarking.on_device(lambda: init_model(draft_config, seed=1)), model_shards)
     if drafter == "dflash_fr":  # the first 32000 ids: speed does not depend on which
         full = build_drafter("dflash", target_config, draft_config, model_shards)
         return with_draft_vocabulary(full, np.arange(min(32000, target_config.vocab_size)))
+    if drafter == "mtp":
+        layer = dataclasses.replace(target_config, num_layers=1, architecture="Qwen2ForCausalLM", qkv_bias=True)
+        return mtp_to_decoding_layout(benchmarking.on_device(lambda: init_mtp(MTPConfig(layer=layer), seed=4)),
+                                      model_shards)
     if drafter == "dflash":
         layers = min(DFLASH_LAYERS, target_config.num_layers)
         config = DFlashConfig(

@@ -62,7 +62,7 @@ def test_bad_head_train_config_names_the_field(changes, message):
 @pytest.mark.parametrize("changes, build, message", [
     (dict(method="lookahead"), lambda spec: build_proposer(spec, SamplingConfig(), cache_size=16),
      r"SpecConfig.method = 'lookahead' is invalid: allowed one of \['dflash', 'draft_model', 'dspark', 'eagle', "
-     r"'eagle3', 'medusa', 'ngram'\]"),
+     r"'eagle3', 'medusa', 'mtp', 'ngram'\]"),
     (dict(rejection_sample_method="typical"), check_method,
      r"SpecConfig.rejection_sample_method = 'typical' is invalid: allowed one of \('standard', 'block', "
      r"'synthetic'\)"),

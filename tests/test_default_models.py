@@ -15,7 +15,7 @@ from specjax.experiments import RunConfig, grid_points, load_models, load_prompt
 from specjax.proposers import PROPOSERS
 
 # The methods of the demo and K-sweep configs.
-SWEPT = ["dflash", "draft_model", "eagle", "eagle3", "medusa", "ngram"]
+SWEPT = ["dflash", "draft_model", "eagle", "eagle3", "medusa", "mtp", "ngram"]
 # default:dspark is trained on the GPU machine (scripts/train_default_models.sh's dspark stage); until it is
 # installed, the tests of bundled drafters skip it, saying so.
 DSPARK_INSTALLED = (default_models.path("target").parent / "dspark" / "config.json").exists()
@@ -91,7 +91,7 @@ def test_unknown_default_names_are_refused():
         default_models.resolve("default:eagle2")
     with pytest.raises(ConfigError, match=r"SpecConfig.method = 'lookahead' is invalid: allowed one of "
                                           r"\['dflash', 'draft_model', 'dspark', 'eagle', 'eagle3', 'medusa', "
-                                          r"'ngram'\]"):
+                                          r"'mtp', 'ngram'\]"):
         load_models(default_models.TARGET, "lookahead")
 
 
@@ -117,7 +117,7 @@ def test_the_demo_config_runs_end_to_end(tmp_path, capsys):
     assert sorted(row["method"] for row in rows) == sorted(SWEPT)
     assert all(row["greedy_identical_rows"] == row["prompts"] for row in rows)
     # The verifier that ran at T = 0 is the greedy one; DFlash drafts its whole block at K 4 by default.
-    names = {method: method + (" (full block)" if method == "dflash" else "") for method in SWEPT}
+    names = {method: method + {"dflash": " (full block)", "mtp": " (1 module)"}.get(method, "") for method in SWEPT}
     assert all(f"| {names[method]} | 4 | greedy | 0 | greedy |" in out for method in SWEPT), out
     # Understandable without the README: the AR tokens/s column, what rows = AR means, why speedups are below 1.
     assert "| AR tokens/s | tokens/s | speedup | rows = AR |" in out and "rows = AR: greedy rows whose" in out

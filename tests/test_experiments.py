@@ -111,7 +111,7 @@ def test_a_killed_sweep_reruns_only_the_missing_points(models, tmp_path):
     (dict(max_new_tokens="many"), r"run.yaml: RunConfig.max_new_tokens = 'many' is invalid: allowed an integer"),
     (dict(spec={"method": "lookahead"}), r"run.yaml: SpecConfig.method = 'lookahead' is invalid: allowed one of "
                                          r"\['dflash', 'draft_model', 'dspark', 'eagle', 'eagle3', 'medusa', "
-                                         r"'ngram'\]"),
+                                         r"'mtp', 'ngram'\]"),
     (dict(spec={"num_speculative_tokens": 0}), r"run.yaml: SpecConfig.num_speculative_tokens = 0 is invalid"),
     (dict(draft_vocab_size=100), r"run.yaml: RunConfig.draft_vocab_size = 100 is invalid with spec.method "
                                  r"'draft_model': allowed null, or a positive integer with methods "

@@ -3,13 +3,17 @@ the target"), so that a drafter learns the distribution it is judged against rat
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax.config import SamplingConfig
+from specjax import default_models
+from specjax.config import OwnTextTrainingRun, SamplingConfig
+from specjax.data.dataset import prepare
 from specjax.decoding import generate
+from specjax.models import hf
 from specjax.models.transformer import Transformer, for_decoding
 
 
@@ -46,3 +50,30 @@ def regenerated(path: Path, shape: tuple[int, int], make) -> np.ndarray:
     np.save(path.with_suffix(".tmp.npy"), sequences)
     path.with_suffix(".tmp.npy").rename(path)
     return sequences
+
+
+def own_text(config: OwnTextTrainingRun, target: Transformer, train_tokens: np.ndarray,
+             output_dir: Path) -> np.ndarray | None:
+    """The config's regenerate_sequences sequences of the target's own text (output_dir/regenerated.npy,
+    which a resumed run reuses), or None where the config trains on corpus windows."""
+    if not config.regenerate_sequences:
+        return None
+    seq_len = config.data.seq_len
+    return regenerated(output_dir / "regenerated.npy", (config.regenerate_sequences, seq_len + 1), lambda: regenerate(
+        target, train_tokens, num_sequences=config.regenerate_sequences, prompt_len=config.regenerate_prompt_len,
+        seq_len=seq_len, temperature=config.regenerate_temperature, seed=config.seed))
+
+
+def frozen_target_and_tokens(config: OwnTextTrainingRun) -> tuple[Path, Transformer, np.ndarray, np.ndarray]:
+    """(output_dir, created; the target in float32 weights, also from a bfloat16 checkpoint, computing in
+    config.compute_dtype; the corpus's train and held-out tokens, tokenized by the target's tokenizer)."""
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    target_dir = default_models.resolve(config.target)
+    data = dataclasses.replace(config.data, tokenizer=str(target_dir))
+    tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
+    target = hf.load(target_dir, param_dtype="float32", dtype=config.compute_dtype)
+    if len(tokenizer) > target.config.vocab_size:
+        raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "
+                         f"vocab_size {target.config.vocab_size}")
+    return output_dir, target, train_tokens, held_out_tokens

@@ -1,7 +1,9 @@
 """The bundled default models: a 12.6M-parameter code LM (the target), a 1.4M-parameter draft LM on
-its tokenizer, and EAGLE-1, EAGLE-3 and Medusa heads, a DFlash drafter and a DSpark drafter for the
-target, trained on the Python standard library by scripts/train_default_models.sh (DSpark: its `dspark`
-stage). MODEL_CARD.md beside this file gives their figures.
+its tokenizer, and EAGLE-1, EAGLE-3 and Medusa heads, a DFlash drafter, a DSpark drafter and an MTP module
+for the target, trained on the Python standard library by scripts/train_default_models.sh (DSpark: its
+`dspark` stage). MODEL_CARD.md beside this file gives their figures (mtp/eval.json the MTP module's: until the
+H200 run of the script's mtp stage, a module trained for 400 steps on the CPU, docs/performance.md
+"Acceptance: MTP on the default models").
 
 Anywhere specjax takes a model folder (configs, `specjax generate --model`), `default:NAME` names one of
 them; the draft shares the target's tokenizer. Which one a method drafts with by default is its
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NAMES = ("target", "draft", "eagle1", "eagle3", "medusa", "dflash", "dspark")
+NAMES = ("target", "draft", "eagle1", "eagle3", "medusa", "dflash", "dspark", "mtp")
 PREFIX = "default:"
 TARGET = PREFIX + "target"
 

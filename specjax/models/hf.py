@@ -29,7 +29,11 @@ INDEX_FILE = "model.safetensors.index.json"
 
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3"}
-SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "GPT2LMHeadModel")
+# Architectures whose LM is one of the above with multi-token prediction modules beside it (model.mtp_layers.*,
+# the drafter of method 'mtp': specjax.models.mtp): the LM loads as that architecture, the modules are left out.
+MTP_HOSTS = {"MiMoForCausalLM": "Qwen2ForCausalLM"}
+MTP_TENSOR_PREFIX = "model.mtp_layers."
+SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "GPT2LMHeadModel", *MTP_HOSTS)
 # Buffers some checkpoints carry that are recomputed, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
@@ -73,6 +77,10 @@ def config_from_hf(hf: dict, path: Path = Path(CONFIG_FILE)) -> ModelConfig:
     """Maps a parsed config.json onto a ModelConfig (dtypes float32; `load` sets them)."""
     architectures = hf.get("architectures") or []
     architecture = architectures[0] if architectures else None
+    if architecture in MTP_HOSTS:  # MiMo's Qwen2Attention has q/k/v biases only, whatever attention_bias says
+        hf = {key: value for key, value in hf.items() if key != "attention_bias"}
+        architecture = MTP_HOSTS[architecture]
+        hf["architectures"] = [architecture]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {architecture!r} is not supported: allowed "
                               f"{list(SUPPORTED_ARCHITECTURES)}")
@@ -427,6 +435,7 @@ def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | 
     used = fill_from_rules(model, rules_for(config), reader, model_dir, config.num_layers, config.architecture)
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints store it anyway
+    used |= {key for key in reader.keys() if key.startswith(MTP_TENSOR_PREFIX)}  # the drafter's (method 'mtp')
     check_all_used(reader, used, model_dir, config.architecture)
     return model
 

@@ -64,11 +64,12 @@ class DraftModelProposer(Proposer):
     @classmethod
     def recognizes(cls, folder: Path) -> bool:
         """An LM of a supported architecture: its embedding among the tensors (EAGLE heads say
-        LlamaForCausalLM too, but carry no `model.` embedding)."""
+        LlamaForCausalLM too, but carry no `model.` embedding), without MTP modules (method mtp's)."""
         architectures = hf.config_json_or_empty(folder).get("architectures") or [None]
         names = hf.tensor_names(folder)
         return architectures[0] in hf.SUPPORTED_ARCHITECTURES and any(
-            name.endswith(("model.embed_tokens.weight", "wte.weight")) for name in names)
+            name.endswith(("model.embed_tokens.weight", "wte.weight")) for name in names) and not any(
+            name.startswith(hf.MTP_TENSOR_PREFIX) for name in names)
 
     def check(self, params, target_config) -> None:
         tree, spec = self.settings.spec.speculative_token_tree, self.settings.spec

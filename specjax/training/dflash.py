@@ -49,8 +49,8 @@ import optax
 
 from specjax import default_models
 from specjax.config import DFlashTrainConfig, DSparkTrainConfig, ModelConfig, SpecConfig
-from specjax.data.dataset import batch_at, prepare
-from specjax.data.regenerate import regenerate, regenerated
+from specjax.data.dataset import batch_at
+from specjax.data.regenerate import frozen_target_and_tokens, own_text
 from specjax.models import hf
 from specjax.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids, init_dflash, save_dflash
 from specjax.models.dspark import DSparkDrafter, dspark_config, init_dspark, save_dspark
@@ -217,16 +217,8 @@ def closing_eval(config: DFlashTrainConfig, target: Transformer, drafter: DFlash
 
 
 def train_dflash(config: DFlashTrainConfig) -> dict:
-    output_dir = Path(config.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    target_dir = default_models.resolve(config.target)
-    data = dataclasses.replace(config.data, tokenizer=str(target_dir))
-    tokenizer, train_tokens, held_out_tokens = prepare(data, Path(data.cache_dir or output_dir))
-    # float32 weights from a bfloat16 checkpoint too: the drafter trains in float32
-    target = hf.load(target_dir, param_dtype="float32", dtype=config.compute_dtype)
-    if len(tokenizer) > target.config.vocab_size:
-        raise ValueError(f"the tokenizer of {config.target} has {len(tokenizer)} tokens, more than the target's "
-                         f"vocab_size {target.config.vocab_size}")
+    output_dir, target, train_tokens, held_out_tokens = frozen_target_and_tokens(config)
+    target_dir, data = default_models.resolve(config.target), config.data
     drafter_shape = drafter_config(config, target.config, mask_token_for(config, target_dir, target.config.vocab_size))
     dspark = isinstance(config, DSparkTrainConfig)
     drafter = (init_dspark if dspark else init_dflash)(drafter_shape, seed=config.seed)
@@ -238,11 +230,7 @@ def train_dflash(config: DFlashTrainConfig) -> dict:
                                     config.distill_weight, confidence_alpha)
         return loss, {"loss": loss, **metrics}
 
-    sequences = None
-    if config.regenerate_sequences:
-        sequences = regenerated(output_dir / "regenerated.npy", (config.regenerate_sequences, data.seq_len + 1), lambda: regenerate(
-            target, train_tokens, num_sequences=config.regenerate_sequences, prompt_len=config.regenerate_prompt_len,
-            seq_len=data.seq_len, temperature=config.regenerate_temperature, seed=config.seed))
+    sequences = own_text(config, target, train_tokens, output_dir)
 
     def batch_fn(step):  # a function of (seed, step), as the windows are: a resumed run sees the same blocks
         rng = np.random.default_rng([config.seed, step, 2])
