@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The engine and the server under load at the Llama-3.1-8B shape on one GPU (random bfloat16 weights,
-# synthetic acceptance), in two parts that each fit one 10-minute device call:
-#     PYTHONPATH=. benchmarks/serve_8b.sh load OUT   # transformers' continuous batching (the peer), static
-#                                                    # generate AR, and the engine without speculation and with
-#                                                    # EAGLE-1 at K 2, 4, 8, from 1 to 256 requests in flight
-#     PYTHONPATH=. benchmarks/serve_8b.sh http OUT   # specjax serve (HTTP, streamed) against the same engine
-#                                                    # in process, EAGLE-1 K 5 tau 4 and DFlash K 15 tau 6
+# synthetic acceptance), in three parts that each fit one 10-minute device call:
+#     PYTHONPATH=. benchmarks/serve_8b.sh load OUT     # static generate AR, and the engine without speculation
+#                                                      # and with EAGLE-1 at K 2, 4, 8, from 1 to 256 requests
+#     PYTHONPATH=. benchmarks/serve_8b.sh methods OUT  # transformers' continuous batching (the peer) at 64 and
+#                                                      # 256 requests; the engine with EAGLE-1 K 5 tau 4 and
+#                                                      # DFlash K 15 tau 6 (the issue's figures), 1 to 256
+#     PYTHONPATH=. benchmarks/serve_8b.sh http OUT     # specjax serve (HTTP, streamed) against the same engine
+#                                                      # in process, EAGLE-1 K 5 tau 4
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
 # The http part needs fastapi, uvicorn, prometheus_client and httpx (carried as wheels to the GPU machine).
@@ -16,9 +18,14 @@ export PYTHONUNBUFFERED=1
 common=(--models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 --max-num-seqs 256 --max-prefill-batch 64)
 case $part in
   load)
-    timeout 170 python3 scripts/bench_peer_cb.py --batches 64,256 --output "$out" 2>&1 | grep -v -i warn
     python3 scripts/bench_serve.py "${common[@]}" --methods none,eagle:2:2.53,eagle:4:3.6,eagle:8:4.87 \
       --concurrency 1,16,64,256 --static-batches 64,256 --name bench_serve_8b_ksweep --output "$out"
+    ;;
+  methods)
+    timeout 240 python3 scripts/bench_peer_cb.py --batches 64,256 --output "$out" > "$out/bench_peer_cb.log" 2>&1
+    tail -3 "$out/bench_peer_cb.log"
+    python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4,dflash:15:6 --concurrency 1,16,64,256 \
+      --name bench_serve_8b_methods --output "$out"
     ;;
   http)
     python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
@@ -31,8 +38,8 @@ case $part in
     JAX_PLATFORMS=cpu python3 scripts/bench_serve.py --url http://127.0.0.1:8765 "${common[@]}" --methods eagle:5:4 \
       --concurrency 1,64,256 --name bench_serve_8b_http --output "$out"
     kill -TERM $server; wait $server
-    python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4,dflash:15:6 --concurrency 1,64,256 \
+    python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
       --name bench_serve_8b_inproc --output "$out"
     ;;
-  *) echo "usage: $0 load|http [OUT]"; exit 2 ;;
+  *) echo "usage: $0 load|methods|http [OUT]"; exit 2 ;;
 esac
