@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--attention", default="sdpa_paged", help="attn_implementation (transformers' name)")
+    parser.add_argument("--attention", default="paged|sdpa", help="attn_implementation (transformers' name)")
     parser.add_argument("--name", default="bench_peer_cb")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": "Llama-3.1-8B shape, random bfloat16 weights", "prompt_len": args.prompt_len,
             "command": " ".join(["python", *map(shlex.quote, sys.argv)])}
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: generate_batch updates its tensors in place in its own thread
         model.generate_batch(inputs=prompts[:8], generation_config=GenerationConfig(
             max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0), progress_bar=False)
         for batch in (int(b) for b in args.batches.split(",")):
