@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decoding
+from specjax import adaptive, decoding
 from specjax.config import DTYPES, SamplingConfig, SpecConfig
 from specjax.engine._blocks import PrefixCache, block_keys
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
@@ -71,6 +71,10 @@ class EngineConfig:
     # longer prompt is prefilled in chunks over several visits while the running requests step between them.
     # None: whole prompts, max_prefill_batch of them a call.
     max_num_batched_tokens: int | None = None
+    # With spec.enable_adaptive_verification: a step's cost by batch and verify width (specjax.adaptive);
+    # None: adaptive.default_cost_curve at each count of slots stepped (profiled once and cached on an
+    # accelerator, analytic on the CPU).
+    cost_curve: adaptive.CostCurve | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch", "block_size",
@@ -157,6 +161,7 @@ class Engine:
             and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
         self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
         self._new_caches = {}  # batch -> jitted maker of empty (target, drafter) cache rows
+        self._costs = {}  # slots stepped -> adaptive verification's cost at each verify width
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -221,7 +226,7 @@ class Engine:
                                         eos_token_ids=eos, cache_size=config.max_model_len,
                                         cache_dtype=config.kv_cache_dtype, **offset)[0]
 
-            def step(weights, state):
+            def step(weights, state, costs):
                 return decoding.decode_step(weights[0], state, mode=mode, eos_token_ids=eos)
         else:
             proposer = build_proposer(decoding.static_spec(config.spec, mode), mode, config.max_model_len, self.drafter)
@@ -234,9 +239,9 @@ class Engine:
                 return decoding.speculative_init(*weights, tokens, lengths, budgets, keys, sampling, proposer=proposer,
                                                  eos_token_ids=eos, cache_dtype=config.kv_cache_dtype, prefix=prefix)
 
-            def step(weights, state):
+            def step(weights, state, costs):
                 return decoding.speculative_step(*weights, state, self._method, proposer=proposer,
-                                                 verifiers=self._verifiers, eos_token_ids=eos)
+                                                 verifiers=self._verifiers, eos_token_ids=eos, verify_costs=costs)
 
         init = functools.partial(jax.jit(init_rows), weights)
 
@@ -245,9 +250,10 @@ class Engine:
 
         axes = batch_axes(rows_at)
 
-        def run_steps(weights, state, max_steps, stop_at_done, *, rows: int):
+        def run_steps(weights, state, max_steps, stop_at_done, costs, *, rows: int):
             """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
-            stop_at_done of them done (a free slot to fill); the other slots are left as they are."""
+            stop_at_done of them done (a free slot to fill); the other slots are left as they are. costs: adaptive
+            verification's cost of a step of `rows` slots at each verify width (None without it)."""
             def cond(carry):
                 steps, state = carry
                 done = _decode(state).done
@@ -255,7 +261,7 @@ class Engine:
 
             leaves, treedef = jax.tree.flatten(state)
             busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
-            steps, busy = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1])),
+            steps, busy = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1], costs)),
                                              (jnp.int32(0), jax.tree.unflatten(treedef, busy)))
             leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
                       for x, part, a in zip(leaves, jax.tree.leaves(busy), axes)]
@@ -267,12 +273,23 @@ class Engine:
             """run_steps over `rows` slots: one compiled program per power-of-two count (and the whole state)."""
             if rows not in runs:
                 runs[rows] = jax.jit(functools.partial(run_steps, rows=rows), donate_argnums=1)
-            return runs[rows](weights, state, max_steps, stop_at_done)
+            return runs[rows](weights, state, max_steps, stop_at_done, self._verify_costs(rows))
 
         run.programs = runs
         program = (proposer, init, run, axes)
         self._programs[mode] = program
         return program
+
+    def _verify_costs(self, rows: int):
+        """Adaptive verification's costs for a step of `rows` slots (None without it), found once per count."""
+        spec = self.config.spec
+        if spec is None or not spec.enable_adaptive_verification:
+            return None
+        if rows not in self._costs:
+            curve = self.config.cost_curve or adaptive.default_cost_curve(self.model, rows, spec.verify_widths,
+                                                                          self.config.max_model_len)
+            self._costs[rows] = adaptive.verify_costs(spec, curve, rows)
+        return self._costs[rows]
 
     def step_programs(self) -> dict[tuple[SamplingMode, int], int]:
         """Compiled step programs by the sampling mode and the count of slots they step (a count > 1 would be
