@@ -192,6 +192,7 @@ def drafter_for(method: str):
 # Widths of a step's forward cost the more the wider (a large batch's curve, made up): the chosen width follows
 # each row's estimates and changes from step to step.
 STEEP = adaptive.CostCurve(batches=(1,), widths=(0, 4), seconds=((1.0, 2.2),))
+STEEPER = adaptive.CostCurve(batches=(1,), widths=(0, 4), seconds=((1.0, 4.0),))  # for 4 slots of the engine
 METHODS = {"draft_model": 4, "dflash": 4, "dspark": 4}
 
 
@@ -226,7 +227,7 @@ def test_the_engine_serves_each_request_its_autoregressive_output(method):
     requests = random_requests(32)
     spec = SpecConfig(method=method, num_speculative_tokens=3, enable_adaptive_verification=True)
     config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,), steps_per_visit=3,
-                          max_prefill_batch=4, cost_curve=STEEP)
+                          max_prefill_batch=4, cost_curve=STEEPER)
     outputs = serve_arriving(Engine(target, config, drafter=drafter_for(method)), requests)
     expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
                         eos_token_ids=(EOS,)).sequences()
