@@ -22,7 +22,7 @@ from specjax.decoding import generate, speculative_loop
 from specjax.models.dflash import init_dflash
 from specjax.models.transformer import init_model
 from specjax.verify import block, greedy, standard, synthetic
-from specjax.verify.common import make_draws, race_sample, token_probs
+from specjax.verify.common import make_draws, race_sample
 
 T1 = SamplingConfig(temperature=1.0)
 
@@ -303,19 +303,21 @@ def test_speculative_sampling_is_lossless(method):
 
 @pytest.mark.slow
 def test_negative_control_a_width_chosen_from_the_rows_own_sampled_draft_fails(monkeypatch):
-    """The same check catches what the estimator must not do: cut a row where its first sampled draft looks
-    unsure (q(x_1) < 0.5). The width then depends on the draft, which conditions it, and the output is biased."""
+    """The same check catches what the estimator must not do: read the row's own sampled draft, here verifying
+    none of it where its first draft is not the drafter's most likely token (an 'unsure' draft). The width then
+    depends on the draft: the drafter's mode m is emitted with probability min(p(m), q(m)) + (1 - q(m)) p(m),
+    above the target's p(m)."""
     import specjax.decoding as decoding
 
     verify_drafts = decoding.verify_drafts
 
     def peeking(logits, draft_tokens, draft_probs, keys, parents, *, num_valid, **options):
-        unsure = token_probs(draft_probs, draft_tokens)[:, 0] < 0.5
+        unsure = draft_tokens[:, 0] != jnp.argmax(draft_probs[:, 0], axis=-1)
         return verify_drafts(logits, draft_tokens, draft_probs, keys, parents,
                              num_valid=jnp.where(unsure, 0, num_valid), **options)
 
     monkeypatch.setattr(decoding, "verify_drafts", peeking)
-    counts, metrics, _ = joint_counts_by_sampling(tiny_spec("draft_model", "standard"), [T1], tiny_drafter("draft_model"),
-                                                  cost_curve=CUT)
+    counts, metrics, _ = joint_counts_by_sampling(tiny_spec("draft_model", "standard"), [T1],
+                                                  tiny_drafter("draft_model"), cost_curve=CUT)
     assert 0 < metrics.summary()["acceptance_rate"] < 1
     assert chi_square_pvalue(counts[0], exact_joint(tiny_pair()[0], T1)) < 1e-6
