@@ -10,7 +10,8 @@
 the standard library's sources), real acceptance. --models 8b: Llama-3.1-8B-shaped random bfloat16
 weights (specjax.speed's), random prompts, synthetic acceptance: each method is NAME:K:TAU, the
 verifier accepting a mean of TAU tokens a step (rejection_sample_method 'synthetic'; said in the
-results). Load is a fixed number of requests in flight (--concurrency, a closed loop: a new request
+results). A method ending in :adaptive runs with adaptive verification (specjax.adaptive; its cost curve
+profiled at warm-up for each count of slots and kept on disk), e.g. dflash:7:4.0:adaptive. Load is a fixed number of requests in flight (--concurrency, a closed loop: a new request
 arrives when one ends) or Poisson arrivals at --rate requests/s (--burstiness: gamma-distributed
 gaps of that shape, 1 = Poisson, as vLLM's bench serve). Each point is measured after the engine has
 compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
@@ -56,20 +57,26 @@ class Method:
     name: str  # none (autoregressive) or a SpecConfig method
     num_speculative_tokens: int = 0
     tau: float | None = None  # synthetic acceptance (8b models)
+    adaptive: bool = False  # enable_adaptive_verification
 
     @classmethod
     def parse(cls, text: str) -> Method:
+        """NAME[:K[:TAU]][:adaptive], e.g. dflash:7:4.0:adaptive, eagle:5::adaptive; none for autoregressive."""
         name, *rest = text.split(":")
         if name == "none":
             return cls("none")
-        return cls(name, int(rest[0]) if rest else 4, float(rest[1]) if len(rest) > 1 else None)
+        adaptive = bool(rest) and rest[-1] == "adaptive"
+        rest = rest[:-1] if adaptive else rest
+        return cls(name, int(rest[0]) if rest else 4, float(rest[1]) if len(rest) > 1 and rest[1] else None,
+                   adaptive)
 
     def spec(self) -> SpecConfig | None:
         if self.name == "none":
             return None
         if self.tau is not None:
-            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens)
-        return SpecConfig(method=self.name, num_speculative_tokens=self.num_speculative_tokens)
+            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens, adaptive=self.adaptive)
+        return SpecConfig(method=self.name, num_speculative_tokens=self.num_speculative_tokens,
+                          enable_adaptive_verification=self.adaptive)
 
 
 def bundled_models(methods: list[Method]):
@@ -362,9 +369,11 @@ def main(argv=None) -> None:
                                   new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                                   rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
                 label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
+                label += " adaptive" if method.adaptive else ""
                 label += "" if len(modes) == 1 else f" prefix {mode}"
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                              "label": label, "synthetic_tau": method.tau, "slots": slots, "prefix_caching": mode,
+                             "adaptive": method.adaptive,
                              **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "
