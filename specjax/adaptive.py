@@ -9,8 +9,8 @@ out of the compiled widths (SpecConfig.verify_widths) that maximises expected to
 c[b, j] is the estimated probability that row b's draft j is accepted given draft j - 1 was: a moving average
 of what the row's drafts were seen to do (AdaptiveState, kept in the loop's state), or DSpark's confidence
 head where the drafts are deterministic. cost(W) is a step's seconds at this batch and width, from a cost
-curve (CostCurve): measured on the device once per model, shape, batch and device and kept on disk, or
-analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
+curve (CostCurve): measured on the device once per model, drafter, shape, batch and device and kept on disk,
+or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
 compiled widths: a program's shapes are static) and every active row verifies its first W drafts.
 
 Why one width for the batch rather than vLLM's per-row budget: vLLM packs each row's verified tokens into a
@@ -33,16 +33,15 @@ import functools
 import hashlib
 import json
 import os
-import statistics
-import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from specjax import benchmarking
 from specjax.config import SpecConfig
 
 # The weight of a step's outcome in a position's moving average: about the last five steps count.
@@ -125,7 +124,7 @@ def padded(tree: Any, length: int) -> Any:
 # the drafter a fixed DRAFT_COST whatever the width.
 RIDGE_TOKENS = 300.0
 DRAFT_COST = 0.2
-REPEATS = 5  # timed forwards per width when profiling; the median counts
+PROFILE_ITERATIONS = 10  # forwards per timed loop when profiling (benchmarking.time_in_loop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,63 +176,77 @@ def cost_curve_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specjax" / "cost_curves"
 
 
-def curve_key(model: Any, batch: int, widths: Sequence[int], cache_size: int) -> str:
-    """What a profile depends on: the device, JAX, the model's shape and dtype, the batch, widths and cache."""
+@dataclasses.dataclass(frozen=True)
+class DraftTiming:
+    """The drafter's side of a profile: what names it in the cache key (its method, K and weights' shapes) and
+    how to time one propose at a batch (seconds; e.g. specjax.decoding.draft_step_seconds)."""
+
+    key: str
+    seconds: Callable[[int], float]
+
+
+def curve_key(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter_key: str = "") -> str:
+    """What a profile depends on: the device, JAX, the model's shape and dtype, the batch, widths and cache,
+    and the drafter's key where its time was measured."""
     device = jax.devices()[0]
     leaf = jax.tree.leaves(model)[0]
     what = {"platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "model": repr(model.config), "dtype": str(leaf.dtype), "layout": type(model.layers).__name__,
-            "batch": batch, "widths": list(widths), "cache_size": cache_size}
+            "batch": batch, "widths": list(widths), "cache_size": cache_size, "drafter": drafter_key}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, draft_cost: float = DRAFT_COST,
-            repeats: int = REPEATS) -> CostCurve:
-    """Times the target's verify forward over [batch, width + 1] positions at each width (median of `repeats`
-    after a compiling call), on a cache half full. The drafter's time is the same at every width: it is added
-    as draft_cost times the narrowest forward (it is not profiled yet)."""
-    cache = model.create_cache(batch, cache_size)
-    cache = cache.with_lengths(jnp.full((batch,), cache_size // 2, jnp.int32))
+def verify_seconds(model: Any, batch: int, width: int, cache_size: int,
+                   iterations: int = PROFILE_ITERATIONS) -> float:
+    """Device seconds of the target's verify forward over [batch, width + 1] positions on a half-full cache,
+    inside a jitted loop that carries the cache as the decode loop does (written in place, not copied:
+    benchmarking.time_in_loop)."""
+    context = cache_size // 2
+    cache = model.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
 
-    @jax.jit
-    def forward(model, tokens, positions, cache):
-        return model(tokens, positions, cache)[0]
+    def forward(model, cache, tokens):
+        positions = context + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits, _, written = model(tokens, positions, cache)
+        return logits, (written.with_lengths(cache.lengths), tokens)
 
-    seconds = []
-    for width in widths:
-        tokens = jnp.zeros((batch, width + 1), jnp.int32)
-        positions = cache_size // 2 + jnp.broadcast_to(jnp.arange(width + 1, dtype=jnp.int32), tokens.shape)
-        jax.block_until_ready(forward(model, tokens, positions, cache))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(forward(model, tokens, positions, cache))
-            times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times))
-    seconds = [s + draft_cost * seconds[0] for s in seconds]
+    tokens = jnp.zeros((batch, width + 1), jnp.int32)
+    return benchmarking.time_in_loop(forward, model, cache, tokens, invariant=1, carry=True,
+                                     iterations=iterations)["median_s"]
+
+
+def profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
+            iterations: int = PROFILE_ITERATIONS) -> CostCurve:
+    """A step's seconds at each width: the target's verify forward (verify_seconds) plus the drafter's propose,
+    which is the same at every width (timed by `drafter`; without one, DRAFT_COST times the narrowest forward)."""
+    # A forward too small to time (a tiny model on the CPU) can measure at or below zero: floored, not refused.
+    seconds = [max(verify_seconds(model, batch, width, cache_size, iterations), 1e-9) for width in widths]
+    draft = DRAFT_COST * seconds[0] if drafter is None else drafter.seconds(batch)
     device = jax.devices()[0]
-    return CostCurve((batch,), tuple(widths), (tuple(seconds),),
-                     source=f"profiled on {device.device_kind} ({device.platform}), verify forward medians")
+    what = "the drafter's propose" if drafter is not None else f"{DRAFT_COST} x the narrowest forward for the drafter"
+    return CostCurve((batch,), tuple(widths), (tuple(s + draft for s in seconds),),
+                     source=f"profiled on {device.device_kind} ({device.platform}): verify forwards + {what}")
 
 
-def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: int,
+def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
                    directory: Path | None = None) -> CostCurve:
-    """profile(...), measured once per model, shape, batch, widths and device and then read from disk."""
-    path = (directory or cost_curve_dir()) / f"{curve_key(model, batch, widths, cache_size)}.json"
+    """profile(...), measured once per model, shape, batch, widths, drafter and device, then read from disk."""
+    key = curve_key(model, batch, widths, cache_size, "" if drafter is None else drafter.key)
+    path = (directory or cost_curve_dir()) / f"{key}.json"
     if path.exists():
         return CostCurve.from_json(json.loads(path.read_text()))
-    curve = profile(model, batch, widths, cache_size)
+    curve = profile(model, batch, widths, cache_size, drafter)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve.to_json(), indent=1))
     return curve
 
 
-def default_cost_curve(model: Any, batch: int, widths: Sequence[int], cache_size: int) -> CostCurve:
+def default_cost_curve(model: Any, batch: int, widths: Sequence[int], cache_size: int,
+                       drafter: DraftTiming | None = None) -> CostCurve:
     """The cost curve adaptive verification uses when none is given: analytic on the CPU (whose timings say
     nothing of an accelerator's, and which the tests run on), profiled and cached elsewhere."""
     if jax.default_backend() == "cpu":
         return CostCurve.analytic((batch,), widths)
-    return cached_profile(model, batch, widths, cache_size)
+    return cached_profile(model, batch, widths, cache_size, drafter)
 
 
 def verify_costs(spec: SpecConfig, curve: CostCurve | None, batch: int) -> Float[Array, " W"] | None:

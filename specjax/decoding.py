@@ -31,7 +31,7 @@ from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
-from specjax import adaptive, draft_tree, sharding, tree_size
+from specjax import adaptive, benchmarking, draft_tree, sharding, tree_size
 from specjax.sharding import BATCH, constrain
 from specjax.verify import SYNTHETIC, Verifier, lossless_verifiers, method_index, verify_drafts
 from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams, sample
@@ -502,12 +502,43 @@ def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecCon
     costs = None
     if spec.enable_adaptive_verification:
         batch = tokens.shape[0]
-        curve = cost_curve or adaptive.default_cost_curve(model, batch, spec.verify_widths, cache_size)
+        curve = cost_curve or adaptive.default_cost_curve(model, batch, spec.verify_widths, cache_size,
+                                                          draft_timing(model, draft_params, proposer))
         costs = adaptive.verify_costs(spec, curve, batch)
     state = speculative_loop(model, draft_params, tokens, lengths, budgets, keys, sampling,
                              jnp.int32(method_index(spec)), costs, proposer=proposer, verifiers=lossless_verifiers(spec),
                              eos_token_ids=eos_token_ids, cache_dtype=cache_dtype, gather_logits=gather_logits)
     return state, proposer
+
+
+def draft_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> adaptive.DraftTiming:
+    """The drafter's side of adaptive verification's cost profile: keyed by the proposer's spec and its weights'
+    shapes, timed by draft_step_seconds."""
+    shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(draft_params)]
+    return adaptive.DraftTiming(key=repr((proposer.settings.spec, shapes)),
+                                seconds=functools.partial(draft_step_seconds, model, draft_params, proposer))
+
+
+def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int) -> float:
+    """Device seconds of one propose at `batch` rows, after a prefill of half the proposer's cache (the context
+    adaptive.verify_seconds times the target at), inside a jitted loop that carries the proposer's state (its
+    cache written in place: benchmarking.time_in_loop)."""
+    prompt_len = proposer.settings.cache_size // 2
+    tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
+    sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
+    init = jax.jit(functools.partial(speculative_init, proposer=proposer, eos_token_ids=()))
+    # Budgets of 1: rows are done after the prefill, which propose does not look at.
+    state = init(model, draft_params, tokens, jnp.full((batch,), prompt_len, jnp.int32),
+                 jnp.ones((batch,), jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
+    decode = state.decode
+    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
+
+    def propose(params, proposer_state, context, keys):
+        drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
+        return drafts, (proposer_state, context, keys)
+
+    return benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1],
+                                     invariant=1, carry=True, iterations=adaptive.PROFILE_ITERATIONS)["median_s"]
 
 
 def choose_tree_size(run, model: Transformer, spec: SpecConfig, batch: int) -> tree_size.TreeSizeChoice:

@@ -136,17 +136,34 @@ def test_cost_curves_analytic_and_profiled_once_then_read_from_disk(tmp_path, mo
     model = init_model(TINY, seed=0)
     calls = []
     monkeypatch.setattr(adaptive, "profile", lambda *args: calls.append(args) or curve)
+    timing = adaptive.DraftTiming(key="a drafter", seconds=lambda batch: 1.0)
     first = adaptive.cached_profile(model, 4, (0, 1, 3), 32, directory=tmp_path)
     assert adaptive.cached_profile(model, 4, (0, 1, 3), 32, directory=tmp_path) == first == curve
     assert len(calls) == 1 and len(list(tmp_path.glob("*.json"))) == 1
     adaptive.cached_profile(model, 8, (0, 1, 3), 32, directory=tmp_path)  # another batch: profiled again
-    assert len(calls) == 2
+    adaptive.cached_profile(model, 4, (0, 1, 3), 32, timing, directory=tmp_path)  # another drafter: again
+    assert len(calls) == 3 and calls[-1][-1] is timing
 
 
-def test_a_profile_times_each_width():
-    curve = adaptive.profile(init_model(TINY, seed=0), 2, (0, 2), 32, repeats=1)
-    assert curve.batches == (2,) and curve.widths == (0, 2) and min(curve.seconds[0]) > 0
-    assert curve.source.startswith("profiled on")
+def test_a_profile_times_each_width_and_the_drafters_propose():
+    """The verify forward at each width and one propose (a draft model's K steps), each in a jitted loop that
+    carries its cache; the drafter's seconds are added to every width."""
+    from specjax.decoding import draft_step_seconds, draft_timing
+    from specjax.proposers import build_proposer
+
+    target, draft = tiny_pair()
+    spec = SpecConfig(num_speculative_tokens=2, enable_adaptive_verification=True)
+    proposer = build_proposer(spec, SamplingConfig(), 32, draft)
+    params = proposer.bind(draft, target)
+    assert draft_step_seconds(target, params, proposer, 2) > 0
+    calls = []
+    timing = draft_timing(target, params, proposer)
+    timed = adaptive.DraftTiming(key=timing.key, seconds=lambda batch: calls.append(batch) or 1.0)
+    curve = adaptive.profile(target, 2, (0, 2), 32, timed, iterations=2)
+    assert curve.batches == (2,) and curve.widths == (0, 2) and calls == [2]
+    assert all(1.0 < s < 1.5 for s in curve.seconds[0]) and curve.source.startswith("profiled on")
+    assert timing.key != draft_timing(target, params, build_proposer(
+        SpecConfig(num_speculative_tokens=3, enable_adaptive_verification=True), SamplingConfig(), 32, draft)).key
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -273,21 +273,22 @@ class Engine:
             """run_steps over `rows` slots: one compiled program per power-of-two count (and the whole state)."""
             if rows not in runs:
                 runs[rows] = jax.jit(functools.partial(run_steps, rows=rows), donate_argnums=1)
-            return runs[rows](weights, state, max_steps, stop_at_done, self._verify_costs(rows))
+            return runs[rows](weights, state, max_steps, stop_at_done, self._verify_costs(rows, proposer))
 
         run.programs = runs
         program = (proposer, init, run, axes)
         self._programs[mode] = program
         return program
 
-    def _verify_costs(self, rows: int):
+    def _verify_costs(self, rows: int, proposer):
         """Adaptive verification's costs for a step of `rows` slots (None without it), found once per count."""
         spec = self.config.spec
         if spec is None or not spec.enable_adaptive_verification:
             return None
         if rows not in self._costs:
-            curve = self.config.cost_curve or adaptive.default_cost_curve(self.model, rows, spec.verify_widths,
-                                                                          self.config.max_model_len)
+            curve = self.config.cost_curve or adaptive.default_cost_curve(
+                self.model, rows, spec.verify_widths, self.config.max_model_len,
+                decoding.draft_timing(self.model, self._draft_params, proposer))
             self._costs[rows] = adaptive.verify_costs(spec, curve, rows)
         return self._costs[rows]
 
