@@ -206,8 +206,16 @@ def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int
     tok_s, _ = tokens_per_s(speculative_run(target, drafter, spec, cache_size, verify_costs=costs), run_args, one_args)
     state = speculative_run(target, drafter, spec, cache_size, final_state=True, verify_costs=costs)(run_args)
     metrics = AcceptanceMetrics.from_counters(state.counters, batch)
+    # The loop's steps, each at the width its active rows verified (all the same: one width a step), and the step
+    # time the curve predicts for them against the one measured (the run's time less a one-token run's, a step).
+    steps = int(metrics.steps.max())
+    widths = metrics.per_step_drafted[:, :steps].max(axis=0)
+    predicted_s = float(np.mean(curve.costs(batch, widths))) if steps else None
+    measured_s = float(np.sum(metrics.emitted)) / tok_s / steps if steps else None  # tokens_per_s: emitted / time
     return {f"{name}_adaptive_tok_s": tok_s, f"{name}_adaptive_width": metrics.drafted.sum() / metrics.steps.sum(),
             f"{name}_adaptive_vs_fixed": tok_s / fixed_tok_s,
+            f"{name}_adaptive_step_predicted_ms": None if predicted_s is None else predicted_s * 1e3,
+            f"{name}_adaptive_step_measured_ms": None if measured_s is None else measured_s * 1e3,
             f"{name}_adaptive_curve": dict(zip(map(str, curve.widths), curve.seconds[0]))}
 
 
@@ -348,7 +356,10 @@ def main():
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR"),
                         *([(f"{method}_tau{tau}_adaptive_tok_s", "adaptive tok/s"),
                            (f"{method}_tau{tau}_adaptive_width", "adaptive mean width"),
-                           (f"{method}_tau{tau}_adaptive_vs_fixed", "adaptive / fixed K")] if args.adaptive else [])]
+                           (f"{method}_tau{tau}_adaptive_vs_fixed", "adaptive / fixed K"),
+                           (f"{method}_tau{tau}_adaptive_step_predicted_ms", "step ms predicted"),
+                           (f"{method}_tau{tau}_adaptive_step_measured_ms", "step ms measured")]
+                          if args.adaptive else [])]
     if parallel > 1:
         columns += [("ar_step_collectives", "AR collectives/step"),
                     *((f"{method}_step_collectives", f"{method} collectives/step") for method in methods),
