@@ -86,10 +86,13 @@ class DraftKVLayout:
         return self.row_size * np.dtype(self.dtype).itemsize
 
     def strip(self, state):
-        """state with each offloaded leaf replaced by an empty array (its data lives in DraftKVSlots)."""
+        """state with each offloaded leaf replaced by an empty array (its data lives in DraftKVSlots), committed
+        to the device: the run program's outputs are (its host buffers are committed arrays), and a program is
+        compiled again for arguments whose commitment changed, so the state starts as it will stay."""
         leaves, treedef = jax.tree.flatten(state)
-        return jax.tree.unflatten(treedef, [jnp.zeros((0,), self.dtype) if off else x
-                                            for x, off in zip(leaves, self.offloaded)])
+        stripped = jax.tree.unflatten(treedef, [jnp.zeros((0,), self.dtype) if off else x
+                                                for x, off in zip(leaves, self.offloaded)])
+        return jax.device_put(stripped, SingleDeviceSharding(self.device))
 
     def pack(self, leaves: list) -> jax.Array:
         """[B, row_size]: each row's offloaded leaves, flattened and joined (traced)."""
