@@ -2,6 +2,7 @@
 pinned host memory between visits. Outputs identical with it on and off for every drafter that keeps a cache,
 under arriving requests; the state holds no draft K or V on the device; bad settings refused naming the field."""
 
+import dataclasses
 import types
 
 import jax
@@ -12,7 +13,7 @@ from test_engine import SPECS, drafter_for, random_requests, serve_arriving
 
 from specjax.config import SpecConfig
 from specjax.engine import Engine, EngineConfig
-from specjax.engine._offload import HOST, check_host_memory
+from specjax.models.kv_cache import KVCache
 
 OFFLOADED = ("eagle", "dflash", "draft_model", "eagle_tree")
 
@@ -22,7 +23,7 @@ def offload_engines(name: str, **config):
     target, _ = target_and_drafts()
     base = EngineConfig(max_num_seqs=4, max_model_len=64, spec=SPECS[name], eos_token_ids=(EOS,), steps_per_visit=3,
                         max_prefill_batch=4, **config)
-    return [Engine(target, EngineConfig(**{**base.__dict__, "draft_kv_offload": on}), drafter=drafter_for(name))
+    return [Engine(target, dataclasses.replace(base, draft_kv_offload=on), drafter=drafter_for(name))
             for on in (False, True)]
 
 
@@ -42,7 +43,7 @@ def test_outputs_are_identical_with_draft_kv_offload_on_and_off(name):
     assert stats["bytes_per_slot"] == draft_kv_bytes(off) and stats["slots"] == 4
     assert stats["bytes_to_device"] > 0 and stats["bytes_to_host"] > stats["bytes_to_device"]
     # No draft K or V left in the device state: the slots' buffers live in pinned host memory.
-    assert all(buffer.sharding.memory_kind == HOST for buffer in on.draft_kv.buffers)
+    assert all(buffer.sharding.memory_kind == "pinned_host" for buffer in on.draft_kv.buffers)
     row = stats["bytes_per_slot"] // 4  # float32 elements
     assert on.draft_kv.buffers[0].shape == (row,)
     assert sum(x.size for x in jax.tree.leaves(on.state.proposer)) + 4 * row == sum(
@@ -51,8 +52,6 @@ def test_outputs_are_identical_with_draft_kv_offload_on_and_off(name):
 
 def draft_kv_bytes(engine: Engine) -> int:
     """Bytes of one slot's draft keys and values in an engine without offload: its proposer state's KVCaches."""
-    from specjax.models.kv_cache import KVCache
-
     caches = [c for c in jax.tree.leaves(engine.state.proposer, is_leaf=lambda x: isinstance(x, KVCache))
               if isinstance(c, KVCache)]
     return sum(x.nbytes for c in caches for x in jax.tree.leaves((c.k, c.v))) // engine.config.max_num_seqs
@@ -63,8 +62,7 @@ def test_offload_with_prefix_caching_and_chunked_prefill_keeps_outputs():
     """Rows that enter through the prefix cache and through chunked prefill reach their host buffers too."""
     rng = np.random.default_rng(1)
     system = rng.integers(1, 100, 24).tolist()
-    requests = [r for r in random_requests(12)]
-    requests = [type(r)(**{**r.__dict__, "prompt": tuple(system + list(r.prompt))}) for r in requests]
+    requests = [dataclasses.replace(r, prompt=tuple(system + list(r.prompt))) for r in random_requests(12)]
     off, on = offload_engines("eagle", enable_prefix_caching=True, block_size=8, max_num_batched_tokens=16)
     want, got = serve_arriving(off, requests), serve_arriving(on, requests)
     assert {k: v.tokens for k, v in got.items()} == {k: v.tokens for k, v in want.items()}
@@ -83,10 +81,13 @@ def test_offload_is_refused_without_speculation_or_a_drafter_cache_naming_the_fi
                drafter=drafter_for("medusa"))
 
 
-def test_a_device_without_pinned_host_memory_is_refused_naming_the_field():
+def test_a_device_without_pinned_host_memory_is_refused_naming_the_field(monkeypatch):
+    assert "pinned_host" in [m.kind for m in jax.devices()[0].addressable_memories()]  # so the tests run the path
     memories = [types.SimpleNamespace(kind="device")]
     device = types.SimpleNamespace(platform="fake", addressable_memories=lambda: memories)
+    monkeypatch.setattr(jax, "devices", lambda *args: [device])
+    target, _ = target_and_drafts()
     with pytest.raises(ValueError, match=r"EngineConfig.draft_kv_offload = True is invalid on fake device .*memory "
                                          r"kinds are \['device'\]; allowed only where 'pinned_host' is one of them"):
-        check_host_memory(device)
-    check_host_memory(jax.devices()[0])  # the CPU has pinned host memory: the tests run the offload path
+        Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, spec=SPECS["eagle"], draft_kv_offload=True),
+               drafter=drafter_for("eagle"))
