@@ -236,7 +236,7 @@ def test_greedy_output_is_identical_to_autoregressive(method):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_the_engine_serves_each_request_its_autoregressive_output(method):
     """32 requests arriving at random steps, 4 slots; per-request detailed metrics carry the chosen widths."""
-    from test_engine import random_requests, serve_arriving, truncated_at_stop
+    from support.engine import random_requests, serve_arriving, truncated_at_stop
 
     from specjax.engine import Engine, EngineConfig
 

@@ -8,9 +8,10 @@ import types
 import jax
 import numpy as np
 import pytest
+from support.engine import SPECS, drafter_for, random_requests, serve_arriving
 from support.models import EOS, target_and_drafts
-from test_engine import SPECS, drafter_for, random_requests, serve_arriving
 
+from specjax import adaptive
 from specjax.config import SpecConfig
 from specjax.engine import Engine, EngineConfig
 from specjax.models.kv_cache import KVCache
@@ -91,3 +92,26 @@ def test_a_device_without_pinned_host_memory_is_refused_naming_the_field(monkeyp
                                          r"kinds are \['device'\]; allowed only where 'pinned_host' is one of them"):
         Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, spec=SPECS["eagle"], draft_kv_offload=True),
                drafter=drafter_for("eagle"))
+
+
+@pytest.mark.loop
+def test_outputs_are_identical_with_draft_kv_offload_under_adaptive_verification():
+    """Both features at once (adaptive verification's width chosen per step, the draft cache offloaded between
+    visits): the same tokens and acceptance counts with offload on and off, and widths below K chosen."""
+    target, _ = target_and_drafts()
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, enable_adaptive_verification=True)
+    curve = adaptive.CostCurve(batches=(1,), widths=(0, 4), seconds=((1.0, 4.0),))  # steep: widths change
+    base = EngineConfig(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,), steps_per_visit=3,
+                        max_prefill_batch=4, cost_curve=curve)
+    off, on = [Engine(target, dataclasses.replace(base, draft_kv_offload=flag), drafter=drafter_for("draft_model"))
+               for flag in (False, True)]
+    requests = random_requests(32)
+    want, got = serve_arriving(off, requests), serve_arriving(on, requests)
+    widths = set()
+    for request in requests:
+        a, b = want[request.request_id], got[request.request_id]
+        assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), request.request_id
+        assert repr(b.metrics) == repr(a.metrics), request.request_id
+        widths |= set(b.metrics["per_step_drafted"])
+    assert len(widths) > 1 and widths <= set(spec.verify_widths), widths
+    assert on.stats()["draft_kv_offload"]["bytes_to_device"] > 0
