@@ -8,6 +8,8 @@
 #                                                      # DFlash K 15 tau 6 (the issue's figures), 1 to 256
 #     PYTHONPATH=. benchmarks/serve_8b.sh http OUT     # specjax serve (HTTP, streamed) against the same engine
 #                                                      # in process, EAGLE-1 K 5 tau 4
+#     PYTHONPATH=. benchmarks/serve_8b.sh offload OUT  # DFlash K 15 tau 6 with draft KV offload on and off:
+#                                                      # throughput, TPOT, device memory in use and peak
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
 # The http part needs fastapi, uvicorn, prometheus_client and httpx (carried as wheels to the GPU machine).
@@ -41,5 +43,11 @@ case $part in
     python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
       --name bench_serve_8b_inproc --output "$out"
     ;;
-  *) echo "usage: $0 load|methods|http [OUT]"; exit 2 ;;
+  offload)
+    for offload in on off; do  # one setting a process: the device memory peak JAX reports never goes down
+      python3 scripts/bench_serve.py "${common[@]}" --methods dflash:15:6 --concurrency 1,64,256 \
+        --draft-kv-offload $offload --name bench_serve_8b_offload_$offload --output "$out"
+    done
+    ;;
+  *) echo "usage: $0 load|methods|http|offload [OUT]"; exit 2 ;;
 esac

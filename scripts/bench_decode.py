@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/bench_decode.py [--batches 1,4,16,64] [--prompt-lens 128,1024]
         [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5]
         [--methods eagle,eagle_fr,eagle3,draft_model] [--shape 8b|tiny] [--dtype bfloat16|float32] [--model-parallel N]
-        [--tree-nodes 60 --tree-top-k 8 --draft-logit-scale 10]
+        [--tree-nodes 60 --tree-top-k 8 --draft-logit-scale 10] [--acceptance-rates 0.8,0.6,...] [--adaptive]
     PYTHONPATH=. python scripts/bench_decode.py --plot benchmarks/results/bench_decode.json [more.json ...]
 
 Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target and the
@@ -41,6 +41,10 @@ GPU's; at a first difference the gap between the two tokens' logits (one GPU, fu
 whether it is a near-tie decided by summation order (bfloat16 random weights leave many; --dtype
 float32 for an identity check). Writes benchmarks/results/bench_decode.{json,md}, after every case;
 --plot draws tokens/s against batch size from results files (bench_decode_batch_scaling.png).
+--acceptance-rates r1,r2,... replaces --acceptance-lengths by a per-position profile (position i accepted with
+the unconditional rate r_i; the first K of them; its tau is 1 + their sum). --adaptive also runs each case with
+adaptive verification (specjax.adaptive: the widths 0, powers of two and K, the cost curve profiled on the
+device once per shape, batch and cache and kept on disk), its tokens/s and mean verified width beside fixed K's.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import benchmarking, draft_tree, sharding
+from specjax import adaptive, benchmarking, draft_tree, sharding
 from specjax.config import SamplingConfig, SpecConfig
-from specjax.decoding import decode_loop, speculative_loop
+from specjax.decoding import decode_loop, draft_timing, speculative_loop
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Hidden
 from specjax.proposers.base import build_proposer
@@ -182,13 +186,37 @@ def step_collectives(target, drafter, spec: SpecConfig | None, cache_size: int, 
     return sum(sharding.step_collectives(lowered.compile().as_text()).values())
 
 
-def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args, tree: dict):
+def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args, tree: dict, rates=None):
     """Final decode states of a greedy autoregressive run and of one synthetic speculative run."""
     states = [autoregressive_run(target, cache_size)(run_args)]
-    states += [speculative_run(target, drafters[method], synthetic_spec(method, tau, num_draft, **tree),
+    states += [speculative_run(target, drafters[method], synthetic_spec(method, tau, num_draft, rates=rates, **tree),
                                cache_size)(run_args)
                for method in methods for tau in taus]
     return states
+
+
+def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int, run_args, one_args, name: str,
+                  fixed_tok_s: float) -> dict:
+    """Tokens/s with adaptive verification (the cost curve profiled once and cached: specjax.adaptive), the mean
+    width it verified a step, and its ratio to the same K verified whole."""
+    proposer = build_proposer(spec, GREEDY, cache_size, drafter)
+    timing = draft_timing(target, proposer.bind(drafter, target), proposer)
+    curve = adaptive.cached_profile(target, batch, spec.verify_widths, cache_size, timing)
+    costs = adaptive.verify_costs(spec, curve, batch)
+    tok_s, _ = tokens_per_s(speculative_run(target, drafter, spec, cache_size, verify_costs=costs), run_args, one_args)
+    state = speculative_run(target, drafter, spec, cache_size, final_state=True, verify_costs=costs)(run_args)
+    metrics = AcceptanceMetrics.from_counters(state.counters, batch)
+    # The loop's steps, each at the width its active rows verified (all the same: one width a step), and the step
+    # time the curve predicts for them against the one measured (the run's time less a one-token run's, a step).
+    steps = int(metrics.steps.max())
+    widths = metrics.per_step_drafted[:, :steps].max(axis=0)
+    predicted_s = float(np.mean(curve.costs(batch, widths))) if steps else None
+    measured_s = float(np.sum(metrics.emitted)) / tok_s / steps if steps else None  # tokens_per_s: emitted / time
+    return {f"{name}_adaptive_tok_s": tok_s, f"{name}_adaptive_width": metrics.drafted.sum() / metrics.steps.sum(),
+            f"{name}_adaptive_vs_fixed": tok_s / fixed_tok_s,
+            f"{name}_adaptive_step_predicted_ms": None if predicted_s is None else predicted_s * 1e3,
+            f"{name}_adaptive_step_measured_ms": None if measured_s is None else measured_s * 1e3,
+            f"{name}_adaptive_curve": dict(zip(map(str, curve.widths), curve.seconds[0]))}
 
 
 def crossover_notes(rows: list[dict], methods: list[str], taus: list[float], prompt_lens: list[int]) -> str:
@@ -258,6 +286,11 @@ def main():
     parser.add_argument("--tree-top-k", type=int, default=8, help="top-k of the dynamic trees")
     parser.add_argument("--draft-logit-scale", type=float, default=1.0,
                         help="multiplies the EAGLE-3 head's LM head: confident drafts, deep trees (module docstring)")
+    parser.add_argument("--acceptance-rates", default=None,
+                        help="a per-position acceptance profile (unconditional rates, non-increasing) instead of "
+                             "--acceptance-lengths")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also run every case with adaptive verification (enable_adaptive_verification)")
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="split the models over this many GPUs (specjax.sharding, model axis); above 1, "
                              "greedy outputs are also compared with one GPU's")
@@ -271,11 +304,17 @@ def main():
         return
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
-    taus = [float(t) for t in args.acceptance_lengths.split(",")]
     methods = args.methods.split(",") if args.methods else []
     num_draft, new_tokens = args.num_speculative_tokens, args.new_tokens
+    rates = None if args.acceptance_rates is None else tuple(float(r) for r in args.acceptance_rates.split(","))
+    if rates is not None and len(rates) < num_draft:
+        raise SystemExit(f"--acceptance-rates has {len(rates)} rates: allowed at least K = {num_draft}")
+    taus = ([round(1 + sum(rates[:num_draft]), 4)] if rates is not None
+            else [float(t) for t in args.acceptance_lengths.split(",")])
     tree = dict(total_tokens=args.tree_nodes, top_k=args.tree_top_k) if args.tree_nodes else {}
     lookahead = (args.tree_nodes or num_draft) + 1
+    if args.adaptive and tree:
+        raise SystemExit("--adaptive: adaptive verification cuts chains, not the trees of --tree-nodes")
     if tree and set(methods) - {"eagle", "eagle_fr", "eagle3"}:
         raise SystemExit(f"--tree-nodes: dynamic trees are drafted by eagle, eagle_fr and eagle3, not {args.methods!r}")
 
@@ -303,7 +342,7 @@ def main():
         for prompt_len, batch, cache_size in cases:
             reference[prompt_len, batch] = [np.asarray(state.tokens) for state in run_both(
                 target, drafters, methods[:1], taus[:1], num_draft, cache_size,
-                generation_args(target, batch, prompt_len, new_tokens, lookahead, cache_size), tree)]
+                generation_args(target, batch, prompt_len, new_tokens, lookahead, cache_size), tree, rates)]
     one_gpu, target = target, sharding.shard(target, mesh)
     drafters = {name: sharding.shard(drafter, mesh) for name, drafter in drafters.items()}
     columns = [("gpus", "GPUs"), ("B", "B"), ("prompt", "prompt"), ("ar_step_ms", "AR ms/step"), ("ar_tok_s", "AR tok/s"),
@@ -314,7 +353,13 @@ def main():
             columns += [(f"t_draft_{method}_s", f"T_draft {method} s"), (f"{method}_tau{tau}_tok_s", f"{method} τ={tau} tok/s"),
                         *([(f"{method}_tau{tau}_measured_tau", "τ measured")] if tree else []),
                         (f"{method}_tau{tau}_bound_tok_s", "bound tok/s"),
-                        (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR")]
+                        (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR"),
+                        *([(f"{method}_tau{tau}_adaptive_tok_s", "adaptive tok/s"),
+                           (f"{method}_tau{tau}_adaptive_width", "adaptive mean width"),
+                           (f"{method}_tau{tau}_adaptive_vs_fixed", "adaptive / fixed K"),
+                           (f"{method}_tau{tau}_adaptive_step_predicted_ms", "step ms predicted"),
+                           (f"{method}_tau{tau}_adaptive_step_measured_ms", "step ms measured")]
+                          if args.adaptive else [])]
     if parallel > 1:
         columns += [("ar_step_collectives", "AR collectives/step"),
                     *((f"{method}_step_collectives", f"{method} collectives/step") for method in methods),
@@ -324,7 +369,7 @@ def main():
             "target": dataclasses.asdict(target_config),
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft,
             "tree_nodes": args.tree_nodes or None, "tree_top_k": args.tree_top_k if tree else None,
-            "draft_logit_scale": args.draft_logit_scale}
+            "draft_logit_scale": args.draft_logit_scale, "acceptance_rates": rates, "adaptive": args.adaptive}
     rows = []
     with jax.set_mesh(mesh):
         for prompt_len, batch, cache_size in cases:
@@ -334,7 +379,7 @@ def main():
             one_args = sharding.put(generation_args(target, batch, prompt_len, 1, lookahead, cache_size), mesh)
             if reference:
                 outputs = [sharding.to_host(state.tokens) for state in run_both(
-                    target, drafters, methods[:1], taus[:1], num_draft, cache_size, run_args, tree)]
+                    target, drafters, methods[:1], taus[:1], num_draft, cache_size, run_args, tree, rates)]
                 row["greedy_equal_one_gpu"] = all(np.array_equal(a, b) for a, b in
                                                   zip(outputs, reference[prompt_len, batch], strict=True))
                 # Where the first differing token is, counted in generated tokens (None when all agree),
@@ -349,8 +394,8 @@ def main():
                 row["ar_step_collectives"] = step_collectives(target, None, None, cache_size, run_args)
                 for method in methods:
                     row[f"{method}_step_collectives"] = step_collectives(
-                        target, drafters[method], synthetic_spec(method, taus[0], num_draft, **tree), cache_size,
-                        run_args)
+                        target, drafters[method], synthetic_spec(method, taus[0], num_draft, rates=rates, **tree),
+                        cache_size, run_args)
             context = prompt_len + new_tokens / 2
             # Per GPU: each reads its 1 / parallel of the weights and of the KV heads.
             floor_bytes = (benchmarking.weight_bytes(target, target_config, batch)
@@ -363,7 +408,7 @@ def main():
                 t_draft = row[f"t_draft_{method}_s"]
                 for tau in taus:
                     # As for autoregressive: the full run minus a one-token run (same program).
-                    spec = synthetic_spec(method, tau, num_draft, **tree)
+                    spec = synthetic_spec(method, tau, num_draft, rates=rates, **tree)
                     spec_tok_s, _ = tokens_per_s(speculative_run(target, drafters[method], spec, cache_size),
                                                  run_args, one_args)
                     if tree:  # how long the first-ranked paths let the accepted ones be
@@ -381,6 +426,10 @@ def main():
                     row[f"{method}_tau{tau}_bound_tok_s"] = bound_tok_s
                     row[f"{method}_tau{tau}_of_bound"] = spec_tok_s / bound_tok_s
                     row[f"{method}_tau{tau}_speedup"] = spec_tok_s / row["ar_tok_s"]
+                    if args.adaptive:
+                        row.update(adaptive_case(target, drafters[method], dataclasses.replace(
+                            spec, enable_adaptive_verification=True), batch, cache_size, run_args, one_args,
+                            f"{method}_tau{tau}", spec_tok_s))
             rows.append(row)
             bandwidths.append(benchmarking.copy_bandwidth())
             bandwidth = max(bandwidths)  # every row's floor against the highest so far

@@ -10,7 +10,8 @@
 the standard library's sources), real acceptance. --models 8b: Llama-3.1-8B-shaped random bfloat16
 weights (specjax.speed's), random prompts, synthetic acceptance: each method is NAME:K:TAU, the
 verifier accepting a mean of TAU tokens a step (rejection_sample_method 'synthetic'; said in the
-results). Load is a fixed number of requests in flight (--concurrency, a closed loop: a new request
+results). A method ending in :adaptive runs with adaptive verification (specjax.adaptive; its cost curve
+profiled at warm-up for each count of slots and kept on disk), e.g. dflash:7:4.0:adaptive. Load is a fixed number of requests in flight (--concurrency, a closed loop: a new request
 arrives when one ends) or Poisson arrivals at --rate requests/s (--burstiness: gamma-distributed
 gaps of that shape, 1 = Poisson, as vLLM's bench serve). Each point is measured after the engine has
 compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
@@ -24,6 +25,13 @@ i mod N followed by a suffix of --suffix-len tokens of its own (bundled: windows
 random ids), as vLLM's prefix_repetition dataset. --prefix-caching off,drop,keep runs each point with prefix
 caching off, on (EAGLE drafters drop the last matched block), and on keeping it (disable_eagle_block_drop);
 the table adds the prefix cache's hit rate (prompt tokens read from it over prompt tokens).
+
+--draft-kv-offload off,on runs each point with the drafter's KV cache on the device and in pinned host memory
+between visits (EngineConfig.draft_kv_offload; 'none' runs 'off' only, a drafter without a KV cache is refused). The
+table adds the draft KV bytes of a slot, the draft KV moved between host and device per visit, the device
+memory in use after a visit (the most over the point) and the process's peak so far (JAX's memory_stats;
+None where the backend reports none). The peak never goes down within a process: for a peak per setting, run
+one setting (and one engine size, --max-num-seqs) per process.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from specjax import benchmarking, speed
@@ -46,9 +55,12 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
-           ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate")]
+           ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
+           ("draft_kv_mib_per_slot", "draft KV MiB/slot"), ("moved_mib_per_visit", "moved MiB/visit"),
+           ("device_in_use_gib", "device GiB in use"), ("device_peak_gib", "device GiB peak")]
 PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
                 "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
+OFFLOAD_MODES = {"off": False, "on": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,20 +68,26 @@ class Method:
     name: str  # none (autoregressive) or a SpecConfig method
     num_speculative_tokens: int = 0
     tau: float | None = None  # synthetic acceptance (8b models)
+    adaptive: bool = False  # enable_adaptive_verification
 
     @classmethod
     def parse(cls, text: str) -> Method:
+        """NAME[:K[:TAU]][:adaptive], e.g. dflash:7:4.0:adaptive, eagle:5::adaptive; none for autoregressive."""
         name, *rest = text.split(":")
         if name == "none":
             return cls("none")
-        return cls(name, int(rest[0]) if rest else 4, float(rest[1]) if len(rest) > 1 else None)
+        adaptive = bool(rest) and rest[-1] == "adaptive"
+        rest = rest[:-1] if adaptive else rest
+        return cls(name, int(rest[0]) if rest else 4, float(rest[1]) if len(rest) > 1 and rest[1] else None,
+                   adaptive)
 
     def spec(self) -> SpecConfig | None:
         if self.name == "none":
             return None
         if self.tau is not None:
-            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens)
-        return SpecConfig(method=self.name, num_speculative_tokens=self.num_speculative_tokens)
+            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens, adaptive=self.adaptive)
+        return SpecConfig(method=self.name, num_speculative_tokens=self.num_speculative_tokens,
+                          enable_adaptive_verification=self.adaptive)
 
 
 def bundled_models(methods: list[Method]):
@@ -125,6 +143,8 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
         gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
         arrivals = np.cumsum(gaps) - gaps[0]
     steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
+    offload0 = engine.stats()["draft_kv_offload"]
+    in_use = []  # device bytes in use after each visit (its run has ended: _collect read its tokens)
     outputs, sent, start = [], 0, time.perf_counter()
     while len(outputs) < num_requests:
         now = time.perf_counter() - start
@@ -140,6 +160,7 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
                 time.sleep(max(0.0, arrivals[sent] - now))
                 continue
         outputs += engine.step()
+        in_use.append(device_memory("bytes_in_use"))
     wall = time.perf_counter() - start
     bad = [o for o in outputs if o.finish_reason == "error"]
     if bad:
@@ -153,9 +174,23 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
         stats = engine.stats()["prefix_cache"]
         queried = stats["queried_tokens"] - stats0["queried_tokens"]
         hit_rate = (stats["hit_tokens"] - stats0["hit_tokens"]) / queried if queried else 0.0
-    return {**summarize(records, wall), "steps": steps, "visits": engine.visits - visits0, "hit_rate": hit_rate,
+    visits = engine.visits - visits0
+    offload = engine.stats()["draft_kv_offload"]
+    moved = None if offload is None else sum(offload[k] - offload0[k] for k in ("bytes_to_device", "bytes_to_host"))
+    return {**summarize(records, wall), "steps": steps, "visits": visits, "hit_rate": hit_rate,
             "host_share": (step_s - wait_s) / step_s if step_s else None,
-            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3}
+            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3,
+            "draft_kv_mib_per_slot": None if offload is None else offload["bytes_per_slot"] / 2**20,
+            "moved_mib_per_visit": None if moved is None else moved / max(visits, 1) / 2**20,
+            "device_in_use_gib": None if None in in_use else max(in_use, default=0) / 2**30,
+            "device_peak_gib": None if device_memory("peak_bytes_in_use") is None
+            else device_memory("peak_bytes_in_use") / 2**30}
+
+
+def device_memory(key: str) -> int | None:
+    """A figure of the default device's memory_stats (bytes), None where the backend reports none."""
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats or key not in stats else int(stats[key])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +326,8 @@ def main(argv=None) -> None:
     parser.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens of a request's own suffix")
     parser.add_argument("--prefix-caching", default="off", help="comma-separated: off, drop (prefix caching on, "
                         "EAGLE's last matched block dropped), keep (on, disable_eagle_block_drop)")
+    parser.add_argument("--draft-kv-offload", default="off", help="comma-separated: off, on (the drafter's KV cache "
+                        "in pinned host memory between visits, EngineConfig.draft_kv_offload)")
     parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -305,6 +342,10 @@ def main(argv=None) -> None:
     bad = [mode for mode in modes if mode not in PREFIX_MODES]
     if bad:
         parser.error(f"--prefix-caching {bad[0]!r} is invalid: allowed a comma-separated list of {list(PREFIX_MODES)}")
+    offloads = args.draft_kv_offload.split(",")
+    bad = [mode for mode in offloads if mode not in OFFLOAD_MODES]
+    if bad:
+        parser.error(f"--draft-kv-offload {bad[0]!r} is invalid: allowed a comma-separated list of {list(OFFLOAD_MODES)}")
     if args.url is not None:
         return http_main(args, methods[0], loads, rates)
     if args.models == "bundled":
@@ -341,7 +382,9 @@ def main(argv=None) -> None:
     for method in methods:
         spec = method.spec()
         lookahead = 0 if spec is None else spec.num_draft_nodes + 1
-        for mode in modes:
+        # Without speculation there is no drafter to offload: 'off' only (a drafter without a KV cache, Medusa's or
+        # n-gram's, is refused by the engine, naming the field).
+        for mode, offload in [(m, o) for m in modes for o in offloads if o == "off" or spec is not None]:
             engine = None
             for load in loads:
                 # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
@@ -354,7 +397,8 @@ def main(argv=None) -> None:
                                           spec=spec, steps_per_visit=args.steps_per_visit,
                                           max_prefill_batch=min(slots, args.max_prefill_batch),
                                           block_size=args.block_size, num_prefix_blocks=args.num_prefix_blocks,
-                                          max_num_batched_tokens=args.max_num_batched_tokens, **PREFIX_MODES[mode])
+                                          max_num_batched_tokens=args.max_num_batched_tokens,
+                                          draft_kv_offload=OFFLOAD_MODES[offload], **PREFIX_MODES[mode])
                     engine = None  # the last one's caches go before the next one's are made
                     engine = Engine(target, config, drafter=drafters[method.name])
                     engine.warmup(prompt_len)
@@ -362,14 +406,20 @@ def main(argv=None) -> None:
                                   new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                                   rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
                 label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
+                label += " adaptive" if method.adaptive else ""
                 label += "" if len(modes) == 1 else f" prefix {mode}"
+                label += "" if len(offloads) == 1 else f" offload {offload}"
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                              "label": label, "synthetic_tau": method.tau, "slots": slots, "prefix_caching": mode,
-                             **point})
+                             "adaptive": method.adaptive, "draft_kv_offload": offload, **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "
                       f"tau {point['mean_acceptance_length'] or 1:.2f}, hit rate {point['hit_rate'] or 0:.3f}, "
-                      f"host {point['host_ms_per_step']:.2f} ms/step", flush=True)
+                      f"host {point['host_ms_per_step']:.2f} ms/step"
+                      + ("" if point["device_peak_gib"] is None else
+                         f", device {point['device_in_use_gib']:.2f} GiB in use, {point['device_peak_gib']:.2f} peak")
+                      + ("" if point["moved_mib_per_visit"] is None else
+                         f", draft KV {point['moved_mib_per_visit']:.1f} MiB moved a visit"), flush=True)
                 json_path = write()
             del engine
     print(f"wrote {json_path} and its .md, .png")

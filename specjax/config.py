@@ -300,6 +300,17 @@ class SpecConfig:
     mtp_hidden_state: what feeds MTP module k > 1 (method 'mtp' only): 'chained' (the previous module's
       output, DeepSeek-V3's recursion) or 'target' (the target's hidden state at every module, as MiMo was
       trained); null: the checkpoint's default (specjax.models.mtp).
+    enable_adaptive_verification: vLLM's option: each step the loop chooses how many of the K drafts every
+      row verifies, the width with the most expected tokens per second (specjax.adaptive): expected tokens
+      from per-position acceptance estimates kept in the loop (a moving average of what each row's drafts
+      had accepted; DSpark's confidence head where its drafts are deterministic), seconds from the device's
+      cost curve. Lossless whatever it chooses (the choice is made before the target's scores are seen, and
+      never from a sampled draft). Chains only (not with speculative_token_tree or total_tokens).
+    adaptive_verify_widths: the verify widths (drafts scored per row) compiled into the loop, from which
+      adaptive verification chooses each step by a `lax.switch` over target forwards of width + 1
+      positions; increasing, in 0..K, with K last. null: 0, the powers of two below K, and K. [K] alone
+      verifies the whole block with per-row masks, which saves nothing (docs/design.md, "Adaptive
+      verification"). Only with enable_adaptive_verification.
     """
 
     method: str = "draft_model"
@@ -319,6 +330,19 @@ class SpecConfig:
     dflash_full_block: bool | None = None
     dspark_draft_topk: int | None = None
     mtp_hidden_state: str | None = None
+    enable_adaptive_verification: bool = False
+    adaptive_verify_widths: tuple[int, ...] | None = None
+
+    @property
+    def verify_widths(self) -> tuple[int, ...]:
+        """The verify widths compiled into the loop: adaptive_verify_widths (or its default) with adaptive
+        verification, else K alone."""
+        k = self.num_speculative_tokens
+        if not self.enable_adaptive_verification:
+            return (k,)
+        if self.adaptive_verify_widths is not None:
+            return self.adaptive_verify_widths
+        return (0, *(1 << i for i in range(k.bit_length()) if 1 << i < k), k)
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
@@ -392,6 +416,7 @@ class SpecConfig:
                                                   and self.method == "mtp"),
                 "SpecConfig", "mtp_hidden_state", self.mtp_hidden_state,
                 f"null (the checkpoint's), 'chained' or 'target' with method 'mtp'; null with method {self.method!r}")
+        self.check_adaptive()
         if self.use_heterogeneous_vocab and (self.method != "draft_model" or self.draft_sample_method != "greedy"):
             raise ConfigError(
                 f"SpecConfig.use_heterogeneous_vocab = True with method {self.method!r} and draft_sample_method "
@@ -421,6 +446,24 @@ class SpecConfig:
         else:
             require(1.0 <= length <= k + 1, "SpecConfig", "synthetic_acceptance_length", length,
                      f"a mean acceptance length in [1, num_speculative_tokens + 1 = {k + 1}]")
+
+    def check_adaptive(self) -> None:
+        adaptive, widths, k = self.enable_adaptive_verification, self.adaptive_verify_widths, self.num_speculative_tokens
+        require(isinstance(adaptive, bool), "SpecConfig", "enable_adaptive_verification", adaptive, "true or false")
+        if adaptive and self.drafts_tree:
+            field = "speculative_token_tree" if self.speculative_token_tree is not None else "total_tokens"
+            raise ConfigError(f"SpecConfig.enable_adaptive_verification = True with {field} = "
+                              f"{getattr(self, field)!r} is invalid: adaptive verification cuts chains (allowed: "
+                              f"enable_adaptive_verification with {field} = null)")
+        if widths is None:
+            return
+        require(adaptive, "SpecConfig", "adaptive_verify_widths", widths,
+                "null without enable_adaptive_verification = true")
+        ok = (isinstance(widths, (tuple, list)) and all(isinstance(w, int) and not isinstance(w, bool) for w in widths)
+              and len(widths) > 0 and list(widths) == sorted(set(widths)) and widths[0] >= 0 and widths[-1] == k)
+        require(ok, "SpecConfig", "adaptive_verify_widths", widths,
+                f"null, or increasing integers in 0..num_speculative_tokens ending with it ({k})")
+        object.__setattr__(self, "adaptive_verify_widths", tuple(widths))
 
     @property
     def synthetic_rates(self) -> tuple[float, ...]:

@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from jaxtyping import Array, Bool, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from specjax.config import DTYPES, SamplingConfig, SpecConfig, dtype_from_name
 from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
-from specjax import draft_tree, sharding, tree_size
+from specjax import adaptive, benchmarking, draft_tree, sharding, tree_size
 from specjax.sharding import BATCH, constrain
 from specjax.verify import SYNTHETIC, Verifier, lossless_verifiers, method_index, verify_drafts
 from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams, sample
@@ -168,13 +168,16 @@ def decode_loop(
     return jax.lax.while_loop(lambda state: ~jnp.all(state.done), step, state)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("decode", "proposer", "counters"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("decode", "proposer", "counters", "adaptive"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class SpecState:
     decode: DecodeState
     proposer: Any  # the proposer's own state pytree
     counters: AcceptanceCounters
+    # Per-position acceptance estimates of adaptive verification (SpecConfig.enable_adaptive_verification); None
+    # without it.
+    adaptive: adaptive.AdaptiveState | None = None
 
 
 def speculative_init(model: Transformer, draft_params: Any, prompt_tokens: Int[Array, "B T"],
@@ -194,10 +197,12 @@ def speculative_init(model: Transformer, draft_params: Any, prompt_tokens: Int[A
         state = proposer.init(draft_params, committed, decode.lengths, target_out)
     else:
         state = proposer.extend(draft_params, prefix.draft, committed, decode.lengths, prefix.start, target_out)
+    spec, batch = proposer.settings.spec, prompt_tokens.shape[0]
     return SpecState(decode=decode, proposer=state,
-                     counters=AcceptanceCounters.zeros(prompt_tokens.shape[0],
-                                                       proposer.settings.spec.num_speculative_tokens,
-                                                       max_steps=proposer.settings.cache_size))
+                     counters=AcceptanceCounters.zeros(batch, spec.num_speculative_tokens,
+                                                       max_steps=proposer.settings.cache_size),
+                     adaptive=(adaptive.AdaptiveState.init(batch, spec.num_speculative_tokens)
+                               if spec.enable_adaptive_verification else None))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("target", "draft", "start"), meta_fields=("width",))
@@ -214,10 +219,14 @@ class Prefix:
 
 def speculative_step(model: Transformer, draft_params: Any, state: SpecState, method: Int[Array, ""], *,
                      proposer: Proposer, verifiers: tuple[Verifier, ...], eos_token_ids: tuple[int, ...],
-                     gather_logits: bool = False) -> SpecState:
+                     gather_logits: bool = False, verify_costs: Float[Array, " W"] | None = None) -> SpecState:
     """One speculative step of every active row: propose K drafts, score the last committed token and
     the drafts in one target forward over K + 1 positions, verify (rule verifiers[method] for sampled
-    rows), commit the accepted drafts plus one target token, and roll both caches back by their lengths."""
+    rows), commit the accepted drafts plus one target token, and roll both caches back by their lengths.
+
+    With adaptive verification (state.adaptive) the forward scores the first W + 1 positions only, W the
+    width of spec.verify_widths chosen from the state's estimates and verify_costs (a step's cost at each
+    width; default the analytic curve), and every active row verifies its first W drafts (specjax.adaptive)."""
     spec, num_draft = proposer.settings.spec, proposer.settings.spec.num_speculative_tokens
     decode, active = state.decode, ~state.decode.done
     batch = decode.tokens.shape[0]
@@ -236,14 +245,32 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     else:  # each node sees the cache, the root and its ancestors, at position fill + depth
         positions = draft_tree.block_positions(row_parents, fill)
         mask = draft_tree.tree_mask(row_parents)
-    logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
-                                  attention_mask=mask)
+    num_valid = None
+    if state.adaptive is None:
+        logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
+                                      attention_mask=mask)
+    else:  # chains only (SpecConfig refuses trees)
+        widths = spec.verify_widths
+        if verify_costs is None:
+            verify_costs = jnp.asarray(adaptive.CostCurve.analytic((batch,), widths).costs(batch, widths))
+        conditional = adaptive.conditional_acceptance(spec, state.adaptive, proposer.draft_confidence(proposer_state))
+        choice = adaptive.choose_width(conditional, active, widths, verify_costs)
+
+        def scored(width):  # the forward over the block's first width + 1 positions, padded to K + 1
+            logits, hidden, cache = model(block[:, :width + 1], positions[:, :width + 1], decode.cache,
+                                          hidden_layers=proposer.hidden_layers)
+            return adaptive.padded((logits, hidden), num_draft + 1), cache
+
+        branches = [functools.partial(scored, width) for width in widths]
+        (logits, hidden), cache = jax.lax.switch(choice, branches) if len(branches) > 1 else branches[0]()
+        num_valid = jnp.where(active, jnp.asarray(widths, jnp.int32)[choice], 0)
     if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
         logits = constrain(logits, BATCH)
     synthetic_rates = spec.synthetic_rates if spec.rejection_sample_method == SYNTHETIC else None
     path, num_accepted, next_token = verify_drafts(
         logits, draft_tokens, draft_probs, verify_keys, row_parents, sampling=decode.sampling,
-        mode=proposer.settings.sampling, verifiers=verifiers, method=method, synthetic_rates=synthetic_rates)
+        mode=proposer.settings.sampling, verifiers=verifiers, method=method, synthetic_rates=synthetic_rates,
+        num_valid=num_valid)
     if path is not None:  # the accepted path into contiguous slots; from here on it reads as a chain
         path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
         cache = draft_tree.move_path(cache, fill, path, num_accepted)
@@ -257,7 +284,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     decode, kept = commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, eos_token_ids)
     target_out = TargetOutput(logits=logits, hidden=hidden, path=path)
     return SpecState(decode=decode, proposer=proposer.accept(proposer_state, num_accepted, next_token, target_out),
-                     counters=state.counters.update(active, num_accepted, kept))
+                     counters=state.counters.update(active, num_accepted, kept, num_valid),
+                     adaptive=None if state.adaptive is None else state.adaptive.observe(active, num_valid, num_accepted))
 
 
 @functools.partial(jax.jit, static_argnames=("proposer", "verifiers", "eos_token_ids", "cache_dtype", "gather_logits"))
@@ -270,6 +298,7 @@ def speculative_loop(
     keys: PRNGKeyArray,
     sampling: SamplingParams,
     method: Int[Array, ""] | int = 0,
+    verify_costs: Float[Array, " W"] | None = None,
     *,
     proposer: Proposer,
     verifiers: tuple[Verifier, ...] | None = None,
@@ -281,12 +310,14 @@ def speculative_loop(
     every row is done). draft_params: the drafter's weights as proposer.bind made them (the protocol's
     `params`); sampling: per-row settings that proposer.settings.sampling covers; method: the index in
     `verifiers` (default: specjax.verify.lossless_verifiers of the proposer's spec) of the rule for sampled
-    rows (specjax.verify.method_index)."""
+    rows (specjax.verify.method_index); verify_costs: with adaptive verification, a step's cost at each of
+    spec.verify_widths (specjax.adaptive.verify_costs; default the analytic curve)."""
     verifiers = verifiers if verifiers is not None else lossless_verifiers(proposer.settings.spec)
     state = speculative_init(model, draft_params, prompt_tokens, prompt_lengths, budgets, keys, sampling,
                              proposer=proposer, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype)
     step = functools.partial(speculative_step, model, draft_params, method=method, proposer=proposer,
-                             verifiers=verifiers, eos_token_ids=eos_token_ids, gather_logits=gather_logits)
+                             verifiers=verifiers, eos_token_ids=eos_token_ids, gather_logits=gather_logits,
+                             verify_costs=verify_costs)
     return jax.lax.while_loop(lambda state: ~jnp.all(state.decode.done), step, state)
 
 
@@ -407,6 +438,7 @@ def generate(
     drafter: Any = None,
     mesh: Mesh | None = None,
     gather_logits: bool = False,
+    cost_curve: adaptive.CostCurve | None = None,
 ) -> GenerationResult:
     """Generation for a batch of ragged prompts (lists of token ids): autoregressive, or speculative
     when `spec` is given (`drafter` is then the proposer's weights, e.g. the draft Transformer).
@@ -420,6 +452,9 @@ def generate(
     gather_logits, on logits gathered once per step.
     Models in the stacked layout run correctly but, on GPUs, slower: pass `transformer.to_decoding_layout`
     of them (`experiments.load_models` does) to decode at speed.
+    cost_curve: with spec.enable_adaptive_verification, a step's cost by batch and verify width
+    (specjax.adaptive.CostCurve); default: specjax.adaptive.default_cost_curve (profiled once and cached on
+    an accelerator, analytic on the CPU).
     """
     if cache_dtype is not None:
         dtype_from_name(cache_dtype, "cache_dtype")
@@ -437,7 +472,7 @@ def generate(
             return _result(state, request, eos_token_ids)
         run = functools.partial(run_speculative, model, drafter, args, cache_size=request.cache_size,
                                 mode=mode, mesh=mesh, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype,
-                                gather_logits=gather_logits)
+                                gather_logits=gather_logits, cost_curve=cost_curve)
         choice = None
         if spec.total_tokens == "auto":
             choice = choose_tree_size(run, model, spec, request.batch_size)
@@ -450,11 +485,12 @@ def generate(
 def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecConfig, *, cache_size: int,
                     mode: SamplingMode = GREEDY, mesh: Mesh | None = None, eos_token_ids: tuple[int, ...] = (),
                     cache_dtype: str | None = None, gather_logits: bool = False,
-                    max_new_tokens: int | None = None) -> tuple[SpecState, Proposer]:
+                    max_new_tokens: int | None = None,
+                    cost_curve: adaptive.CostCurve | None = None) -> tuple[SpecState, Proposer]:
     """(the speculative loop's final SpecState, its proposer) for a padded request's device arrays
     args = (tokens, lengths, budgets, keys, sampling params), each row's budget capped at max_new_tokens
     when given; mode covers the rows' sampling settings; the model (and args) already placed on the mesh
-    when one is given. generate's speculative path."""
+    when one is given; cost_curve as generate's. generate's speculative path."""
     proposer = build_proposer(static_spec(spec, mode), mode, cache_size, drafter)
     proposer.check(drafter, model.config)
     draft_params = proposer.bind(drafter, model)
@@ -463,10 +499,46 @@ def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecCon
     tokens, lengths, budgets, keys, sampling = args
     if max_new_tokens is not None:
         budgets = jnp.minimum(budgets, max_new_tokens)
+    costs = None
+    if spec.enable_adaptive_verification:
+        batch = tokens.shape[0]
+        curve = cost_curve or adaptive.default_cost_curve(model, batch, spec.verify_widths, cache_size,
+                                                          draft_timing(model, draft_params, proposer))
+        costs = adaptive.verify_costs(spec, curve, batch)
     state = speculative_loop(model, draft_params, tokens, lengths, budgets, keys, sampling,
-                             jnp.int32(method_index(spec)), proposer=proposer, verifiers=lossless_verifiers(spec),
+                             jnp.int32(method_index(spec)), costs, proposer=proposer, verifiers=lossless_verifiers(spec),
                              eos_token_ids=eos_token_ids, cache_dtype=cache_dtype, gather_logits=gather_logits)
     return state, proposer
+
+
+def draft_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> adaptive.DraftTiming:
+    """The drafter's side of adaptive verification's cost profile: keyed by the proposer's spec and its weights'
+    shapes, timed by draft_step_seconds."""
+    shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(draft_params)]
+    return adaptive.DraftTiming(key=repr((proposer.settings.spec, shapes)),
+                                seconds=functools.partial(draft_step_seconds, model, draft_params, proposer))
+
+
+def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int) -> float:
+    """Device seconds of one propose at `batch` rows, after a prefill of half the proposer's cache (the context
+    adaptive.verify_seconds times the target at), inside a jitted loop that carries the proposer's state (its
+    cache written in place: benchmarking.time_in_loop)."""
+    prompt_len = proposer.settings.cache_size // 2
+    tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
+    sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
+    init = jax.jit(functools.partial(speculative_init, proposer=proposer, eos_token_ids=()))
+    # Budgets of 1: rows are done after the prefill, which propose does not look at.
+    state = init(model, draft_params, tokens, jnp.full((batch,), prompt_len, jnp.int32),
+                 jnp.ones((batch,), jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
+    decode = state.decode
+    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
+
+    def propose(params, proposer_state, context, keys):
+        drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
+        return drafts, (proposer_state, context, keys)
+
+    return benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1],
+                                     invariant=1, carry=True, iterations=adaptive.PROFILE_ITERATIONS)["median_s"]
 
 
 def choose_tree_size(run, model: Transformer, spec: SpecConfig, batch: int) -> tree_size.TreeSizeChoice:

@@ -256,6 +256,8 @@ class Runner:
             "mean_acceptance_length": summary["mean_acceptance_length"],
             "acceptance_rate": summary["acceptance_rate"],
             "per_position_acceptance": summary["per_position_acceptance"],
+            # Drafts verified a step: K, or what adaptive verification chose on average.
+            "mean_verified_width": summary["drafted"] / summary["steps"] if summary["steps"] else None,
             "ar_tokens_per_s": float(baseline.num_generated.sum()) / ar_seconds,
             "spec_tokens_per_s": float(result.num_generated.sum()) / spec_seconds,
             "speedup": ar_seconds / spec_seconds * float(result.num_generated.sum()) / float(
@@ -275,7 +277,8 @@ def point_fields(config: RunConfig) -> dict:
             "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature,
             "draft_vocab_size": config.draft_vocab_size,
             "tree_nodes": config.spec.num_draft_nodes if config.spec.drafts_tree else None,
-            "tree_top_k": config.spec.top_k, "dflash_full_block": config.spec.dflash_full_block or None}
+            "tree_top_k": config.spec.top_k, "dflash_full_block": config.spec.dflash_full_block or None,
+            "adaptive": config.spec.enable_adaptive_verification or None}
 
 
 def drafter_name(row: dict) -> str:
@@ -286,7 +289,8 @@ def drafter_name(row: dict) -> str:
     tree = "" if nodes is None else f" ({auto}{nodes}-node tree{'' if top_k is None else f', top-{top_k}'})"
     full_block = " (full block)" if row.get("dflash_full_block") else ""
     modules = "" if row.get("mtp_modules") is None else f" ({row['mtp_modules']} module{'s' * (row['mtp_modules'] > 1)})"
-    return "".join([row["method"], "" if size is None else f" ({size} ids)", tree, full_block, modules])
+    adaptive = " (adaptive)" if row.get("adaptive") else ""
+    return "".join([row["method"], "" if size is None else f" ({size} ids)", tree, full_block, modules, adaptive])
 
 
 TIMING_FIELDS = ("ar_tokens_per_s", "spec_tokens_per_s", "speedup", "device", "devices", "jax")

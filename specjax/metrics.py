@@ -22,7 +22,7 @@ from specjax import sharding
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("steps", "drafted", "accepted", "emitted", "length_histogram", "accepted_at",
-                                "per_step_accepted"),
+                                "per_step_accepted", "per_step_drafted"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class AcceptanceCounters:
@@ -35,6 +35,8 @@ class AcceptanceCounters:
     # Drafts accepted at each of the row's steps (vLLM's detailed per-request metrics); steps past the
     # array's width (the cache's slots, which bound a row's steps) are not recorded.
     per_step_accepted: Int[Array, "B S"]
+    # Drafts verified at each of the row's steps: K, or the width adaptive verification chose (specjax.adaptive).
+    per_step_drafted: Int[Array, "B S"]
 
     @classmethod
     def zeros(cls, batch: int, num_draft: int, max_steps: int = 0) -> AcceptanceCounters:
@@ -42,24 +44,28 @@ class AcceptanceCounters:
         return cls(steps=zeros, drafted=zeros, accepted=zeros, emitted=zeros,
                    length_histogram=jnp.zeros((batch, num_draft + 1), jnp.int32),
                    accepted_at=jnp.zeros((batch, num_draft), jnp.int32),
-                   per_step_accepted=jnp.zeros((batch, max_steps), jnp.int16))
+                   per_step_accepted=jnp.zeros((batch, max_steps), jnp.int16),
+                   per_step_drafted=jnp.zeros((batch, max_steps), jnp.int16))
 
-    def update(self, active: Bool[Array, " B"], num_accepted: Int[Array, " B"],
-               num_emitted: Int[Array, " B"]) -> AcceptanceCounters:
+    def update(self, active: Bool[Array, " B"], num_accepted: Int[Array, " B"], num_emitted: Int[Array, " B"],
+               num_verified: Int[Array, " B"] | None = None) -> AcceptanceCounters:
+        """Counts a step of the active rows; num_verified: the drafts each verified (default all K)."""
         num_draft = self.accepted_at.shape[1]
         step = active.astype(jnp.int32)
+        if num_verified is None:
+            num_verified = jnp.full_like(num_accepted, num_draft)
+        at_step = (jnp.arange(active.shape[0]), jnp.where(active, self.steps, self.per_step_accepted.shape[1]))
         return AcceptanceCounters(
             steps=self.steps + step,
-            drafted=self.drafted + step * num_draft,
+            drafted=self.drafted + step * num_verified,
             accepted=self.accepted + step * num_accepted,
             emitted=self.emitted + step * num_emitted,
             length_histogram=self.length_histogram + step[:, None] * jax.nn.one_hot(
                 num_accepted, num_draft + 1, dtype=jnp.int32),
             accepted_at=self.accepted_at + step[:, None] * (
                 jnp.arange(num_draft)[None, :] < num_accepted[:, None]).astype(jnp.int32),
-            per_step_accepted=self.per_step_accepted.at[
-                jnp.arange(active.shape[0]), jnp.where(active, self.steps, self.per_step_accepted.shape[1])].set(
-                num_accepted.astype(jnp.int16), mode="drop"),
+            per_step_accepted=self.per_step_accepted.at[at_step].set(num_accepted.astype(jnp.int16), mode="drop"),
+            per_step_drafted=self.per_step_drafted.at[at_step].set(num_verified.astype(jnp.int16), mode="drop"),
         )
 
 
@@ -75,6 +81,7 @@ class AcceptanceMetrics:
     accepted_at: np.ndarray  # [B, K]
     # [B, S]: row b's first steps[b] entries are its steps' accepted drafts (None: not recorded)
     per_step_accepted: np.ndarray | None = None
+    per_step_drafted: np.ndarray | None = None  # [B, S]: drafts verified at each step (None: all K)
 
     @classmethod
     def from_counters(cls, counters: AcceptanceCounters, num_rows: int) -> AcceptanceMetrics:
@@ -102,8 +109,10 @@ class AcceptanceMetrics:
         if self.per_step_accepted is None:
             raise ValueError("these metrics were made without per-step counts (AcceptanceCounters.per_step_accepted)")
         steps = min(int(self.steps[row]), self.per_step_accepted.shape[1])
+        drafted = ([self.num_speculative_tokens] * steps if self.per_step_drafted is None
+                   else [int(n) for n in self.per_step_drafted[row, :steps]])
         return {"per_step_accepted": [int(n) for n in self.per_step_accepted[row, :steps]],
-                "per_step_drafted": [self.num_speculative_tokens] * steps}
+                "per_step_drafted": drafted}
 
     def format_summary(self) -> str:
         s = self.summary()

@@ -126,11 +126,17 @@ def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahe
 
 
 def synthetic_spec(drafter: str, tau: float, num_draft: int, total_tokens: int | None = None,
-                   top_k: int | None = None) -> SpecConfig:
+                   top_k: int | None = None, rates: tuple[float, ...] | None = None,
+                   adaptive: bool = False) -> SpecConfig:
     """K = num_draft drafts a step (or a dynamic tree of depth K: total_tokens, top_k), of which the
-    verifier accepts a mean of tau (synthetic acceptance; along a tree's first-ranked path)."""
+    verifier accepts a mean of tau (synthetic acceptance; along a tree's first-ranked path), or with
+    rates, position i with the unconditional rate rates[i] (the first K of them: a per-position profile);
+    adaptive: with enable_adaptive_verification."""
+    acceptance = (dict(synthetic_acceptance_length=tau) if rates is None
+                  else dict(synthetic_acceptance_rates=tuple(rates[:num_draft])))
     return SpecConfig(method=spec_method(drafter), num_speculative_tokens=num_draft, total_tokens=total_tokens,
-                      top_k=top_k, rejection_sample_method="synthetic", synthetic_acceptance_length=tau)
+                      top_k=top_k, rejection_sample_method="synthetic", enable_adaptive_verification=adaptive,
+                      **acceptance)
 
 
 def autoregressive_run(target, cache_size: int):
@@ -138,14 +144,18 @@ def autoregressive_run(target, cache_size: int):
     return lambda args: decode_loop(target, *args, mode=SamplingMode(), eos_token_ids=(), cache_size=cache_size)
 
 
-def speculative_run(target, weights, spec: SpecConfig, cache_size: int, final_state: bool = False):
+def speculative_run(target, weights, spec: SpecConfig, cache_size: int, final_state: bool = False,
+                    verify_costs=None):
     """run(args) -> the final DecodeState of greedy speculative decoding with the drafter's weights (with
-    final_state, the loop's whole SpecState: its acceptance counters too)."""
+    final_state, the loop's whole SpecState: its acceptance counters too); verify_costs: with adaptive
+    verification, specjax.adaptive.verify_costs of the batch's cost curve."""
     proposer = build_proposer(spec, GREEDY, cache_size, weights)
     bound = proposer.bind(weights, target)
-    if final_state:
-        return lambda args: speculative_loop(target, bound, *args, proposer=proposer, eos_token_ids=())
-    return lambda args: speculative_loop(target, bound, *args, proposer=proposer, eos_token_ids=()).decode
+
+    def run(args):
+        return speculative_loop(target, bound, *args, verify_costs=verify_costs, proposer=proposer, eos_token_ids=())
+
+    return run if final_state else lambda args: run(args).decode
 
 
 def tokens_per_s(run, run_args, one_args) -> tuple[float, float]:

@@ -154,7 +154,7 @@ def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, hea
 def test_the_engine_serves_dspark_requests_with_their_autoregressive_output():
     """The continuous-batching engine with DSpark (K 3, 4 slots, 32 requests arriving at random steps; the
     confidence kept per slot in the proposer state): each request's greedy output is generate's alone."""
-    from test_engine import random_requests, serve_arriving, truncated_at_stop
+    from support.engine import random_requests, serve_arriving, truncated_at_stop
 
     from specjax.engine import Engine, EngineConfig
 

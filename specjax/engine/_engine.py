@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decoding
+from specjax import adaptive, decoding
 from specjax.config import DTYPES, SamplingConfig, SpecConfig
 from specjax.engine._blocks import PrefixCache, block_keys
+from specjax.engine._offload import DraftKVLayout, DraftKVSlots, check_host_memory
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 from specjax.engine._slots import NO_BATCH, batch_axes, insert_rows, move_rows, release_slots
 from specjax.metrics import AcceptanceMetrics
@@ -71,6 +72,16 @@ class EngineConfig:
     # longer prompt is prefilled in chunks over several visits while the running requests step between them.
     # None: whole prompts, max_prefill_batch of them a call.
     max_num_batched_tokens: int | None = None
+    # With spec.enable_adaptive_verification: a step's cost by batch and verify width (specjax.adaptive);
+    # None: adaptive.default_cost_curve at each count of slots stepped (profiled once and cached on an
+    # accelerator, analytic on the CPU).
+    cost_curve: adaptive.CostCurve | None = None
+    # Draft KV offload (vLLM-style name): the drafter's KV cache lives in pinned host memory, one buffer per slot;
+    # each visit brings the stepped slots' buffers to the device and sends them back (engine/_offload.py). Frees
+    # the draft cache's device memory between visits and for the slots a visit does not step, for a host-device
+    # copy of the stepped rows' draft cache each way per visit. Needs a drafter that keeps a KV cache and a device
+    # with a pinned_host memory kind.
+    draft_kv_offload: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch", "block_size",
@@ -82,12 +93,15 @@ class EngineConfig:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"EngineConfig.max_num_batched_tokens = {value!r} is invalid: allowed None or an "
                              "integer >= 1")
-        for name in ("enable_prefix_caching", "disable_eagle_block_drop"):
+        for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
         if self.disable_eagle_block_drop and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.disable_eagle_block_drop = True is invalid without enable_prefix_caching: "
                              "allowed only with enable_prefix_caching = True")
+        if self.draft_kv_offload and self.spec is None:
+            raise ValueError("EngineConfig.draft_kv_offload = True is invalid without speculation (spec = None): "
+                             "allowed only with a spec whose drafter keeps a KV cache")
 
     @property
     def lookahead(self) -> int:
@@ -157,6 +171,15 @@ class Engine:
             and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
         self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
         self._new_caches = {}  # batch -> jitted maker of empty (target, drafter) cache rows
+        self._costs = {}  # slots stepped -> adaptive verification's cost at each verify width
+        # Draft KV offload: the layout of the drafter's K and V in the state, and the slots' host buffers.
+        self._draft_layout: DraftKVLayout | None = None
+        self.draft_kv: DraftKVSlots | None = None
+        if config.draft_kv_offload:
+            # The engine runs on one device, JAX's default.
+            self._device = jax.config.jax_default_device or jax.devices()[0]
+            check_host_memory(self._device)
+            self._program(GREEDY)  # refuses a drafter without a KV cache now, not at the first request
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -190,7 +213,8 @@ class Engine:
         """The engine's counters: device steps, visits, and the prefix cache's (hits and queries in tokens and
         blocks, hit_rate; None when prefix caching is off)."""
         return {"steps": self.steps_run, "visits": self.visits,
-                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict()}
+                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
+                "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats()}
 
     def run(self, requests=()) -> list[RequestOutput]:
         """Adds the requests and steps until every request has ended; outputs in the order they ended."""
@@ -221,7 +245,7 @@ class Engine:
                                         eos_token_ids=eos, cache_size=config.max_model_len,
                                         cache_dtype=config.kv_cache_dtype, **offset)[0]
 
-            def step(weights, state):
+            def step(weights, state, costs):
                 return decoding.decode_step(weights[0], state, mode=mode, eos_token_ids=eos)
         else:
             proposer = build_proposer(decoding.static_spec(config.spec, mode), mode, config.max_model_len, self.drafter)
@@ -234,9 +258,9 @@ class Engine:
                 return decoding.speculative_init(*weights, tokens, lengths, budgets, keys, sampling, proposer=proposer,
                                                  eos_token_ids=eos, cache_dtype=config.kv_cache_dtype, prefix=prefix)
 
-            def step(weights, state):
+            def step(weights, state, costs):
                 return decoding.speculative_step(*weights, state, self._method, proposer=proposer,
-                                                 verifiers=self._verifiers, eos_token_ids=eos)
+                                                 verifiers=self._verifiers, eos_token_ids=eos, verify_costs=costs)
 
         init = functools.partial(jax.jit(init_rows), weights)
 
@@ -244,10 +268,18 @@ class Engine:
             return init_rows(weights, *_free_rows(batch, 16))
 
         axes = batch_axes(rows_at)
+        layout = None
+        if config.draft_kv_offload:
+            shapes = jax.eval_shape(functools.partial(rows_at, 1))
+            layout = DraftKVLayout.of(shapes, shapes.proposer, axes, self._device, config.spec.method)
+            self._draft_layout = layout
+            axes = layout.resident_axes  # the slot functions leave the offloaded leaves' placeholders alone
 
-        def run_steps(weights, state, max_steps, stop_at_done, *, rows: int):
+        def run_steps(weights, state, draft, max_steps, stop_at_done, costs, *, rows: int):
             """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
-            stop_at_done of them done (a free slot to fill); the other slots are left as they are."""
+            stop_at_done of them done (a free slot to fill); the other slots are left as they are. With draft KV
+            offload, draft holds those slots' host buffers: in for the steps, back out after them. costs: adaptive
+            verification's cost of a step of `rows` slots at each verify width (None without it)."""
             def cond(carry):
                 steps, state = carry
                 done = _decode(state).done
@@ -255,11 +287,15 @@ class Engine:
 
             leaves, treedef = jax.tree.flatten(state)
             busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
-            steps, busy = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1])),
+            if layout is not None:
+                busy = layout.unpack(layout.to_device(draft), busy)
+            steps, busy = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1], costs)),
                                              (jnp.int32(0), jax.tree.unflatten(treedef, busy)))
+            busy = jax.tree.leaves(busy)
+            draft = None if layout is None else layout.to_host(layout.pack(busy))
             leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
-                      for x, part, a in zip(leaves, jax.tree.leaves(busy), axes)]
-            return steps, jax.tree.unflatten(treedef, leaves)
+                      for x, part, a in zip(leaves, busy, axes)]
+            return steps, jax.tree.unflatten(treedef, leaves), draft
 
         runs = {}
 
@@ -267,12 +303,29 @@ class Engine:
             """run_steps over `rows` slots: one compiled program per power-of-two count (and the whole state)."""
             if rows not in runs:
                 runs[rows] = jax.jit(functools.partial(run_steps, rows=rows), donate_argnums=1)
-            return runs[rows](weights, state, max_steps, stop_at_done)
+            draft = None if layout is None else self.draft_kv.take(rows)
+            steps, state, draft = runs[rows](weights, state, draft, max_steps, stop_at_done,
+                                             self._verify_costs(rows, proposer))
+            if layout is not None:
+                self.draft_kv.put(draft)
+            return steps, state
 
         run.programs = runs
         program = (proposer, init, run, axes)
         self._programs[mode] = program
         return program
+
+    def _verify_costs(self, rows: int, proposer):
+        """Adaptive verification's costs for a step of `rows` slots (None without it), found once per count."""
+        spec = self.config.spec
+        if spec is None or not spec.enable_adaptive_verification:
+            return None
+        if rows not in self._costs:
+            curve = self.config.cost_curve or adaptive.default_cost_curve(
+                self.model, rows, spec.verify_widths, self.config.max_model_len,
+                decoding.draft_timing(self.model, self._draft_params, proposer))
+            self._costs[rows] = adaptive.verify_costs(spec, curve, rows)
+        return self._costs[rows]
 
     def step_programs(self) -> dict[tuple[SamplingMode, int], int]:
         """Compiled step programs by the sampling mode and the count of slots they step (a count > 1 would be
@@ -286,6 +339,10 @@ class Engine:
             _, init, _, _ = self._program(mode)
             rows = self.config.max_num_seqs
             self.state = init(*_free_rows(rows, 16))
+            if self._draft_layout is not None:  # every slot gets its host buffer (a free slot's is stepped too)
+                self.draft_kv = DraftKVSlots(self._draft_layout, rows)
+                self.draft_kv.store(self.state, list(range(rows)))
+                self.state = self._draft_layout.strip(self.state)
 
     # ------------------------------------------------------------------ one visit
 
@@ -301,8 +358,7 @@ class Engine:
         batch = 1
         while batch <= decoding.bucket(min(self.config.max_prefill_batch, self.config.max_num_seqs)):
             rows = init(*_free_rows(batch, width))
-            nowhere = jnp.full((batch,), self.config.max_num_seqs, jnp.int32)  # every row dropped
-            self.state = insert_rows(self.state, rows, nowhere, axes=axes)
+            self._insert(rows, [self.config.max_num_seqs] * batch, axes)  # every row dropped
             batch *= 2
         for rows in self._row_buckets():
             _, self.state = run(self.state, jnp.int32(0), jnp.int32(rows + 1), rows)
@@ -499,11 +555,18 @@ class Engine:
         # Padding rows go to an index past the state's rows, which the scatter drops.
         targets = np.full(batch, self.config.max_num_seqs, np.int32)
         targets[:count] = slots
-        self.state = insert_rows(self.state, rows, jnp.asarray(targets), axes=axes)
+        self._insert(rows, targets.tolist(), axes)
         stored = self._store(mode, rows, [(row, keys, len(blocks)) for row, (keys, blocks) in enumerate(looked)])
         for row, (slot, (request, arrival)) in enumerate(zip(slots, admitted)):
             self._start(slot, request, arrival, looked[row][1] + stored[row], len(looked[row][1]))
         return rows, slots
+
+    def _insert(self, rows, slots: list[int], axes: tuple[int, ...]) -> None:
+        """Writes prefilled rows into the slots (an index past the state's rows drops that row): into the
+        engine's state and, with draft KV offload, the drafter's K and V into the slots' host buffers."""
+        self.state = insert_rows(self.state, rows, jnp.asarray(slots, jnp.int32), axes=axes)
+        if self.draft_kv is not None:
+            self.draft_kv.store(rows, slots)
 
     def _store(self, mode: SamplingMode, rows, keys: list) -> list[list[int]]:
         """The prefilled rows' new full blocks into the prefix cache; each row's newly held blocks."""
@@ -543,7 +606,7 @@ class Engine:
             chunked.start += width
             return width
         slot = free[0]
-        self.state = insert_rows(self.state, rows, jnp.asarray([slot], jnp.int32), axes=axes)
+        self._insert(rows, [slot], axes)
         stored = self._store(mode, rows, [(0, chunked.keys, chunked.matched)])
         self._start(slot, request, chunked.arrival, chunked.blocks + stored[0], chunked.matched)
         prefilled.append((rows, [slot]))
@@ -660,6 +723,8 @@ class Engine:
             return
         axes = self._programs[next(iter(self._programs))][3]
         self.state = move_rows(self.state, jnp.asarray(sources, jnp.int32), jnp.asarray(holes, jnp.int32), axes=axes)
+        if self.draft_kv is not None:
+            self.draft_kv.move(sources, holes)
         for source, hole in zip(sources, holes):
             self.running[hole] = self.running.pop(source)
         self._release(sources)

@@ -119,10 +119,12 @@ def sweep(target_probs: Float[Array, "B K1 V"], draft_probs: Float[Array, "B K V
 
 def verify_with_draws(target_probs: Float[Array, "B K1 V"], draft_tokens: Int[Array, "B K"],
                       draft_probs: Float[Array, "B K V"] | None, draws: Draws, *, tile: int = DEFAULT_TILE,
-                      interpret: bool | None = None, compiler_params=None):
-    """Block verification with the same outputs as specjax.verify.block.verify_with_draws."""
-    if draft_probs is None:
-        return block.verify_with_draws(target_probs, draft_tokens, None, draws)
+                      interpret: bool | None = None, compiler_params=None, num_valid=None):
+    """Block verification with the same outputs as specjax.verify.block.verify_with_draws. A block cut short
+    (num_valid) takes the jnp reference: the kernel's sweep draws a residual at every position but the last,
+    where a cut block draws its bonus."""
+    if draft_probs is None or num_valid is not None:
+        return block.verify_with_draws(target_probs, draft_tokens, draft_probs, draws, num_valid=num_valid)
     ratios = block.prefix_ratios(target_probs, draft_tokens, draft_probs)
     masses, scores, indices = sweep(target_probs, draft_probs, draws.exponentials, ratios, tile=tile,
                                     interpret=interpret, compiler_params=compiler_params)

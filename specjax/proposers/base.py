@@ -184,6 +184,11 @@ class Proposer:
                target_out: TargetOutput) -> Any:
         raise NotImplementedError
 
+    def draft_confidence(self, state: Any) -> Float[Array, "B K"] | None:
+        """The drafter's own estimate, per draft of the last propose, that it is accepted given the one before
+        it was (a confidence head, read by adaptive verification: specjax.adaptive); None where it has none."""
+        return None
+
     def tree_log_probs(self, state: Any) -> Float[Array, "B N"] | None:
         """A drafter of dynamic trees: the path log-probabilities of the last tree's nodes, highest first
         (draft_tree.grow), from which specjax.tree_size estimates acceptance; None otherwise."""

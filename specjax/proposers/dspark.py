@@ -10,7 +10,7 @@ before it, so standard and block verification stay lossless.
 
 The confidence head's sigmoid(w . [h_k, W1[x_{k-1}]] + b) for each draft is kept in the state
 (`DSparkState.draft_confidence`, [B, K]; None for a drafter without the head), for verification schemes
-that choose how many drafts to verify.
+that choose how many drafts to verify (Proposer.draft_confidence; specjax.adaptive).
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ class DSparkProposer(DFlashProposer):
         confidence = None if params.drafter.confidence_w is None else jnp.zeros(shape, jnp.float32)
         return DSparkState(cache=state.cache, pending=state.pending, num_pending=state.num_pending,
                            draft_confidence=confidence)
+
+    def draft_confidence(self, state: DSparkState) -> Float[Array, "B K"] | None:
+        return state.draft_confidence
 
     def propose(self, params: DFlashParams, state: DSparkState, context: Context, keys: PRNGKeyArray):
         drafter, settings = params.drafter, self.settings

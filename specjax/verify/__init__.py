@@ -105,29 +105,36 @@ def lossless_verifiers(spec: SpecConfig) -> tuple[Verifier, ...]:
 
 def verify_drafts(logits: Float[Array, "B T V"], draft_tokens: Int[Array, "B N"], draft_probs, keys: PRNGKeyArray,
                   parents: Int[Array, "B N"] | None, *, sampling: SamplingParams, mode: SamplingMode,
-                  verifiers: tuple[Verifier, ...], method: Int[Array, ""], synthetic_rates=None):
+                  verifiers: tuple[Verifier, ...], method: Int[Array, ""], synthetic_rates=None,
+                  num_valid: Int[Array, " B"] | None = None):
     """Verifies a chain (parents None) or a tree of drafts against the target's logits over
     [last committed token, drafts]: (path [B, N] or None, num_accepted [B], next_token [B]).
 
     Greedy rows take the greedy rule; sampled rows the rule verifiers[method] (switched at run time) on
-    the processed distributions; synthetic_rates (the benchmark mode) replace both."""
+    the processed distributions; synthetic_rates (the benchmark mode) replace both. num_valid (chains
+    only): row b verifies its first num_valid[b] drafts as its whole draft (specjax.verify.common); the
+    scores past them are never read."""
+    if num_valid is not None and parents is not None:
+        raise ValueError("num_valid cuts chains only: a tree's verification takes its whole tree")
+    cut = {} if num_valid is None else {"num_valid": num_valid}
+
     def greedy_rule():
         if parents is None:
-            return None, *greedy.verify(logits, draft_tokens)
+            return None, *greedy.verify(logits, draft_tokens, **cut)
         return tree.verify_tree_greedy(vocabulary_argmax(logits), draft_tokens, parents)
 
     if synthetic_rates is not None:
         probs = processed_probs(logits, sampling, mode)
         if parents is None:
             verify = from_draws(functools.partial(synthetic.verify_with_draws, rates=synthetic_rates))
-            return None, *verify(probs, draft_tokens, draft_probs, keys)
+            return None, *verify(probs, draft_tokens, draft_probs, keys, **cut)
         return tree.verify_tree_synthetic(probs, draft_tokens, parents, draft_probs, keys, rates=synthetic_rates)
     if not mode.sampled:
         return greedy_rule()
     probs = processed_probs(logits, sampling, mode)
     if parents is None:
         branches = [lambda rule=rule: (jnp.zeros_like(draft_tokens), *rule.chain(probs, draft_tokens, draft_probs,
-                                                                                  keys)) for rule in verifiers]
+                                                                                  keys, **cut)) for rule in verifiers]
     else:
         branches = [lambda rule=rule: rule.tree(probs, draft_tokens, parents, draft_probs, keys) for rule in verifiers]
     sampled = jax.lax.switch(method, branches) if len(branches) > 1 else branches[0]()

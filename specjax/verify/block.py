@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from specjax.verify.common import (Draws, draft_token_probs, from_draws, gather_position, race_sample,
-                                   residual_weights, token_probs)
+                                   residual_weights, token_probs, valid_drafts)
 
 
 def prefix_ratios(target_probs, draft_tokens, draft_probs) -> Float[Array, "B K1"]:
@@ -56,6 +56,14 @@ def stopping_from_masses(masses: Float[Array, "B K"], ratios: Float[Array, "B K1
     return jnp.concatenate([h, ratios[:, -1:]], axis=1)
 
 
+def truncated_stopping(h: Float[Array, "B K"], ratios: Float[Array, "B K1"], valid: Int[Array, " B"]):
+    """h_1 .. h_K of the block cut to its first valid[b] drafts: h_i where i < w, h_w = p_w (the last
+    position of a w-draft block), and never past w (-1 is below every uniform)."""
+    positions = jnp.arange(1, h.shape[1] + 1)[None, :]
+    last = gather_position(ratios, valid)[:, None]
+    return jnp.where(positions < valid[:, None], h, jnp.where(positions == valid[:, None], last, -1.0))
+
+
 def accepted_length(h: Float[Array, "B K"], uniforms: Float[Array, "B K"]) -> Int[Array, " B"]:
     """tau = max{i in 1..K : eta_i <= h_i}, 0 if none."""
     positions = jnp.arange(1, h.shape[1] + 1)
@@ -63,16 +71,19 @@ def accepted_length(h: Float[Array, "B K"], uniforms: Float[Array, "B K"]) -> In
 
 
 def verify_with_draws(target_probs: Float[Array, "B K1 V"], draft_tokens: Int[Array, "B K"],
-                      draft_probs: Float[Array, "B K V"] | None, draws: Draws):
+                      draft_probs: Float[Array, "B K V"] | None, draws: Draws, num_valid=None):
     num_draft = draft_tokens.shape[1]
+    valid = valid_drafts(num_valid, draft_tokens)
     h, ratios = stopping_probs(target_probs, draft_tokens, draft_probs)
+    if num_valid is not None:
+        h = truncated_stopping(h, ratios, valid)
     tau = accepted_length(h, draws.uniforms)
     target_at_tau = gather_position(target_probs, tau)
     stop = jnp.minimum(tau, num_draft - 1)  # the draft position after the accepted prefix (tau < K)
     residual = residual_weights(target_at_tau,
                                 None if draft_probs is None else gather_position(draft_probs, stop),
                                 gather_position(draft_tokens, stop), gather_position(ratios, tau))
-    weights = jnp.where((tau < num_draft)[:, None], residual, target_at_tau)
+    weights = jnp.where((tau < valid)[:, None], residual, target_at_tau)  # tau = w: the bonus
     return tau, race_sample(weights, draws.exponentials)
 
 

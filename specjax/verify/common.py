@@ -5,6 +5,12 @@ draft_probs[B,K,V] | None, keys[B]) -> (num_accepted[B], next_token[B])`, and is
 `verify_with_draws` that takes the draws explicitly: the Pallas kernel consumes the same draws, so
 the jnp verifiers reproduce its output exactly. draft_probs None means one-hot drafts (q = 1 for
 the drafted token).
+
+num_valid[B] (keyword, optional): row b verifies only its first num_valid[b] drafts, exactly as if
+they were its whole draft (adaptive verification, specjax.adaptive): at most num_valid[b] accepted,
+and when all of them are the next token is the bonus sample at position num_valid[b]. Because the
+target is causal, its scores at positions 0..w do not depend on drafts past w, so this is the rule
+run on a w-draft chain and stays lossless for any w fixed before the target's scores are seen.
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ def make_draws(keys: PRNGKeyArray, num_draft: int, vocab_size: int) -> Draws:
 def from_draws(verify_with_draws: Callable) -> Callable:
     """The keyed verifier of the common signature, drawing from keys[b] for row b."""
     @functools.wraps(verify_with_draws)
-    def verify(target_probs, draft_tokens, draft_probs, keys):
+    def verify(target_probs, draft_tokens, draft_probs, keys, **options):
         draws = make_draws(keys, draft_tokens.shape[1], target_probs.shape[-1])
-        return verify_with_draws(target_probs, draft_tokens, draft_probs, draws)
+        return verify_with_draws(target_probs, draft_tokens, draft_probs, draws, **options)
 
     return verify
 
@@ -83,6 +89,13 @@ def residual_weights(target: Float[Array, "B V"], draft: Float[Array, "B V"] | N
 def leading_true(accepted: Array) -> Int[Array, " B"]:
     """How many leading entries of each row are True."""
     return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def valid_drafts(num_valid: Int[Array, " B"] | None, draft_tokens: Int[Array, "B K"]) -> Int[Array, " B"]:
+    """Each row's count of drafts to verify: num_valid, or all K when it is None."""
+    if num_valid is None:
+        return jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)
+    return jnp.minimum(num_valid, draft_tokens.shape[1]).astype(jnp.int32)
 
 
 def gather_position(x: Array, index: Int[Array, " B"]) -> Array:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from specjax.verify.common import Draws, gather_position, leading_true, race_sample
+from specjax.verify.common import Draws, gather_position, leading_true, race_sample, valid_drafts
 
 
 def conditional_rates(rates: tuple[float, ...]) -> np.ndarray:
@@ -20,6 +20,7 @@ def conditional_rates(rates: tuple[float, ...]) -> np.ndarray:
 
 
 def verify_with_draws(target_probs: Float[Array, "B K1 V"], draft_tokens: Int[Array, "B K"], draft_probs,
-                      draws: Draws, *, rates: tuple[float, ...]):
+                      draws: Draws, *, rates: tuple[float, ...], num_valid=None):
     n = leading_true(draws.uniforms < jnp.asarray(conditional_rates(rates), jnp.float32))
+    n = jnp.minimum(n, valid_drafts(num_valid, draft_tokens))
     return n, race_sample(gather_position(target_probs, n), draws.exponentials)

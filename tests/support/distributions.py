@@ -62,13 +62,15 @@ def exact_joint(model, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> 
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def joint_counts_by_sampling(spec: SpecConfig, samplings, drafter, prompt: list[int] = PROMPT, greedy_rows: int = 0):
+def joint_counts_by_sampling(spec: SpecConfig, samplings, drafter, prompt: list[int] = PROMPT, greedy_rows: int = 0,
+                             **options):
     """Counts of the first NUM_TOKENS tokens from the tiny target, NUM_ROWS rows for each of `samplings`,
-    all in one batch (one program: the settings are data) with `greedy_rows` greedy rows among them.
-    Returns ([counts per sampling], metrics of the whole batch, the greedy rows' tokens [greedy_rows, N])."""
+    all in one batch (one program: the settings are data) with `greedy_rows` greedy rows among them;
+    options: generate's (e.g. cost_curve). Returns ([counts per sampling], metrics of the whole batch, the
+    greedy rows' tokens [greedy_rows, N])."""
     configs = [SamplingConfig()] * greedy_rows + [s for s in samplings for _ in range(NUM_ROWS)]
     result = generate(tiny_pair()[0], [prompt] * len(configs), max_new_tokens=NUM_TOKENS, sampling=configs,
-                      seeds=np.arange(len(configs)), cache_size=32, spec=spec, drafter=drafter)
+                      seeds=np.arange(len(configs)), cache_size=32, spec=spec, drafter=drafter, **options)
     assert (result.num_generated == NUM_TOKENS).all()
     codes = np.ravel_multi_index(result.tokens[greedy_rows:].T, (TINY.vocab_size,) * NUM_TOKENS)
     counts = [np.bincount(part, minlength=TINY.vocab_size ** NUM_TOKENS) for part in np.split(codes, len(samplings))]

@@ -1,0 +1,257 @@
+"""Adaptive verification (vLLM's `enable_adaptive_verification`): how many drafts each step verifies.
+
+Every step the loop drafts K tokens a row and then chooses, before the target sees them, the verify width W
+out of the compiled widths (SpecConfig.verify_widths) that maximises expected tokens per second:
+
+    rate(W) = (active rows + sum over rows of sum_{i <= W} survival[b, i]) / cost(W)
+    survival[b, i] = prod_{j <= i} c[b, j]
+
+c[b, j] is the estimated probability that row b's draft j is accepted given draft j - 1 was: a moving average
+of what the row's drafts were seen to do (AdaptiveState, kept in the loop's state), or DSpark's confidence
+head where the drafts are deterministic. cost(W) is a step's seconds at this batch and width, from a cost
+curve (CostCurve): measured on the device once per model, drafter, shape, batch and device and kept on disk,
+or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
+compiled widths: a program's shapes are static) and every active row verifies its first W drafts.
+
+Why one width for the batch rather than vLLM's per-row budget: vLLM packs each row's verified tokens into a
+ragged batch, so its cost grows with the total tokens and a row's extra draft costs a token. Here the
+forward is a padded [B, W + 1] block: its cost depends on W alone, and verifying more of a row's drafts
+within W never lowers its expected tokens. Per-row masks (the verifiers' num_valid) therefore cut nothing
+at a fixed width; they carry the choice into the verifiers.
+
+Lossless whatever the choice, as long as it is made before the target's scores are seen and from nothing
+the row's own sampled drafts decide: a rule run on a w-draft chain is lossless for any w fixed by the past,
+but a width chosen by looking at sampled drafts (their probabilities, or a confidence head that reads them)
+conditions the draft and biases the output (tests/test_adaptive.py's negative control). So the confidence
+head is read only when drafts are deterministic (draft_sample_method 'greedy').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from specjax import benchmarking
+from specjax.config import SpecConfig
+
+# The weight of a step's outcome in a position's moving average: about the last five steps count.
+ESTIMATE_RATE = 0.2
+# The pull, per step, of a position the row did not verify back toward PRIOR: an estimate that dropped
+# under a narrow width would otherwise never be seen again, and the width never widen.
+RELAX_RATE = 0.02
+# Every position starts as certain: the first steps verify the whole block (vLLM verifies fully until its
+# estimator has been fitted) and learn from it.
+PRIOR = 1.0
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("acceptance",), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class AdaptiveState:
+    """Each row's estimate of P(draft i accepted | draft i - 1 accepted), i = 1..K, kept in the loop."""
+
+    acceptance: Float[Array, "B K"]
+
+    @classmethod
+    def init(cls, batch: int, num_draft: int) -> AdaptiveState:
+        return cls(acceptance=jnp.full((batch, num_draft), PRIOR, jnp.float32))
+
+    def observe(self, active: Bool[Array, " B"], verified: Int[Array, " B"],
+                accepted: Int[Array, " B"]) -> AdaptiveState:
+        """After a step that verified `verified` drafts of each row and accepted `accepted`: draft i was
+        tested where i <= verified and every draft before it was accepted (i <= accepted + 1), and passed
+        where i <= accepted."""
+        position = jnp.arange(1, self.acceptance.shape[1] + 1)[None, :]
+        tested = active[:, None] & (position <= verified[:, None]) & (position <= accepted[:, None] + 1)
+        passed = (position <= accepted[:, None]).astype(jnp.float32)
+        seen = self.acceptance + ESTIMATE_RATE * (passed - self.acceptance)
+        relaxed = self.acceptance + RELAX_RATE * (PRIOR - self.acceptance)
+        return AdaptiveState(acceptance=jnp.where(tested, seen, jnp.where(active[:, None], relaxed, self.acceptance)))
+
+
+def conditional_acceptance(spec: SpecConfig, state: AdaptiveState,
+                           confidence: Float[Array, "B K"] | None) -> Float[Array, "B K"]:
+    """c[b, i]: the drafter's confidence head where it has one and its drafts are deterministic (greedy
+    drafting: the drafts, hence the head, are functions of the committed tokens), else the moving average.
+    A sampled draft's confidence would make the width depend on the draft (the module's docstring)."""
+    if confidence is not None and spec.draft_sample_method == "greedy":
+        return confidence.astype(jnp.float32)
+    return state.acceptance
+
+
+def expected_tokens(conditional: Float[Array, "B K"], active: Bool[Array, " B"],
+                    widths: Sequence[int]) -> Float[Array, " W"]:
+    """Expected tokens the batch emits at each width: a token per active row plus the survivals of the
+    drafts each verifies (sum over i <= W of prod_{j <= i} c[b, j])."""
+    survival = jnp.cumprod(jnp.clip(conditional, 0.0, 1.0), axis=1) * active[:, None]
+    accepted = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.sum(survival, axis=0))])
+    return jnp.sum(active).astype(jnp.float32) + accepted[jnp.asarray(widths)]
+
+
+def choose_width(conditional: Float[Array, "B K"], active: Bool[Array, " B"], widths: Sequence[int],
+                 costs: Float[Array, " W"]) -> Int[Array, ""]:
+    """The index in widths of the width with the most expected tokens per unit of cost (the first of equals:
+    the narrowest)."""
+    return jnp.argmax(expected_tokens(conditional, active, widths) / costs).astype(jnp.int32)
+
+
+def padded(tree: Any, length: int) -> Any:
+    """Every leaf's position axis (second from last: logits [B, T, V], hidden [..., B, T, D]) padded with zeros
+    to `length`: a narrow forward's outputs in the shape the loop's state and verifiers keep. Nothing reads
+    past the verified width (zero logits are a uniform distribution, finite everywhere)."""
+    def pad(x):
+        widths = [(0, 0)] * x.ndim
+        widths[-2] = (0, length - x.shape[-2])
+        return jnp.pad(x, widths)
+
+    return jax.tree.map(pad, tree)
+
+
+# ------------------------------------------------------------------------------------------ cost curves
+
+# The analytic curve, in units of one decode step of the target at batch 1: a forward reads the weights once
+# (1) and computes over every scored token, which starts to cost about RIDGE_TOKENS tokens in (at the 8B shape
+# on the H200 a 16-position forward costs 0.98x, 1.88x and 4.69x one position at batch 1, 16 and 64: issue 39);
+# the drafter a fixed DRAFT_COST whatever the width.
+RIDGE_TOKENS = 300.0
+DRAFT_COST = 0.2
+PROFILE_ITERATIONS = 10  # forwards per timed loop when profiling (benchmarking.time_in_loop)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostCurve:
+    """Seconds (or any unit: only ratios matter) of one speculative step by batch and verify width."""
+
+    batches: tuple[int, ...]  # increasing
+    widths: tuple[int, ...]  # increasing drafts verified a row (the forward scores width + 1 positions)
+    seconds: tuple[tuple[float, ...], ...]  # [batch][width]
+    source: str = "analytic"  # 'analytic', or where and how it was profiled
+
+    def __post_init__(self):
+        shape = (len(self.batches), len(self.widths))
+        if np.asarray(self.seconds, np.float64).shape != shape or not np.all(np.asarray(self.seconds) > 0):
+            raise ValueError(f"CostCurve.seconds must be positive, one row of {shape[1]} widths per batch "
+                             f"({shape[0]}): got {self.seconds!r}")
+        for name in ("batches", "widths"):
+            values = list(getattr(self, name))
+            if values != sorted(set(values)) or not values:
+                raise ValueError(f"CostCurve.{name} = {values!r} is invalid: allowed increasing integers")
+
+    @classmethod
+    def analytic(cls, batches: Sequence[int], widths: Sequence[int], ridge_tokens: float = RIDGE_TOKENS,
+                 draft_cost: float = DRAFT_COST) -> CostCurve:
+        """1 + tokens scored / ridge_tokens + draft_cost per step (the constants' comment)."""
+        seconds = tuple(tuple(1.0 + b * (w + 1) / ridge_tokens + draft_cost for w in widths) for b in batches)
+        return cls(tuple(batches), tuple(widths), seconds)
+
+    def costs(self, batch: int, widths: Sequence[int]) -> np.ndarray:
+        """A step's cost at each of `widths` for `batch` rows: the row of the smallest profiled batch that
+        holds them (the largest if none does), linear between profiled widths, flat past the last."""
+        index = next((i for i, b in enumerate(self.batches) if b >= batch), len(self.batches) - 1)
+        return np.interp(np.asarray(widths, np.float64), self.widths, self.seconds[index]).astype(np.float32)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostCurve:
+        return cls(batches=tuple(data["batches"]), widths=tuple(data["widths"]),
+                   seconds=tuple(tuple(row) for row in data["seconds"]), source=data["source"])
+
+
+def cost_curve_dir() -> Path:
+    """Where profiled cost curves are kept: $SPECJAX_COST_CURVE_DIR, else $XDG_CACHE_HOME/specjax/cost_curves
+    (default ~/.cache/specjax/cost_curves)."""
+    if os.environ.get("SPECJAX_COST_CURVE_DIR"):
+        return Path(os.environ["SPECJAX_COST_CURVE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specjax" / "cost_curves"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTiming:
+    """The drafter's side of a profile: what names it in the cache key (its method, K and weights' shapes) and
+    how to time one propose at a batch (seconds; e.g. specjax.decoding.draft_step_seconds)."""
+
+    key: str
+    seconds: Callable[[int], float]
+
+
+def curve_key(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter_key: str = "") -> str:
+    """What a profile depends on: the device, JAX, the model's shape and dtype, the batch, widths and cache,
+    and the drafter's key where its time was measured."""
+    device = jax.devices()[0]
+    leaf = jax.tree.leaves(model)[0]
+    what = {"platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
+            "model": repr(model.config), "dtype": str(leaf.dtype), "layout": type(model.layers).__name__,
+            "batch": batch, "widths": list(widths), "cache_size": cache_size, "drafter": drafter_key}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def verify_seconds(model: Any, batch: int, width: int, cache_size: int,
+                   iterations: int = PROFILE_ITERATIONS) -> float:
+    """Device seconds of the target's verify forward over [batch, width + 1] positions on a half-full cache,
+    inside a jitted loop that carries the cache as the decode loop does (written in place, not copied:
+    benchmarking.time_in_loop)."""
+    context = cache_size // 2
+    cache = model.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
+
+    def forward(model, cache, tokens):
+        positions = context + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits, _, written = model(tokens, positions, cache)
+        return logits, (written.with_lengths(cache.lengths), tokens)
+
+    tokens = jnp.zeros((batch, width + 1), jnp.int32)
+    return benchmarking.time_in_loop(forward, model, cache, tokens, invariant=1, carry=True,
+                                     iterations=iterations)["median_s"]
+
+
+def profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
+            iterations: int = PROFILE_ITERATIONS) -> CostCurve:
+    """A step's seconds at each width: the target's verify forward (verify_seconds) plus the drafter's propose,
+    which is the same at every width (timed by `drafter`; without one, DRAFT_COST times the narrowest forward)."""
+    # A forward too small to time (a tiny model on the CPU) can measure at or below zero: floored, not refused.
+    seconds = [max(verify_seconds(model, batch, width, cache_size, iterations), 1e-9) for width in widths]
+    draft = DRAFT_COST * seconds[0] if drafter is None else drafter.seconds(batch)
+    device = jax.devices()[0]
+    what = "the drafter's propose" if drafter is not None else f"{DRAFT_COST} x the narrowest forward for the drafter"
+    return CostCurve((batch,), tuple(widths), (tuple(s + draft for s in seconds),),
+                     source=f"profiled on {device.device_kind} ({device.platform}): verify forwards + {what}")
+
+
+def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
+                   directory: Path | None = None) -> CostCurve:
+    """profile(...), measured once per model, shape, batch, widths, drafter and device, then read from disk."""
+    key = curve_key(model, batch, widths, cache_size, "" if drafter is None else drafter.key)
+    path = (directory or cost_curve_dir()) / f"{key}.json"
+    if path.exists():
+        return CostCurve.from_json(json.loads(path.read_text()))
+    curve = profile(model, batch, widths, cache_size, drafter)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve.to_json(), indent=1))
+    return curve
+
+
+def default_cost_curve(model: Any, batch: int, widths: Sequence[int], cache_size: int,
+                       drafter: DraftTiming | None = None) -> CostCurve:
+    """The cost curve adaptive verification uses when none is given: analytic on the CPU (whose timings say
+    nothing of an accelerator's, and which the tests run on), profiled and cached elsewhere."""
+    if jax.default_backend() == "cpu":
+        return CostCurve.analytic((batch,), widths)
+    return cached_profile(model, batch, widths, cache_size, drafter)
+
+
+def verify_costs(spec: SpecConfig, curve: CostCurve | None, batch: int) -> Float[Array, " W"] | None:
+    """The loop's argument: the curve's cost at each compiled width for this batch (None without adaptive
+    verification). Data, not a static argument, so that a new profile compiles nothing."""
+    if not spec.enable_adaptive_verification:
+        return None
+    return jnp.asarray(curve.costs(batch, spec.verify_widths))

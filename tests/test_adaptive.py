@@ -1,0 +1,347 @@
+"""Adaptive verification (SpecConfig.enable_adaptive_verification, specjax.adaptive): the budget argmax on
+constructed curves, the estimator, cut verifiers equal to the verifiers of the cut chain (why any width chosen
+before the target's scores keeps them lossless), cost curves on disk, bad settings refused; through the loop:
+greedy output identical to autoregressive for a chain drafter, DFlash and DSpark in generate and in the engine
+while the width changes from step to step, one while loop, and losslessness by chi-square with the negative
+control of a width chosen from the row's own sampled draft."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.distributions import TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
+from support.jaxpr import primitives, speculative_loop_args
+from support.models import EOS, dflash_config, target_and_drafts, trained_dflash
+from support.requests import autoregressive_outputs, ragged_requests
+
+from specjax import adaptive
+from specjax.config import ConfigError, SamplingConfig, SpecConfig
+from specjax.decoding import generate, speculative_loop
+from specjax.models.dflash import init_dflash
+from specjax.models.transformer import init_model
+from specjax.verify import block, greedy, standard, synthetic
+from specjax.verify.common import make_draws, race_sample
+
+T1 = SamplingConfig(temperature=1.0)
+
+
+# ------------------------------------------------------------------------------------- the budget argmax
+
+@pytest.mark.parametrize("acceptance, costs, expected", [
+    (0.9, (1.0, 1.02, 1.04, 1.08, 1.16), 4),  # batch 1: a wider forward costs little, confident drafts: all
+    (0.9, (1.0, 1.6, 2.2, 3.4, 5.8), 2),  # large batch: cost grows with the width; 1.9 / 1.6 < 2.71 / 2.2 > ...
+    (0.3, (1.0, 1.6, 2.2, 3.4, 5.8), 0),  # unlikely drafts at that cost: verify none (one token per row)
+    (0.3, (1.0, 1.05, 1.2, 1.5, 2.0), 1),  # the first draft pays (1.3 / 1.05), the second not (1.39 / 1.2)
+])
+def test_the_budget_argmax_picks_the_width_with_most_expected_tokens_per_cost(acceptance, costs, expected):
+    """Widths (0, 1, 2, 4, 8), four rows of equal conditional acceptance: expected tokens at width W are
+    rows * (1 + a + ... + a^W); the choice is the argmax of that over the cost, checked against numpy."""
+    widths = (0, 1, 2, 4, 8)
+    conditional = jnp.full((4, 8), acceptance)
+    active = jnp.ones(4, bool)
+    tokens = np.array([4 * sum(acceptance ** i for i in range(w + 1)) for w in widths])
+    np.testing.assert_allclose(adaptive.expected_tokens(conditional, active, widths), tokens, rtol=1e-5)
+    assert int(np.argmax(tokens / np.array(costs))) == expected
+    assert int(adaptive.choose_width(conditional, active, widths, jnp.asarray(costs))) == expected
+
+
+def test_the_budget_counts_active_rows_only_and_each_rows_own_survival():
+    """Row 0 certain, row 1 never accepted, row 2 done: expected tokens are 2 rows + row 0's drafts."""
+    conditional = jnp.asarray([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    active = jnp.asarray([True, True, False])
+    np.testing.assert_allclose(adaptive.expected_tokens(conditional, active, (0, 1, 3)), [2.0, 3.0, 5.0])
+    # From a cost curve: batch 3 reads the row of batch 4; width 3 between the profiled 2 and 4.
+    curve = adaptive.CostCurve(batches=(1, 4), widths=(0, 2, 4), seconds=((1, 1, 1), (1.0, 2.0, 4.0)))
+    np.testing.assert_allclose(curve.costs(3, (0, 1, 3)), [1.0, 1.5, 3.0])
+    costs = jnp.asarray(curve.costs(3, (0, 1, 3)))
+    assert int(adaptive.choose_width(conditional, active, (0, 1, 3), costs)) == 0  # 2 / 1 = 3 / 1.5: the narrower
+    assert int(adaptive.choose_width(conditional, active, (0, 1, 3), costs * jnp.asarray([1.01, 1, 1]))) == 1
+
+
+def test_the_estimator_learns_from_tested_positions_and_drifts_back_where_it_saw_none():
+    state = adaptive.AdaptiveState(acceptance=jnp.full((3, 4), 0.5))
+    # Row 0 verified 4 and accepted 1: position 1 passed, 2 failed, 3 and 4 untested. Row 1 verified 2 and
+    # accepted both: 1 and 2 passed, 3 and 4 untested (not verified). Row 2 is done: unchanged.
+    new = np.asarray(state.observe(jnp.asarray([True, True, False]), jnp.asarray([4, 2, 4]),
+                                   jnp.asarray([1, 2, 0])).acceptance)
+    up, down = 0.5 + adaptive.ESTIMATE_RATE * 0.5, 0.5 - adaptive.ESTIMATE_RATE * 0.5
+    relaxed = 0.5 + adaptive.RELAX_RATE * (adaptive.PRIOR - 0.5)
+    np.testing.assert_allclose(new, [[up, down, relaxed, relaxed], [up, up, relaxed, relaxed], [0.5] * 4], rtol=1e-6)
+
+
+def test_the_confidence_head_is_read_only_for_deterministic_drafts():
+    state = adaptive.AdaptiveState.init(2, 3)
+    confidence = jnp.full((2, 3), 0.25)
+    greedy_spec = SpecConfig(method="dspark", num_speculative_tokens=3, enable_adaptive_verification=True)
+    sampled_spec = SpecConfig(method="dspark", num_speculative_tokens=3, enable_adaptive_verification=True,
+                              draft_sample_method="probabilistic")
+    assert (adaptive.conditional_acceptance(greedy_spec, state, confidence) == 0.25).all()
+    assert (adaptive.conditional_acceptance(sampled_spec, state, confidence) == adaptive.PRIOR).all()
+    assert (adaptive.conditional_acceptance(greedy_spec, state, None) == adaptive.PRIOR).all()
+
+
+# ------------------------------------------------------------------- cut verifiers are the cut chain's verifiers
+
+def random_block(batch=64, num_draft=4, vocab=8, seed=0, one_hot=False):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    target = jax.nn.softmax(2 * jax.random.normal(keys[0], (batch, num_draft + 1, vocab)), -1)
+    draft = jax.nn.softmax(2 * jax.random.normal(keys[1], (batch, num_draft, vocab)), -1)
+    tokens = jax.random.categorical(keys[2], jnp.log(draft))
+    draws = make_draws(jax.random.split(keys[3], batch), num_draft, vocab)
+    return target, tokens, None if one_hot else draft, draws
+
+
+@pytest.mark.parametrize("rule", ["standard", "block", "greedy", "synthetic"])
+@pytest.mark.parametrize("one_hot", [False, True], ids=["probabilistic", "one-hot"])
+def test_a_verifier_cut_to_w_drafts_is_the_verifier_of_the_first_w_drafts(rule, one_hot):
+    """Row b cut to w_b drafts (num_valid) accepts and emits exactly what the rule gives the chain of its first
+    w_b drafts with the same draws, the bonus included: with a causal target the scores at positions 0..w do
+    not depend on later drafts, so a width fixed before the target's scores leaves each rule lossless (Sun et
+    al.'s proof for block verification takes any fixed block length, w among them). w 0 emits a plain sample
+    of the target at position 0."""
+    target, tokens, draft, draws = random_block(one_hot=one_hot)
+    rates = (0.9, 0.7, 0.5, 0.2)
+    verify = {"standard": standard.verify_with_draws, "block": block.verify_with_draws,
+              "greedy": lambda t, x, q, d, **cut: greedy.verify(t, x, q, **cut),
+              "synthetic": functools.partial(synthetic.verify_with_draws, rates=rates)}[rule]
+    num_valid = jnp.asarray(np.random.default_rng(0).integers(0, 5, 64), jnp.int32)
+    n, next_token = verify(target, tokens, draft, draws, num_valid=num_valid)
+    for w in range(5):
+        rows = np.flatnonzero(np.asarray(num_valid) == w)
+        if w == 0:
+            expected_n = np.zeros(len(rows))
+            expected_next = (np.argmax(target[rows, 0], -1) if rule == "greedy"
+                             else race_sample(target[rows, 0], draws.exponentials[rows]))
+        else:
+            cut_draws = type(draws)(uniforms=draws.uniforms[rows, :w], exponentials=draws.exponentials[rows])
+            cut_verify = (functools.partial(synthetic.verify_with_draws, rates=rates[:w]) if rule == "synthetic"
+                          else verify)
+            expected_n, expected_next = cut_verify(target[rows, :w + 1], tokens[rows, :w],
+                                                   None if draft is None else draft[rows, :w], cut_draws)
+        np.testing.assert_array_equal(n[rows], expected_n, err_msg=f"{rule} w={w}")
+        np.testing.assert_array_equal(next_token[rows], expected_next, err_msg=f"{rule} w={w}")
+    assert (np.asarray(n) <= np.asarray(num_valid)).all()
+
+
+# ---------------------------------------------------------------------------------------- cost curves
+
+def test_cost_curves_analytic_and_profiled_once_then_read_from_disk(tmp_path, monkeypatch):
+    curve = adaptive.CostCurve.analytic((1, 64), (0, 1, 3))
+    np.testing.assert_allclose(curve.costs(64, (0, 3)), [1 + 64 / 300 + 0.2, 1 + 256 / 300 + 0.2], rtol=1e-6)
+    assert adaptive.CostCurve.from_json(curve.to_json()) == curve
+    with pytest.raises(ValueError, match="CostCurve.seconds"):
+        adaptive.CostCurve(batches=(1,), widths=(0, 1), seconds=((1.0,),))
+    model = init_model(TINY, seed=0)
+    calls = []
+    monkeypatch.setattr(adaptive, "profile", lambda *args: calls.append(args) or curve)
+    timing = adaptive.DraftTiming(key="a drafter", seconds=lambda batch: 1.0)
+    first = adaptive.cached_profile(model, 4, (0, 1, 3), 32, directory=tmp_path)
+    assert adaptive.cached_profile(model, 4, (0, 1, 3), 32, directory=tmp_path) == first == curve
+    assert len(calls) == 1 and len(list(tmp_path.glob("*.json"))) == 1
+    adaptive.cached_profile(model, 8, (0, 1, 3), 32, directory=tmp_path)  # another batch: profiled again
+    adaptive.cached_profile(model, 4, (0, 1, 3), 32, timing, directory=tmp_path)  # another drafter: again
+    assert len(calls) == 3 and calls[-1][-1] is timing
+
+
+def test_a_profile_times_each_width_and_the_drafters_propose():
+    """The verify forward at each width and one propose (a draft model's K steps), each in a jitted loop that
+    carries its cache; the drafter's seconds are added to every width."""
+    from specjax.decoding import draft_step_seconds, draft_timing
+    from specjax.proposers import build_proposer
+
+    target, draft = tiny_pair()
+    spec = SpecConfig(num_speculative_tokens=2, enable_adaptive_verification=True)
+    proposer = build_proposer(spec, SamplingConfig(), 32, draft)
+    params = proposer.bind(draft, target)
+    assert draft_step_seconds(target, params, proposer, 2) > 0
+    calls = []
+    timing = draft_timing(target, params, proposer)
+    timed = adaptive.DraftTiming(key=timing.key, seconds=lambda batch: calls.append(batch) or 1.0)
+    curve = adaptive.profile(target, 2, (0, 2), 32, timed, iterations=2)
+    assert curve.batches == (2,) and curve.widths == (0, 2) and calls == [2]
+    assert all(1.0 < s < 1.5 for s in curve.seconds[0]) and curve.source.startswith("profiled on")
+    assert timing.key != draft_timing(target, params, build_proposer(
+        SpecConfig(num_speculative_tokens=3, enable_adaptive_verification=True), SamplingConfig(), 32, draft)).key
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+@pytest.mark.parametrize("options, message", [
+    (dict(enable_adaptive_verification=True, speculative_token_tree=((0,), (1,), (0, 0))),
+     r"enable_adaptive_verification = True with speculative_token_tree .* cuts chains"),
+    (dict(enable_adaptive_verification=True, total_tokens=4, top_k=2),
+     r"enable_adaptive_verification = True with total_tokens = 4 .* cuts chains"),
+    (dict(adaptive_verify_widths=(0, 2)), r"adaptive_verify_widths = \(0, 2\) is invalid: allowed null without"),
+    (dict(enable_adaptive_verification=True, adaptive_verify_widths=(0, 1)), r"ending with it \(2\)"),
+    (dict(enable_adaptive_verification=True, adaptive_verify_widths=(1, 0, 2)), r"increasing integers"),
+    (dict(enable_adaptive_verification=True, adaptive_verify_widths=(-1, 2)), r"in 0..num_speculative_tokens"),
+    (dict(enable_adaptive_verification="yes"), r"enable_adaptive_verification = 'yes' is invalid: allowed true"),
+])
+def test_bad_settings_are_refused_naming_the_field(options, message):
+    with pytest.raises(ConfigError, match=message):
+        SpecConfig(num_speculative_tokens=2, **options)
+
+
+def test_the_default_widths():
+    widths = {k: SpecConfig(num_speculative_tokens=k, enable_adaptive_verification=True).verify_widths
+              for k in (1, 3, 4, 7, 15)}
+    assert widths == {1: (0, 1), 3: (0, 1, 2, 3), 4: (0, 1, 2, 4), 7: (0, 1, 2, 4, 7), 15: (0, 1, 2, 4, 8, 15)}
+    assert SpecConfig(num_speculative_tokens=4).verify_widths == (4,)
+    assert SpecConfig(num_speculative_tokens=4, enable_adaptive_verification=True,
+                      adaptive_verify_widths=[1, 4]).verify_widths == (1, 4)
+
+
+# ------------------------------------------------------------------------------ greedy = autoregressive
+
+def drafter_for(method: str):
+    target, drafts = target_and_drafts()
+    if method == "draft_model":
+        return drafts["perturbed"]
+    if method == "dflash":
+        return trained_dflash()
+    from test_dspark import drafter_for as dspark_drafter  # random heads: drafts accepted now and then
+
+    return dspark_drafter(target.config, block_size=8, rank=8)
+
+
+# Widths of a step's forward cost the more the wider (a large batch's curve, made up): the chosen width follows
+# each row's estimates and changes from step to step.
+STEEP = adaptive.CostCurve(batches=(1,), widths=(0, 4), seconds=((1.0, 2.2),))
+STEEPER = adaptive.CostCurve(batches=(1,), widths=(0, 4), seconds=((1.0, 4.0),))  # for 4 slots of the engine
+METHODS = {"draft_model": 4, "dflash": 4, "dspark": 4}
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_output_is_identical_to_autoregressive(method):
+    """56 ragged prompts, budgets 1-24, EOS inside blocks; the width chosen per step changes (asserted)."""
+    target, _ = target_and_drafts()
+    prompts, budgets = ragged_requests()
+    spec = SpecConfig(method=method, num_speculative_tokens=METHODS[method], enable_adaptive_verification=True)
+    result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], spec=spec,
+                      drafter=drafter_for(method), cost_curve=STEEP)
+    expected = autoregressive_outputs()
+    assert result.sequences() == expected.sequences()
+    assert (result.stopped_by_eos == expected.stopped_by_eos).all() and expected.stopped_by_eos.any()
+    metrics = result.metrics
+    widths = {w for row in range(len(prompts)) for w in metrics.per_step(row)["per_step_drafted"]}
+    assert len(widths) > 1 and widths <= set(spec.verify_widths), widths
+    assert metrics.drafted.sum() == metrics.per_step_drafted.sum()  # drafted counts what was verified
+    assert (metrics.accepted <= metrics.drafted).all()
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("method", list(METHODS))
+def test_the_engine_serves_each_request_its_autoregressive_output(method):
+    """32 requests arriving at random steps, 4 slots; per-request detailed metrics carry the chosen widths."""
+    from support.engine import random_requests, serve_arriving, truncated_at_stop
+
+    from specjax.engine import Engine, EngineConfig
+
+    target, _ = target_and_drafts()
+    requests = random_requests(32)
+    spec = SpecConfig(method=method, num_speculative_tokens=3, enable_adaptive_verification=True)
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,), steps_per_visit=3,
+                          max_prefill_batch=4, cost_curve=STEEPER)
+    outputs = serve_arriving(Engine(target, config, drafter=drafter_for(method)), requests)
+    expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
+                        eos_token_ids=(EOS,)).sequences()
+    widths = set()
+    for request, want in zip(requests, expected):
+        got = outputs[request.request_id]
+        assert list(got.tokens) == truncated_at_stop(want, request.stop_token_ids), request.request_id
+        assert sum(got.metrics["per_step_drafted"]) == got.metrics["drafted"]
+        widths |= set(got.metrics["per_step_drafted"])
+    assert len(widths) > 1 and widths <= set(spec.verify_widths), widths
+
+
+@pytest.mark.loop
+def test_adaptive_generation_is_one_program_with_one_while_loop():
+    """The widths are branches of a switch inside the one loop, not loops or programs of their own."""
+    target, _ = target_and_drafts()
+    spec = SpecConfig(method="dflash", num_speculative_tokens=3, rejection_sample_method="block",
+                      draft_sample_method="probabilistic", enable_adaptive_verification=True)
+    drafter = init_dflash(dflash_config(target.config, (0, 1), 8))
+    args, static = speculative_loop_args(target, drafter, [[1, 2, 3], [4] * 9], 10, spec, T1, eos_token_ids=(2,))
+    costs = adaptive.verify_costs(spec, STEEP, 2)
+    prims = primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args, costs).jaxpr)
+    assert [name for name, depth in prims if depth == 0] in (["pjit"], ["jit"])
+    assert [name for name, _ in prims if name == "while"] == ["while"]
+    switches = [depth for name, depth in prims if name == "cond"]
+    assert switches and min(switches) >= 2  # inside the loop's body
+    assert not [name for name, _ in prims if "callback" in name or "feed" in name]
+
+
+# ------------------------------------------------------------------------------------ exact distribution
+
+LOSSLESS_ALPHA = 1e-4  # test_lossless.py's threshold
+GREEDY_ROWS = 64
+SAMPLINGS = (T1, SamplingConfig(temperature=0.7, top_k=5))
+# K 3 on the tiny target: the first step verifies 2 of the 3 drafts (1.4 against 4.0 for all three), so the
+# cut and its bonus token are tested; once the estimates have dropped, steps verify none (width 0: the
+# target's own sample), measured for the draft model.
+CUT = adaptive.CostCurve(batches=(1,), widths=(0, 1, 2, 3), seconds=((1.0, 1.2, 1.4, 4.0),))
+
+
+def tiny_spec(method: str, verifier: str) -> SpecConfig:
+    drafting = "greedy" if method == "dspark" else "probabilistic"  # DSpark's head is read for greedy drafts
+    return SpecConfig(method=method, num_speculative_tokens=3, rejection_sample_method=verifier,
+                      draft_sample_method=drafting, enable_adaptive_verification=True)
+
+
+def tiny_drafter(method: str):
+    if method == "draft_model":
+        return tiny_pair()[1]
+    from test_dspark import tiny_dspark
+
+    return tiny_dspark()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "dspark"])
+def test_speculative_sampling_is_lossless(method):
+    """Standard and block verification, T 1 and T 0.7 top-k 5 rows beside greedy rows, widths below K chosen
+    (asserted): a draft model's probabilistic drafts (the moving average decides) and DSpark's greedy drafts
+    (its confidence head decides)."""
+    target = tiny_pair()[0]
+    expected_greedy = generate(target, [[1, 5, 2]], max_new_tokens=3).tokens[0]
+    for verifier in ("standard", "block"):
+        counts, metrics, greedy_tokens = joint_counts_by_sampling(tiny_spec(method, verifier), SAMPLINGS,
+                                                                  tiny_drafter(method), greedy_rows=GREEDY_ROWS,
+                                                                  cost_curve=CUT)
+        assert 0 < metrics.summary()["acceptance_rate"] < 1
+        assert set(np.unique(metrics.per_step_drafted)) - {0, 3}, "no step cut the block"
+        assert (greedy_tokens == expected_greedy).all(), verifier
+        for sampling, sampling_counts in zip(SAMPLINGS, counts):
+            p_value = chi_square_pvalue(sampling_counts, exact_joint(target, sampling))
+            assert p_value > LOSSLESS_ALPHA, (method, verifier, sampling, p_value)
+
+
+@pytest.mark.slow
+def test_negative_control_a_width_chosen_from_the_rows_own_sampled_draft_fails(monkeypatch):
+    """The same check catches what the estimator must not do: read the row's own sampled draft, here verifying
+    none of it where its first draft is not the drafter's most likely token (an 'unsure' draft). The width then
+    depends on the draft: the drafter's mode m is emitted with probability min(p(m), q(m)) + (1 - q(m)) p(m),
+    above the target's p(m)."""
+    import specjax.decoding as decoding
+
+    verify_drafts = decoding.verify_drafts
+
+    def peeking(logits, draft_tokens, draft_probs, keys, parents, *, num_valid, **options):
+        unsure = draft_tokens[:, 0] != jnp.argmax(draft_probs[:, 0], axis=-1)
+        return verify_drafts(logits, draft_tokens, draft_probs, keys, parents,
+                             num_valid=jnp.where(unsure, 0, num_valid), **options)
+
+    # The patched function is traced into the loop: no program compiled before may serve it, and none compiled
+    # with it may serve a later test of the same shapes.
+    speculative_loop.clear_cache()
+    monkeypatch.setattr(decoding, "verify_drafts", peeking)
+    try:
+        counts, metrics, _ = joint_counts_by_sampling(tiny_spec("draft_model", "standard"), [T1],
+                                                      tiny_drafter("draft_model"), cost_curve=CUT)
+    finally:
+        speculative_loop.clear_cache()
+    assert 0 < metrics.summary()["acceptance_rate"] < 1
+    assert chi_square_pvalue(counts[0], exact_joint(tiny_pair()[0], T1)) < 1e-6  # measured: below 1e-300
