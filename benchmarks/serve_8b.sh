@@ -32,7 +32,7 @@ case $part in
   http)
     python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
       --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
-      --max-num-seqs 256 --max-model-len 320 --port 8765 --per-request-spec-decode-metrics summary \
+      --max-num-seqs 256 --max-model-len 320 --warmup-prompt-len 128 --port 8765 --per-request-spec-decode-metrics summary \
       > "$out/serve_8b.log" 2>&1 &
     server=$!
     for _ in $(seq 240); do curl -sf localhost:8765/health > /dev/null && break; sleep 1; done

@@ -343,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reuse the KV of prompt blocks other requests prefilled (docs/serving.md)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="prompt tokens prefilled per engine visit; longer prompts in chunks (default: whole)")
+    srv.add_argument("--warmup-prompt-len", type=int, default=None,
+                     help="compile every program prompts of up to this length run before listening (default: short only)")
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoints')")
     srv.add_argument("--host", default=None, help="default: 127.0.0.1")
     srv.add_argument("--port", type=int, default=None, help="default: 8000")

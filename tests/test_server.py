@@ -340,6 +340,8 @@ def test_an_unknown_method_is_refused_at_startup_naming_the_flag(capsys):
     assert "per_request_spec_decode_metrics = 'summary' is invalid" in capsys.readouterr().err
     assert cli.main(["serve", "--method", "eagle", "--per-request-spec-decode-metrics", "all"]) == 2
     assert "('none', 'summary', 'detailed')" in capsys.readouterr().err
+    assert cli.main(["serve", "--max-model-len", "256", "--warmup-prompt-len", "256"]) == 2
+    assert "ServeConfig.warmup_prompt_len = 256 is invalid: allowed null or an integer in 1..255" in capsys.readouterr().err
 
 
 def test_the_config_from_yaml_flags_and_overrides(tmp_path):

@@ -33,6 +33,10 @@ class ServeConfig:
     enable_prefix_caching: bool = False
     disable_eagle_block_drop: bool = False
     max_num_batched_tokens: int | None = None
+    # Prompts of up to this many tokens find every program compiled before the server listens (each admission
+    # batch and step bucket, greedy and sampled: Engine.warmup); None: only short requests are warmed, and the
+    # first requests of other lengths or larger batches compile theirs (seconds each at the 8B shape).
+    warmup_prompt_len: int | None = None
     # Compute dtype of target and drafter (None: the checkpoints').
     dtype: str | None = None
     host: str = "127.0.0.1"  # --host
@@ -51,6 +55,10 @@ class ServeConfig:
             require(isinstance(value, int) and value >= 1, "ServeConfig", name, value, "an integer >= 1")
         require(isinstance(self.port, int) and 0 <= self.port < 65536, "ServeConfig", "port", self.port,
                 "an integer in 0..65535 (0: any free port)")
+        require(self.warmup_prompt_len is None or (isinstance(self.warmup_prompt_len, int)
+                                                    and 1 <= self.warmup_prompt_len < self.max_model_len),
+                "ServeConfig", "warmup_prompt_len", self.warmup_prompt_len,
+                f"null or an integer in 1..{self.max_model_len - 1} (below max_model_len)")
         require(self.shutdown_timeout_s >= 0, "ServeConfig", "shutdown_timeout_s", self.shutdown_timeout_s,
                 "seconds >= 0")
         require(self.per_request_spec_decode_metrics in METRICS_LEVELS, "ServeConfig",
@@ -79,7 +87,8 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "max_model_len": "max_model_len", "host": "host", "port": "port",
          "per_request_spec_decode_metrics": "per_request_spec_decode_metrics",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
-         "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens"}
+         "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
+         "warmup_prompt_len": "warmup_prompt_len"}
 
 
 def load_serve_config(path=None, flags: dict | None = None, overrides=()) -> ServeConfig:

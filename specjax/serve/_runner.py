@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import threading
 
+from specjax.config import SamplingConfig
 from specjax.engine import Engine, EngineConfig, Request
 
 log = logging.getLogger("specjax.serve")
@@ -41,9 +42,13 @@ class EngineRunner:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="specjax-engine", daemon=True)
 
-    def warm_up(self, prompt: list[int]) -> None:
+    def warm_up(self, prompt: list[int], prompt_len: int | None = None) -> None:
         """Compiles (before start) the greedy and the sampled programs, and the prefill of each admission
-        batch size (powers of two), on short requests: the first clients wait for none of it."""
+        batch size (powers of two), on short requests; with prompt_len, also every program that prompts of up
+        to that length run (Engine.warmup): the first clients wait for none of it."""
+        if prompt_len is not None:
+            for temperature in (0.0, 1.0):
+                self.engine.warmup(prompt_len, SamplingConfig(temperature=temperature))
         most = min(self.engine.config.max_num_seqs, self.engine.config.max_prefill_batch)
         for batch in sorted({min(1 << i, most) for i in range(most.bit_length() + 1)}):  # 1, 2, 4, ..., most
             for temperature in (0.0, 1.0):
