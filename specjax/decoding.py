@@ -537,8 +537,9 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
         drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
         return drafts, (proposer_state, context, keys)
 
-    return benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1],
-                                     invariant=1, carry=True, iterations=adaptive.PROFILE_ITERATIONS)["median_s"]
+    seconds = benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1],
+                                        invariant=1, carry=True, iterations=adaptive.PROFILE_ITERATIONS)["median_s"]
+    return max(seconds, adaptive.MIN_PROFILED_SECONDS)
 
 
 def choose_tree_size(run, model: Transformer, spec: SpecConfig, batch: int) -> tree_size.TreeSizeChoice:

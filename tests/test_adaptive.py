@@ -155,7 +155,7 @@ def test_a_profile_times_each_width_and_the_drafters_propose():
     spec = SpecConfig(num_speculative_tokens=2, enable_adaptive_verification=True)
     proposer = build_proposer(spec, SamplingConfig(), 32, draft)
     params = proposer.bind(draft, target)
-    assert draft_step_seconds(target, params, proposer, 2) > 0
+    assert 0 < draft_step_seconds(target, params, proposer, 2) < 1  # timed (not compared: a busy host is noisy)
     calls = []
     timing = draft_timing(target, params, proposer)
     timed = adaptive.DraftTiming(key=timing.key, seconds=lambda batch: calls.append(batch) or 1.0)
