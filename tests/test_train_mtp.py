@@ -5,9 +5,9 @@ resumes to the uninterrupted result."""
 import functools
 import json
 
-import jax
 import numpy as np
 import pytest
+from support.block_training import stopped_run_resumes
 from support.checkpoints import REPO, drafter_run_config, train_through_cli
 
 from specjax.config import ConfigError, MTPTrainConfig, SpecConfig
@@ -16,7 +16,7 @@ from specjax.models import hf
 from specjax.models.mtp import init_mtp, load_mtp
 from specjax.training import mtp as mtp_training
 from specjax.training.evaluation import held_out_prompts
-from specjax.training.loop import Checkpoints, read_metrics
+from specjax.training.loop import read_metrics
 
 pytestmark = pytest.mark.train  # each test trains modules or reads trained ones (tests/conftest.py: tiers)
 
@@ -59,28 +59,10 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, 
     last bits from step 4 on): the same losses step by step, the same weights."""
     uninterrupted = tmp_path / "uninterrupted"
     mtp_training.train_mtp(run_config(trained_tiny_target, uninterrupted))
-    draw, stopped = mtp_training.batch_rows, tmp_path / "stopped"
-    config = run_config(trained_tiny_target, stopped)
-    steps = iter(range(1, TOTAL_STEPS + 1))
-
-    def draws_until_27(*args):  # the 27th batch raises, as a kill would stop the run there
-        if next(steps) == 27:
-            raise KeyboardInterrupt("stopped")
-        return draw(*args)
-
-    monkeypatch.setattr(mtp_training, "batch_rows", draws_until_27)
-    with pytest.raises(KeyboardInterrupt):
-        mtp_training.train_mtp(config)
-    assert Checkpoints(stopped / "checkpoints").latest_step() == 20
-    monkeypatch.setattr(mtp_training, "batch_rows", draw)
-    mtp_training.train_mtp(config)
-
-    resumed, reference = ([(r["step"], r["loss"]) for r in read_metrics(folder / "metrics.jsonl")]
-                          for folder in (stopped, uninterrupted))
-    assert resumed == reference and [step for step, _ in resumed] == list(range(1, TOTAL_STEPS + 1))
     target_config = hf.load_config(trained_tiny_target)
-    weights = [jax.tree.leaves(load_mtp(folder / "mtp", target_config)) for folder in (stopped, uninterrupted)]
-    assert all(np.array_equal(a, b) for a, b in zip(*weights, strict=True))
+    stopped_run_resumes(monkeypatch, run_config(trained_tiny_target, tmp_path / "stopped"), uninterrupted,
+                        lambda folder: load_mtp(folder, target_config), TOTAL_STEPS, trainer=mtp_training,
+                        draw_name="batch_rows", train_name="train_mtp", folder="mtp")
 
 
 def test_bad_loss_weights_are_refused(trained_tiny_target, tmp_path):
