@@ -305,7 +305,7 @@ def test_a_malformed_dynamic_tree_is_a_config_error_naming_the_field(options, me
 def test_dynamic_trees_are_refused_where_they_are_not_built_or_do_not_fit():
     target, drafts = target_and_drafts()
     with pytest.raises(UnsupportedSpeculation,
-                       match=r"drafts no dynamic trees: .* allowed with \['draft_model', 'eagle', 'eagle3'\]"):
+                       match=r"drafts no dynamic trees: .* allowed with \['draft_model', 'eagle', 'eagle3', 'mtp'\]"):
         generate(target, [[1, 2]], max_new_tokens=4, drafter=medusa_for(target, num_heads=2),
                  spec=SpecConfig(method="medusa", num_speculative_tokens=2, total_tokens=4, top_k=2))
     spec = SpecConfig(method="eagle", num_speculative_tokens=4, total_tokens=40, top_k=4)
