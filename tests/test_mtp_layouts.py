@@ -14,20 +14,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from support.checkpoints import FIXTURES
-from support.distributions import (TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling,
-                                   speculative_joint_counts, tiny_pair)
+from support.distributions import TINY, check_lossless, first_ranked_pvalue, tree_joint_counts
 from support.models import EOS, target_and_drafts
 from support.requests import REQUESTS, autoregressive_outputs
 
-from specjax import verify as verify_registry
 from specjax.config import SamplingConfig, SpecConfig
-from specjax.decoding import generate, speculative_loop
+from specjax.decoding import generate
 from specjax.experiments import recognized_method
 from specjax.models import hf
 from specjax.models.mtp import MTPConfig, init_mtp, load_mtp, save_mtp
 from specjax.models.transformer import Hidden, init_model
 from specjax.proposers import Context, TargetOutput, build_proposer, proposer_class
-from specjax.verify import tree as tree_verify
 
 
 def mtp_modules(target_config, num_modules: int, init_std: float = 0.3, seed: int = 0, **options):
@@ -294,6 +291,57 @@ def test_each_tree_node_is_its_parents_ranked_child_along_its_own_path(case):
     assert max(depths) == case["depth"] - 1  # the deepest expanded nodes were checked too
 
 
+def test_module_caches_after_an_accepted_tree_path_equal_a_fresh_prefill():
+    """Rows accept 5 (the whole depth), 2 and 0 nodes of a path through a depth-5 tree of three modules: the tree
+    wrote each module's entries from slot n - m on, past what a chain's window of K + 1 reaches back to; the next
+    propose repairs them: every module's entries of committed tokens equal a fresh prefill's."""
+    target = target_and_drafts()[0]
+    modules = mtp_modules(target.config, 3)
+    depth, size = 5, 64
+    proposer = build_proposer(SpecConfig(method="mtp", num_speculative_tokens=depth, total_tokens=18, top_k=2),
+                              SamplingConfig(), size, modules)
+    params = proposer.bind(modules, target)
+    rng = np.random.default_rng(2)
+    lengths = np.array([9, 14, 3])
+    tokens = np.zeros((3, size), np.int32)
+    tokens[:, :14] = rng.integers(0, 128, (3, 14))
+
+    def hidden(rows):
+        rows = jnp.asarray(rows)
+        return target(rows, jnp.broadcast_to(jnp.arange(rows.shape[1]), rows.shape))[1].final
+
+    def fresh(tokens, lengths):
+        return jax.jit(proposer.init)(params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                      TargetOutput(None, Hidden(final=hidden(tokens), layers=None)))
+
+    def propose(state, tokens, lengths):
+        return jax.jit(proposer.propose)(params, state, Context.of(jnp.asarray(tokens), jnp.asarray(lengths)),
+                                         jax.random.split(jax.random.key(0), 3))
+
+    drafts, _, state = propose(fresh(tokens, lengths), tokens, lengths)
+    drafts, parents = np.asarray(drafts), np.asarray(state.parents)
+    accepted, paths, committed = np.array([5, 2, 0]), np.full((3, depth), -1), tokens.copy()
+    block = tokens.copy()  # [..., x_n, the path's tokens]: the verify forward's hidden states along the path
+    for row, n in enumerate(lengths - 1):
+        deepest = path_of(parents[row], int(np.argmax([len(path_of(parents[row], i)) for i in range(18)])))
+        paths[row, :accepted[row]] = deepest[:accepted[row]]
+        block[row, n + 1:n + 1 + depth] = drafts[row, deepest]
+        committed[row, n + 1:n + 1 + accepted[row]] = drafts[row, deepest[:accepted[row]]]
+        committed[row, n + 1 + accepted[row]] = (block[row, n + 1 + accepted[row]] + 1) % 128  # unlike the node
+    verify_hidden = jnp.stack([hidden(block)[row, n:n + depth + 1] for row, n in enumerate(lengths - 1)])
+    next_tokens = committed[np.arange(3), lengths + accepted]
+    state = proposer.accept(state, jnp.asarray(accepted), jnp.asarray(next_tokens),
+                            TargetOutput(None, Hidden(final=verify_hidden, layers=None), path=jnp.asarray(paths)))
+    new_lengths = lengths + accepted + 1
+    _, _, state = propose(state, committed, new_lengths)
+    expected = fresh(committed, new_lengths).cache
+    for module in range(3):
+        for row in range(3):
+            count = new_lengths[row] - 1 - module  # module's entries of committed tokens: slots s + module + 1 <= n
+            for got, want in zip(state.cache.layer(module), expected.layer(module)):
+                np.testing.assert_allclose(np.asarray(got[row, :count]), np.asarray(want[row, :count]), atol=1e-4)
+
+
 @pytest.mark.loop
 def test_greedy_tree_output_is_identical_to_autoregressive():
     """Three modules, then the last repeated, drafting 10-node trees of depth 5 for ragged rows with EOS in paths."""
@@ -322,35 +370,10 @@ SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, to
 def test_tree_sampling_is_lossless_with_either_verifier():
     """Recursive rejection sampling ('standard') and traversal verification ('block'), both settings in one batch,
     one compiled loop for both verifiers: the first three tokens follow the target (chi-square)."""
-    programs = []
-    for verifier in ("standard", "block"):
-        counts, metrics, _ = joint_counts_by_sampling(dataclasses.replace(TREE, rejection_sample_method=verifier),
-                                                      SAMPLINGS, tiny_modules())
-        programs.append(speculative_loop._cache_size())
-        assert 0 < metrics.summary()["acceptance_rate"] < 1, verifier
-        for sampling, sampling_counts in zip(SAMPLINGS, counts):
-            p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling))
-            assert p_value > 1e-4, (verifier, sampling, p_value)
-    assert programs[0] == programs[1]
-
-
-def first_ranked(target_probs, tokens, parents, draft_probs, keys):
-    """Deliberately wrong: accepts the first child at every depth, then samples from the target there."""
-    path, length, _ = tree_verify.verify_tree_greedy(jnp.zeros(target_probs.shape[:2], jnp.int32), tokens * 0, parents)
-    last = jnp.take_along_axis(target_probs, (1 + jnp.maximum(path, 0))[:, :, None], 1)[jnp.arange(tokens.shape[0]),
-                                                                                         jnp.maximum(length - 1, 0)]
-    return path, length, jax.vmap(jax.random.categorical)(keys, jnp.log(last))
+    check_lossless(tree_joint_counts(TREE, SAMPLINGS, tiny_modules()), SAMPLINGS)
 
 
 @pytest.mark.loop
 @pytest.mark.slow
 def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
-    rule = verify_registry.VERIFIERS["standard"]
-    monkeypatch.setitem(verify_registry.VERIFIERS, "standard", verify_registry.Verifier(chain=rule.chain,
-                                                                                        tree=first_ranked))
-    jax.clear_caches()
-    try:
-        counts, _ = speculative_joint_counts(TREE, SAMPLINGS[0], tiny_modules())
-    finally:
-        jax.clear_caches()
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], SAMPLINGS[0])) < 1e-6
+    assert first_ranked_pvalue(monkeypatch, TREE, tiny_modules()) < 1e-6
