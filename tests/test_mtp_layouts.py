@@ -237,17 +237,22 @@ def drafted_tree(modules, spec):
     return np.asarray(tokens), None if parents is None else np.asarray(parents)
 
 
-# Several modules then the last one repeated (chained after or before the final norm, or fed the target's hidden
-# state), and one module repeated.
-CHAIN_CASES = [dict(num_modules=3, depth=5, chained=True, before_norm=True), dict(num_modules=1, depth=3, chained=True)]
-RANKED_CASES = [dict(num_modules=3, depth=5, chained=True), dict(num_modules=3, depth=3, chained=False)]
-
-
 def case_id(case: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in case.items())
 
 
-@pytest.mark.parametrize("case", CHAIN_CASES, ids=case_id)
+def cases(first: dict, second: dict):
+    """The first fast, the second slow: a tree program compiles in 10-20 s on the CPU."""
+    return [pytest.param(first, id=case_id(first)), pytest.param(second, id=case_id(second), marks=pytest.mark.slow)]
+
+
+# Several modules then the last one repeated (chained after or before the final norm, or fed the target's hidden
+# state), and one module repeated.
+CHAIN_CASES = cases(dict(num_modules=3, depth=5, chained=True, before_norm=True), dict(num_modules=1, depth=3, chained=True))
+RANKED_CASES = cases(dict(num_modules=3, depth=5, chained=True), dict(num_modules=3, depth=3, chained=False))
+
+
+@pytest.mark.parametrize("case", CHAIN_CASES)
 def test_a_dynamic_tree_with_top_k_1_is_the_chain_the_modules_draft(case):
     """Several modules then the last repeated, one module repeated, fed chained (after or before the final norm)
     or the target's hidden state: the one-path tree's tokens are the chain's drafts, row by row."""
@@ -262,7 +267,7 @@ def test_a_dynamic_tree_with_top_k_1_is_the_chain_the_modules_draft(case):
     np.testing.assert_array_equal(tree_tokens, chain_tokens)
 
 
-@pytest.mark.parametrize("case", RANKED_CASES, ids=case_id)
+@pytest.mark.parametrize("case", RANKED_CASES)
 def test_each_tree_node_is_its_parents_ranked_child_along_its_own_path(case):
     """top_k 2, every candidate kept: every node's token is the r-th most likely token of the modules' distribution
     after its path's tokens (path_logits, computed without the tree), r its rank among its siblings."""
