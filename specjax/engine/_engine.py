@@ -154,9 +154,9 @@ class Engine:
         self.mode = GREEDY  # what the compiled programs can sample; grows with the requests seen
         self.steps_run = 0  # device steps, all visits together
         self.visits = 0
-        # Seconds of step() spent in the device loop's call and in reading its results, and all of it: the
-        # difference is host work between device calls (admission, bookkeeping, streaming; prefill calls
-        # return at once, so their device time counts in the loop's wait).
+        # Seconds of step() spent waiting on the device (the loop's call, reading its results, and reading the
+        # prefills' first tokens, which waits for the prefills), and all of it: the difference is host work
+        # between device calls (admission, bookkeeping, streaming).
         self.device_wait_s = 0.0
         self.step_s = 0.0
         spec = config.spec
@@ -618,8 +618,10 @@ class Engine:
         prefill's, not that of the visit's steps after it."""
         for rows, slots in prefilled:
             decode = _decode(rows)
+            wait = time.perf_counter()  # the prefill's device time: prefill calls return at once
             tokens, lengths = jax.device_get((decode.tokens, decode.lengths))
             now = time.perf_counter()
+            self.device_wait_s += now - wait
             for row, slot in enumerate(slots):
                 running = self.running[slot]
                 token = int(tokens[row, lengths[row] - 1])
