@@ -2,6 +2,7 @@
 request's tokens reach its stream at the visit that emitted them, the stream is its output, cut at its own
 stop ids, and its acceptance counts are the ones `generate` counts for its prompt alone."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,9 +10,20 @@ from support.engine import SPECS, drafter_for, random_requests, serve_arriving
 from support.models import EOS, target_and_drafts
 
 from specjax.decoding import generate
-from specjax.engine import Engine, EngineConfig
+from specjax.engine import Engine, EngineConfig, Request
 
 STEPS_PER_VISIT = 2
+
+
+def with_stop_ids_inside(target, requests: list[Request]) -> list[Request]:
+    """The requests, every third with a stop id its greedy output emits (the first token for one of them)."""
+    sequences = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
+                         eos_token_ids=(EOS,)).sequences()
+    changed = []
+    for i, (request, tokens) in enumerate(zip(requests, sequences)):
+        stop = () if i % 3 or len(tokens) < 2 else (tokens[0 if i == 0 else len(tokens) // 2],)
+        changed.append(dataclasses.replace(request, stop_token_ids=stop))
+    return changed
 
 
 def without_nan(metrics: dict) -> dict:
@@ -28,7 +40,7 @@ def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
                           steps_per_visit=STEPS_PER_VISIT, max_prefill_batch=4)
     engine = Engine(target, config, drafter=drafter_for("eagle"),
                     on_tokens=lambda request_id, ids: streamed.setdefault(request_id, []).append(list(ids)))
-    requests = random_requests(16, seed=1)
+    requests = with_stop_ids_inside(target, random_requests(16, seed=1))
     outputs = serve_arriving(engine, requests)
     most = STEPS_PER_VISIT * (spec.num_speculative_tokens + 1)  # what one visit can emit for a request
     for request in requests:
@@ -37,8 +49,11 @@ def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
         assert chunks[0] == [output.tokens[0]]  # the prefill's token alone, before the visit's steps
         assert all(0 < len(chunk) <= most for chunk in chunks[1:])  # each visit streamed what it emitted
         assert len(output.token_times) == len(output.tokens)
-    stopped = [r for r in requests if set(outputs[r.request_id].tokens) & set(r.stop_token_ids)]
-    assert stopped and all(outputs[r.request_id].tokens[-1] in r.stop_token_ids for r in stopped)
+    for request in requests:  # a stop id of its own ends the request there, the first token's included
+        if request.stop_token_ids:
+            output = outputs[request.request_id]
+            assert output.tokens.index(request.stop_token_ids[0]) == len(output.tokens) - 1, request.request_id
+            assert output.finish_reason == "stop"
     # Requests without a stop id of their own: the counts of generate's speculative loop for them.
     plain = [r for r in requests if not r.stop_token_ids]
     result = generate(target, [list(r.prompt) for r in plain], max_new_tokens=[r.max_tokens for r in plain],
