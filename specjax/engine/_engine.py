@@ -109,13 +109,35 @@ class EngineConfig:
         return 0 if self.spec is None else self.spec.num_draft_nodes + 1
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("steps", "tokens", "count", "done"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class _Visit:
+    """What the host reads after a visit, for the slots it stepped: one small transfer, not the whole state."""
+
+    steps: jax.Array  # steps the visit ran
+    tokens: jax.Array  # [rows, W]: each row's tokens of this visit first (W bounds what a visit can emit)
+    count: jax.Array  # [rows]: tokens each row emitted in this visit
+    done: jax.Array  # [rows]
+
+    @classmethod
+    def of(cls, steps, decode: decoding.DecodeState, before: jax.Array, width: int) -> _Visit:
+        """The summary of rows that had generated `before` tokens when the visit began."""
+        size = decode.tokens.shape[1]
+        width = min(width, size)
+        first = decode.lengths - decode.num_generated + before  # where each row's tokens of this visit begin
+        index = jnp.minimum(first[:, None] + jnp.arange(width)[None, :], size - 1)
+        return cls(steps=steps, tokens=jnp.take_along_axis(decode.tokens, index, axis=1),
+                   count=decode.num_generated - before, done=decode.done)
+
+
 @dataclasses.dataclass
 class _Running:
     """A request in a slot, as the host follows it."""
 
     request: Request
     arrival: float
-    emitted: int = 0  # tokens already read from the slot
+    stop: frozenset  # the request's own stop ids (the device knows only the EOS ids)
     tokens: list = dataclasses.field(default_factory=list)
     token_times: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
@@ -154,9 +176,9 @@ class Engine:
         self.mode = GREEDY  # what the compiled programs can sample; grows with the requests seen
         self.steps_run = 0  # device steps, all visits together
         self.visits = 0
-        # Seconds of step() spent in the device loop's call and in reading its results, and all of it: the
-        # difference is host work between device calls (admission, bookkeeping, streaming; prefill calls
-        # return at once, so their device time counts in the loop's wait).
+        # Seconds of step() spent waiting on the device (the loop's call, reading its results, and reading the
+        # prefills' first tokens, which waits for the prefills), and all of it: the difference is host work
+        # between device calls (admission, bookkeeping, streaming).
         self.device_wait_s = 0.0
         self.step_s = 0.0
         spec = config.spec
@@ -239,9 +261,9 @@ class Engine:
             proposer = None
             weights = (model, None)
 
-            def init_rows(weights, tokens, lengths, budgets, keys, sampling, prefix=None):
+            def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None):
                 offset = {} if prefix is None else dict(cache=prefix.target, start=prefix.start, width=prefix.width)
-                return decoding.prefill(weights[0], tokens, lengths, budgets, keys, sampling, mode=mode,
+                return decoding.prefill(weights[0], tokens, lengths, budgets, _keys(seeds), sampling, mode=mode,
                                         eos_token_ids=eos, cache_size=config.max_model_len,
                                         cache_dtype=config.kv_cache_dtype, **offset)[0]
 
@@ -254,9 +276,10 @@ class Engine:
                 self._draft_params = proposer.bind(self.drafter, model)
             weights = (model, self._draft_params)
 
-            def init_rows(weights, tokens, lengths, budgets, keys, sampling, prefix=None):
-                return decoding.speculative_init(*weights, tokens, lengths, budgets, keys, sampling, proposer=proposer,
-                                                 eos_token_ids=eos, cache_dtype=config.kv_cache_dtype, prefix=prefix)
+            def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None):
+                return decoding.speculative_init(*weights, tokens, lengths, budgets, _keys(seeds), sampling,
+                                                 proposer=proposer, eos_token_ids=eos,
+                                                 cache_dtype=config.kv_cache_dtype, prefix=prefix)
 
             def step(weights, state, costs):
                 return decoding.speculative_step(*weights, state, self._method, proposer=proposer,
@@ -279,7 +302,8 @@ class Engine:
             """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
             stop_at_done of them done (a free slot to fill); the other slots are left as they are. With draft KV
             offload, draft holds those slots' host buffers: in for the steps, back out after them. costs: adaptive
-            verification's cost of a step of `rows` slots at each verify width (None without it)."""
+            verification's cost of a step of `rows` slots at each verify width (None without it). Returns the
+            visit's summary of those slots (what the host reads), the state, and the draft buffers."""
             def cond(carry):
                 steps, state = carry
                 done = _decode(state).done
@@ -289,13 +313,16 @@ class Engine:
             busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
             if layout is not None:
                 busy = layout.unpack(layout.to_device(draft), busy)
+            busy = jax.tree.unflatten(treedef, busy)
+            before = _decode(busy).num_generated
             steps, busy = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1], costs)),
-                                             (jnp.int32(0), jax.tree.unflatten(treedef, busy)))
+                                             (jnp.int32(0), busy))
+            visit = _Visit.of(steps, _decode(busy), before, config.steps_per_visit * max(config.lookahead, 1))
             busy = jax.tree.leaves(busy)
             draft = None if layout is None else layout.to_host(layout.pack(busy))
             leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
                       for x, part, a in zip(leaves, busy, axes)]
-            return steps, jax.tree.unflatten(treedef, leaves), draft
+            return visit, jax.tree.unflatten(treedef, leaves), draft
 
         runs = {}
 
@@ -304,11 +331,11 @@ class Engine:
             if rows not in runs:
                 runs[rows] = jax.jit(functools.partial(run_steps, rows=rows), donate_argnums=1)
             draft = None if layout is None else self.draft_kv.take(rows)
-            steps, state, draft = runs[rows](weights, state, draft, max_steps, stop_at_done,
+            visit, state, draft = runs[rows](weights, state, draft, max_steps, stop_at_done,
                                              self._verify_costs(rows, proposer))
             if layout is not None:
                 self.draft_kv.put(draft)
-            return steps, state
+            return visit, state
 
         run.programs = runs
         program = (proposer, init, run, axes)
@@ -361,7 +388,7 @@ class Engine:
             self._insert(rows, [self.config.max_num_seqs] * batch, axes)  # every row dropped
             batch *= 2
         for rows in self._row_buckets():
-            _, self.state = run(self.state, jnp.int32(0), jnp.int32(rows + 1), rows)
+            _, self.state = run(self.state, np.int32(0), np.int32(rows + 1), rows)
         self._warm_offsets(mode, prompt_len)
         jax.block_until_ready(self.state)
 
@@ -388,7 +415,7 @@ class Engine:
                 if self.prefix_cache is not None:
                     caches = self.prefix_cache.load(*caches, [[]] * batch)
                 rows = init(*_free_rows(batch, top), decoding.Prefix(target=caches[0], draft=caches[1],
-                                                                    start=jnp.zeros(batch, jnp.int32), width=width))
+                                                                    start=np.zeros(batch, np.int32), width=width))
             if self.prefix_cache is not None:
                 proposer = self._program(mode)[0]
                 self.prefix_cache.copy_in(_decode(rows).cache,
@@ -448,11 +475,12 @@ class Engine:
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        steps, self.state = run(self.state, jnp.int32(self.config.steps_per_visit), jnp.int32(stop_at), rows)
-        self.steps_run += int(steps)
+        visit, self.state = run(self.state, np.int32(self.config.steps_per_visit), np.int32(stop_at), rows)
+        visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
+        self.steps_run += int(visit.steps)
         self.visits += 1
-        ended += self._collect()
+        ended += self._collect(visit)
         self._compact()
         return ended
 
@@ -530,9 +558,8 @@ class Engine:
         for row, (request, _) in enumerate(admitted):
             tokens[row, :len(request.prompt)] = request.prompt
             lengths[row], budgets[row], seeds[row] = len(request.prompt), request.max_tokens, request.seed
-        sampling = SamplingParams.of([r.sampling for r, _ in admitted], batch)
-        return (jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(budgets),
-                jax.vmap(jax.random.key)(jnp.asarray(seeds)), jax.tree.map(jnp.asarray, sampling))
+        # Host arrays: the jitted initialiser moves them (an eager jnp.asarray or key op each costs a dispatch).
+        return tokens, lengths, budgets, seeds, SamplingParams.of([r.sampling for r, _ in admitted], batch)
 
     def _prefill(self, admitted: list[tuple[Request, float]], slots: list[int]) -> tuple[Any, list[int]]:
         """Prefills the requests (from their prefix cache blocks, where prefix caching is on) into the slots."""
@@ -550,7 +577,7 @@ class Engine:
             width = min(decoding.bucket(todo, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len)
             target, draft = self.prefix_cache.load(*self._empty_caches(mode, batch),
                                                    [blocks for _, blocks in looked] + [[]] * (batch - count))
-            start = jnp.asarray(starts + [0] * (batch - count), jnp.int32)
+            start = np.asarray(starts + [0] * (batch - count), np.int32)
             rows = init(*arrays, decoding.Prefix(target=target, draft=draft, start=start, width=width))
         # Padding rows go to an index past the state's rows, which the scatter drops.
         targets = np.full(batch, self.config.max_num_seqs, np.int32)
@@ -564,7 +591,7 @@ class Engine:
     def _insert(self, rows, slots: list[int], axes: tuple[int, ...]) -> None:
         """Writes prefilled rows into the slots (an index past the state's rows drops that row): into the
         engine's state and, with draft KV offload, the drafter's K and V into the slots' host buffers."""
-        self.state = insert_rows(self.state, rows, jnp.asarray(slots, jnp.int32), axes=axes)
+        self.state = insert_rows(self.state, rows, np.asarray(slots, np.int32), axes=axes)
         if self.draft_kv is not None:
             self.draft_kv.store(rows, slots)
 
@@ -577,8 +604,8 @@ class Engine:
         return self.prefix_cache.store(_decode(rows).cache, draft, keys)
 
     def _start(self, slot: int, request: Request, arrival: float, blocks: list, matched: int) -> None:
-        self.running[slot] = _Running(request=request, arrival=arrival, blocks=blocks,
-                                      num_cached_tokens=matched * self.config.block_size)
+        self.running[slot] = _Running(request=request, arrival=arrival, stop=frozenset(request.stop_token_ids),
+                                      blocks=blocks, num_cached_tokens=matched * self.config.block_size)
         log.debug("admitted %s into slot %d (%d prompt tokens, %d cached, max_tokens %d)", request.request_id, slot,
                   len(request.prompt), matched * self.config.block_size, request.max_tokens)
 
@@ -598,7 +625,7 @@ class Engine:
         _, init, _, axes = self._program(mode)
         arrays = self._row_arrays([(request, chunked.arrival)], 1)
         prefix = decoding.Prefix(target=chunked.caches[0], draft=chunked.caches[1],
-                                 start=jnp.asarray([chunked.start], jnp.int32), width=width)
+                                 start=np.asarray([chunked.start], np.int32), width=width)
         rows = init(*arrays, prefix)
         if not last:
             proposer = self._program(mode)[0]
@@ -616,59 +643,54 @@ class Engine:
     def _first_tokens(self, prefilled: list[tuple[Any, list[int]]]) -> None:
         """Streams each admitted request's first token (the prefill's): the time to first token is the
         prefill's, not that of the visit's steps after it."""
-        for rows, slots in prefilled:
-            decode = _decode(rows)
-            tokens, lengths = jax.device_get((decode.tokens, decode.lengths))
-            now = time.perf_counter()
-            for row, slot in enumerate(slots):
+        wait = time.perf_counter()  # the prefills' device time: prefill calls return at once
+        read = jax.device_get([(_decode(rows).tokens, _decode(rows).lengths) for rows, _ in prefilled])
+        now = time.perf_counter()
+        self.device_wait_s += now - wait
+        for (tokens, lengths), (_, slots) in zip(read, prefilled):
+            count = len(slots)
+            for slot, token in zip(slots, tokens[np.arange(count), lengths[:count] - 1].tolist()):
                 running = self.running[slot]
-                token = int(tokens[row, lengths[row] - 1])
                 running.first_token_time = now
                 running.tokens.append(token)
                 running.token_times.append(now)
-                running.emitted = 1
-                running.stopped = token in running.request.stop_token_ids
+                running.stopped = token in running.stop
                 if self.on_tokens is not None:
                     self.on_tokens(running.request.request_id, [token])
 
-    def _collect(self) -> list[RequestOutput]:
-        """Reads each running slot's new tokens; ends requests that are done or hit a stop id."""
-        decode = _decode(self.state)
-        wait = time.perf_counter()
-        tokens, lengths, generated, done = jax.device_get((decode.tokens, decode.lengths, decode.num_generated,
-                                                           decode.done))
-        self.device_wait_s += time.perf_counter() - wait
-        counters = None if self.config.spec is None else jax.device_get(self.state.counters)
+    def _collect(self, visit: _Visit) -> list[RequestOutput]:
+        """Reads each running slot's new tokens from the visit's summary; ends requests that are done or hit a
+        stop id."""
         now = time.perf_counter()
-        ended, released = [], []
-        eos = set(self.config.eos_token_ids)
-        for slot, running in list(self.running.items()):
-            request = running.request
-            total, start = int(generated[slot]), int(lengths[slot]) - int(generated[slot])
-            new = [] if running.stopped else tokens[slot, start + running.emitted:start + total].tolist()
-            stop = set(request.stop_token_ids)
-            hit = next((i for i, t in enumerate(new) if t in stop), None)
-            if hit is not None:  # a request's own stop id: the device does not know it
+        if visit.count.size and visit.count.max() > visit.tokens.shape[1]:  # _Visit's width bounds a visit
+            raise RuntimeError(f"a row emitted {visit.count.max()} tokens in a visit: the summary holds "
+                               f"{visit.tokens.shape[1]}")
+        counts, done = visit.count.tolist(), visit.done.tolist()
+        ending = []  # (slot, running, index of a stop id in its tokens of this visit or None)
+        for slot, running in self.running.items():
+            count, hit = counts[slot], None
+            if running.stopped:  # its first token was a stop id: what the device emitted after it is dropped
+                hit, count = 0, 0
+            new = visit.tokens[slot, :count].tolist() if count else []
+            if running.stop and not running.stop.isdisjoint(new):  # a stop id the device does not know
+                hit = next(i for i, t in enumerate(new) if t in running.stop)
                 new = new[:hit + 1]
-            elif running.stopped:
-                hit = 0
             if new:
                 if running.first_token_time is None:
                     running.first_token_time = now
                 running.tokens += new
                 running.token_times += [now] * len(new)
-                running.emitted += len(new)
                 if self.on_tokens is not None:
-                    self.on_tokens(request.request_id, new)
-            if hit is None and not done[slot]:
-                continue
-            last = running.tokens[-1] if running.tokens else None
-            reason = "stop" if hit is not None or last in eos else "length"
-            metrics = None
-            if counters is not None:
-                row = AcceptanceMetrics(**{f.name: np.asarray(getattr(counters, f.name))[slot:slot + 1].astype(np.int64)
-                                           for f in dataclasses.fields(counters)})
-                metrics = row.per_request()[0] | row.per_step(0)
+                    self.on_tokens(running.request.request_id, new)
+            if hit is not None or done[slot]:
+                ending.append((slot, running, hit))
+        if not ending:
+            return []
+        eos = set(self.config.eos_token_ids)
+        ended, released = [], []
+        for (slot, running, hit), metrics in zip(ending, self._metrics([slot for slot, _, _ in ending])):
+            request = running.request
+            reason = "stop" if hit is not None or (running.tokens and running.tokens[-1] in eos) else "length"
             ended.append(RequestOutput(request_id=request.request_id, tokens=tuple(running.tokens),
                                        finish_reason=reason, metrics=metrics, arrival_time=running.arrival,
                                        first_token_time=running.first_token_time, finish_time=now,
@@ -676,14 +698,26 @@ class Engine:
                                        num_cached_tokens=running.num_cached_tokens))
             if self.prefix_cache is not None:
                 self.prefix_cache.release(running.blocks)
-            log.debug("finished %s: %d tokens (%s)%s", request.request_id, len(running.tokens), reason,
-                     "" if metrics is None else f", mean acceptance length {metrics['mean_acceptance_length']:.2f}")
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("finished %s: %d tokens (%s)%s", request.request_id, len(running.tokens), reason,
+                          "" if metrics is None else
+                          f", mean acceptance length {metrics['mean_acceptance_length']:.2f}")
             del self.running[slot]
             if not done[slot]:
                 released.append(slot)
         if released:
             self._release(released)
         return ended
+
+    def _metrics(self, slots: list[int]) -> list[dict | None]:
+        """The acceptance counts of the requests in these slots (None each without speculation): one read of
+        the counters, at visits where requests end."""
+        if self.config.spec is None:
+            return [None] * len(slots)
+        counters = jax.device_get(self.state.counters)
+        rows = AcceptanceMetrics(**{f.name: np.asarray(getattr(counters, f.name))[slots].astype(np.int64)
+                                    for f in dataclasses.fields(counters)})
+        return [metrics | rows.per_step(row) for row, metrics in enumerate(rows.per_request())]
 
     def _abort(self) -> list[RequestOutput]:
         """Ends the aborted requests that are waiting or running (ids of neither are forgotten)."""
@@ -722,7 +756,7 @@ class Engine:
         if not holes:
             return
         axes = self._programs[next(iter(self._programs))][3]
-        self.state = move_rows(self.state, jnp.asarray(sources, jnp.int32), jnp.asarray(holes, jnp.int32), axes=axes)
+        self.state = move_rows(self.state, np.asarray(sources, np.int32), np.asarray(holes, np.int32), axes=axes)
         if self.draft_kv is not None:
             self.draft_kv.move(sources, holes)
         for source, hole in zip(sources, holes):
@@ -732,15 +766,20 @@ class Engine:
     def _release(self, slots: list[int]) -> None:
         """Marks slots done on the device (their requests ended on the host)."""
         decode = _decode(self.state)
-        done = release_slots(decode.done, jnp.asarray(slots, jnp.int32))
+        done = release_slots(decode.done, np.asarray(slots, np.int32))
         decode = dataclasses.replace(decode, done=done)
         self.state = decode if self.config.spec is None else dataclasses.replace(self.state, decode=decode)
 
 
 def _free_rows(batch: int, width: int) -> tuple:
     """The initialiser's arguments for `batch` rows of zero budget (done at once: free slots), prompts of width."""
-    return (jnp.zeros((batch, width), jnp.int32), jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32),
-            jax.random.split(jax.random.key(0), batch), jax.tree.map(jnp.asarray, SamplingParams.of([], batch)))
+    return (np.zeros((batch, width), np.int32), np.ones((batch,), np.int32), np.zeros((batch,), np.int32),
+            np.zeros((batch,), np.uint32), SamplingParams.of([], batch))
+
+
+def _keys(seeds: jax.Array) -> jax.Array:
+    """Each row's key from its request's seed (inside the compiled initialiser)."""
+    return jax.vmap(jax.random.key)(seeds)
 
 
 def _decode(state) -> decoding.DecodeState:

@@ -1,0 +1,63 @@
+"""What the engine's host reads after each visit (a small summary of the visit, not the whole state): every
+request's tokens reach its stream at the visit that emitted them, the stream is its output, cut at its own
+stop ids, and its acceptance counts are the ones `generate` counts for its prompt alone."""
+
+import dataclasses
+import math
+
+import pytest
+from support.engine import SPECS, drafter_for, random_requests, serve_arriving
+from support.models import EOS, target_and_drafts
+
+from specjax.decoding import generate
+from specjax.engine import Engine, EngineConfig, Request
+
+STEPS_PER_VISIT = 2
+
+
+def with_stop_ids_inside(target, requests: list[Request]) -> list[Request]:
+    """The requests, every third with a stop id its greedy output emits (the first token for one of them)."""
+    sequences = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
+                         eos_token_ids=(EOS,)).sequences()
+    changed = []
+    for i, (request, tokens) in enumerate(zip(requests, sequences)):
+        stop = () if i % 3 or len(tokens) < 2 else (tokens[0 if i == 0 else len(tokens) // 2],)
+        changed.append(dataclasses.replace(request, stop_token_ids=stop))
+    return changed
+
+
+def without_nan(metrics: dict) -> dict:
+    """The metrics with NaN (a request that ran no speculative step) as None, so that == compares them."""
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()}
+
+
+@pytest.mark.loop
+def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
+    target, _ = target_and_drafts()
+    spec = SPECS["eagle"]
+    streamed = {}
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,),
+                          steps_per_visit=STEPS_PER_VISIT, max_prefill_batch=4)
+    engine = Engine(target, config, drafter=drafter_for("eagle"),
+                    on_tokens=lambda request_id, ids: streamed.setdefault(request_id, []).append(list(ids)))
+    requests = with_stop_ids_inside(target, random_requests(16, seed=1))
+    outputs = serve_arriving(engine, requests)
+    most = STEPS_PER_VISIT * (spec.num_speculative_tokens + 1)  # what one visit can emit for a request
+    for request in requests:
+        output, chunks = outputs[request.request_id], streamed[request.request_id]
+        assert [t for chunk in chunks for t in chunk] == list(output.tokens), request.request_id
+        assert chunks[0] == [output.tokens[0]]  # the prefill's token alone, before the visit's steps
+        assert all(0 < len(chunk) <= most for chunk in chunks[1:])  # each visit streamed what it emitted
+        assert len(output.token_times) == len(output.tokens)
+    for request in requests:  # a stop id of its own ends the request there, the first token's included
+        if request.stop_token_ids:
+            output = outputs[request.request_id]
+            assert output.tokens.index(request.stop_token_ids[0]) == len(output.tokens) - 1, request.request_id
+            assert output.finish_reason == "stop"
+    # Requests without a stop id of their own: the counts of generate's speculative loop for them.
+    plain = [r for r in requests if not r.stop_token_ids]
+    result = generate(target, [list(r.prompt) for r in plain], max_new_tokens=[r.max_tokens for r in plain],
+                      eos_token_ids=(EOS,), spec=spec, drafter=drafter_for("eagle"))
+    for row, request in enumerate(plain):
+        want = result.metrics.per_request()[row] | result.metrics.per_step(row)
+        assert without_nan(outputs[request.request_id].metrics) == without_nan(want), request.request_id
