@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     remats = [r for r in args.remat.split(",") if r]
     target_config = benchmarking.SHAPES[args.shape][0]
     meta = benchmarking.environment()
+    meta["command"] = "python scripts/bench_train_head.py " + shlex.join(argv)  # argv given in-process too
     meta.update(shape=args.shape, target=(
         f"{target_config.num_layers} layers x {target_config.hidden_size}, {target_config.num_heads} heads "
         f"({target_config.num_kv_heads} KV) of {target_config.head_dim}, MLP {target_config.intermediate_size}, "
