@@ -128,7 +128,7 @@ def flops_per_token(args, target_config, head) -> dict:
     target_layers = matrix_parameters(nnx.eval_shape(lambda: init_model(target_config, seed=0)).layers)
     target = 2 * target_layers + target_config.num_layers * 2 * T * target_config.num_heads * target_config.head_dim
     layer = matrix_parameters(head.layer)
-    fc = int(np.prod(head.fc[...].shape))
+    fc = int(np.prod(head.fc.shape))
     D, V = target_config.hidden_size, target_config.vocab_size
     if head.config.version == 1:
         # fc and the layer trained; the target's unembedding of the head's output in the gradient path; its

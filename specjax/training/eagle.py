@@ -3,7 +3,9 @@
 The target runs once per batch (a window of T + 1 tokens from `batch_at`, a pure function of (seed,
 step), so a killed run resumes exactly) without a cache and under stop_gradient; its hidden states are
 the head's inputs and its distributions the labels. The head runs causally over the window's T pairs
-(feature f_j, token x_{j+1}) through a fresh KV cache, as drafting commits them. Objectives:
+(feature f_j, token x_{j+1}) without a cache (the full forward's flash attention on GPUs), as drafting
+commits them into a fresh cache. Offline training: target_hidden once per batch, stored, then
+eagle1_head_loss / eagle3_head_loss over it and the target's TargetVocabulary. Objectives:
 - EAGLE-1: SmoothL1 of the head's predicted feature against the target's next feature (inputs noised
   by U(-feature_noise, feature_noise)), plus 0.1 x the cross-entropy of the target's LM head on the two.
 - EAGLE-3 (training-time test): over `unroll_steps` steps fed the head's own earlier predictions,
@@ -34,7 +36,6 @@ from specjax.data.dataset import batch_at, prepare
 from specjax import default_models
 from specjax.models import hf
 from specjax.models.eagle import EagleConfig, EagleHead, default_fuse_layers, init_eagle, save_eagle
-from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, num_parameters, unembed
 from specjax.models.vocabulary import restricted_unembedding
 from specjax.training import loop
@@ -113,13 +114,11 @@ def eagle1_loss(head: EagleHead, target: Transformer, batch, noise):
 
 def eagle1_head_loss(head: EagleHead, vocabulary: TargetVocabulary, batch, hidden: Hidden, noise):
     """eagle1_loss from the target's hidden states over batch (target_hidden's, computed here or stored)."""
-    batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
-    all_positions = jnp.broadcast_to(jnp.arange(seq_len + 1, dtype=jnp.int32), batch.shape)
+    all_positions = jnp.broadcast_to(jnp.arange(batch.shape[1], dtype=jnp.int32), batch.shape)
     features = jax.lax.stop_gradient(hidden.final.astype(jnp.float32))  # f_0 .. f_T
     inputs, wanted = features[:, :-1], features[:, 1:]
     inputs = inputs + noise.astype(inputs.dtype)
-    cache = KVCache.create(head.config.layer, batch_size, seq_len)
-    predicted, _ = head(batch[:, 1:], inputs, all_positions[:, :-1], cache, vocabulary.embed)
+    predicted, _ = head(batch[:, 1:], inputs, all_positions[:, :-1], None, vocabulary.embed)
     predicted = predicted.astype(jnp.float32)
     feature_loss = optax.huber_loss(predicted, wanted, delta=1.0).mean()
     target_probs = jax.lax.stop_gradient(jax.nn.softmax(vocabulary.unembed(wanted), -1))
@@ -151,8 +150,7 @@ def eagle3_head_loss(head: EagleHead, vocabulary: TargetVocabulary, batch, hidde
     tokens, positions = batch[:, 1:], all_positions[:, :-1]
     features, loss, metrics = fused, 0.0, {}
     for step in range(unroll_steps):
-        cache = KVCache.create(head.config.layer, batch_size, seq_len)
-        out, _ = head(tokens, features, positions, cache, vocabulary.embed)
+        out, _ = head(tokens, features, positions, None, vocabulary.embed)  # no cache: flash attention
         draft_logits, _ = head.draft_logits(out, vocabulary.unembed)  # [B, T, Vd], in d2t's order
         ce = -(target_probs * jax.nn.log_softmax(draft_logits, -1)).sum(-1)  # [B, T]
         valid = (jnp.arange(seq_len) >= step)[None, :]
