@@ -27,7 +27,6 @@ results.md under --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -154,16 +153,13 @@ def measure(args, mode: str, batch_size: int, remat: str, work: Path) -> dict:
     config = run_config(args, batch_size, remat, output_dir)
     row = {"mode": mode, "kind": args.kind, "batch_size": batch_size, "seq_len": args.seq_len, "remat": remat,
            "steps": args.steps, "offline_source": args.offline_source if mode == "offline" else ""}
-    if mode == "online":
-        target = benchmarking.on_device(lambda: init_model(target_config, seed=0))
-        tokens, frozen = token_pool(args, batch_size), target
-        train_tokens = tokens
-    else:
+    if mode == "online":  # the frozen module the step receives: the whole target
+        tokens, frozen = token_pool(args, batch_size), benchmarking.on_device(lambda: init_model(target_config, seed=0))
+    else:  # only the target's embedding and unembedding, and the stored features
         tokens, hidden, frozen = load_features(work / f"features_b{batch_size}.npz", target_config.matmul_precision)
-        train_tokens = tokens
         if args.offline_source == "device":
             hidden = jax.device_put(hidden)
-    head = build_head(config, target_config, train_tokens.reshape(-1))
+    head = build_head(config, target_config, tokens.reshape(-1))  # draft vocabulary: the pool's most frequent ids
     # EAGLE-1's feature noise, drawn once per pool batch: the host's drawing stays out of the step time
     rng = np.random.default_rng([args.seed, 1])
     noise = [rng.uniform(-config.feature_noise, config.feature_noise,
