@@ -121,11 +121,13 @@ class EagleHead(nnx.Module):
 
     @at_model_precision
     def __call__(self, tokens: Int[Array, "B T"], features: Float[Array, "B T D"], positions: Int[Array, "B T"],
-                 cache: KVCache, embed: Float[Array, "V D"],
-                 attention_mask: Bool[Array, "B T S"] | None = None) -> tuple[Float[Array, "B T D"], KVCache]:
+                 cache: KVCache | None, embed: Float[Array, "V D"],
+                 attention_mask: Bool[Array, "B T S"] | None = None) -> tuple[Float[Array, "B T D"], KVCache | None]:
         """Runs the pairs (features[:, t], tokens[:, t]) at slots after the cache's fill level and
         returns the predicted next features; the cache comes back with lengths + T. attention_mask:
-        which cache slots each pair sees (a draft tree's), in place of the causal rule."""
+        which cache slots each pair sees (a draft tree's), in place of the causal rule. cache None
+        (training): the pairs attend causally among themselves through the full forward's attention
+        (jax.nn.dot_product_attention, cuDNN's flash attention on GPUs), as a fresh cache would."""
         c = self.config.layer
         dtype = c.jnp_dtype
         embedded = embed[tokens].astype(dtype)
@@ -144,7 +146,7 @@ class EagleHead(nnx.Module):
             attn_input = jnp.concatenate([normalize(embedded, self.embed_norm[...], None, c),
                                           normalize(features, layer.attn_norm[...], None, c)], -1)
             out, cache = checkpointed(run_layer, c)(features, attn_input, layer, cache)
-        return out, cache.with_lengths(cache.lengths + tokens.shape[1])
+        return out, None if cache is None else cache.with_lengths(cache.lengths + tokens.shape[1])
 
     def create_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty KV cache for the head's layer, laid out for it (see Transformer.create_cache)."""

@@ -3,7 +3,9 @@
 The target runs once per batch (a window of T + 1 tokens from `batch_at`, a pure function of (seed,
 step), so a killed run resumes exactly) without a cache and under stop_gradient; its hidden states are
 the head's inputs and its distributions the labels. The head runs causally over the window's T pairs
-(feature f_j, token x_{j+1}) through a fresh KV cache, as drafting commits them. Objectives:
+(feature f_j, token x_{j+1}) without a cache (the full forward's flash attention on GPUs), as drafting
+commits them into a fresh cache. Offline training: target_hidden once per batch, stored, then
+eagle1_head_loss / eagle3_head_loss over it and the target's TargetVocabulary. Objectives:
 - EAGLE-1: SmoothL1 of the head's predicted feature against the target's next feature (inputs noised
   by U(-feature_noise, feature_noise)), plus 0.1 x the cross-entropy of the target's LM head on the two.
 - EAGLE-3 (training-time test): over `unroll_steps` steps fed the head's own earlier predictions,
@@ -20,6 +22,7 @@ closing held-out eval and the final logged loss.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -33,8 +36,8 @@ from specjax.data.dataset import batch_at, prepare
 from specjax import default_models
 from specjax.models import hf
 from specjax.models.eagle import EagleConfig, EagleHead, default_fuse_layers, init_eagle, save_eagle
-from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Transformer, num_parameters, unembed
+from specjax.models.transformer import Hidden, Transformer, num_parameters, unembed
+from specjax.models.vocabulary import restricted_unembedding
 from specjax.training import loop
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
 from specjax.training.lm import execution_config, fit
@@ -70,23 +73,56 @@ def build_head(config: HeadTrainConfig, target_config, train_tokens: np.ndarray)
     return head
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("embed", "lm_head"),
+                   meta_fields=("dtype", "matmul_precision"))
+@dataclasses.dataclass(frozen=True)
+class TargetVocabulary:
+    """The frozen target's token embedding and unembedding (lm_head None: tied to embed): all a head's loss
+    reads of the target besides its hidden states, so all of it that training from stored features keeps."""
+
+    embed: jax.Array
+    lm_head: jax.Array | None
+    dtype: str
+    matmul_precision: str = "auto"
+
+    @classmethod
+    def of(cls, target: Transformer) -> "TargetVocabulary":
+        c = target.config
+        return cls(target.embed[...], None if target.lm_head is None else target.lm_head[...], c.dtype,
+                   c.matmul_precision)
+
+    def unembed(self, features, ids=None):
+        """Float32 logits of features over the whole vocabulary, or only over the target ids `ids`."""
+        lm_head = self.lm_head if ids is None else restricted_unembedding(self.embed, self.lm_head, ids)
+        return unembed(features, self.embed, lm_head, jnp.dtype(self.dtype), self.matmul_precision)
+
+
+def target_hidden(target: Transformer, batch, fuse_layers: tuple[int, ...] = ()) -> Hidden:
+    """The frozen target's hidden states over a window batch [B, T + 1] that a head's loss reads, under
+    stop_gradient: final (EAGLE-1's features, and the labels of both) and, for EAGLE-3, the inputs of
+    fuse_layers. What training from stored features (offline) computes once per batch and keeps."""
+    positions = jnp.broadcast_to(jnp.arange(batch.shape[1], dtype=jnp.int32), batch.shape)
+    _, hidden, _ = target(batch, positions, compute_logits=False, hidden_layers=fuse_layers)
+    return jax.lax.stop_gradient(hidden)
+
+
 def eagle1_loss(head: EagleHead, target: Transformer, batch, noise):
     """EAGLE-1's loss on one window batch [B, T + 1] with the feature noise [B, T, D] (module
-    docstring); (loss, metrics)."""
-    batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
-    all_positions = jnp.broadcast_to(jnp.arange(seq_len + 1, dtype=jnp.int32), batch.shape)
-    _, hidden, _ = target(batch, all_positions, compute_logits=False)
+    docstring), the target run inside; (loss, metrics)."""
+    return eagle1_head_loss(head, TargetVocabulary.of(target), batch, target_hidden(target, batch), noise)
+
+
+def eagle1_head_loss(head: EagleHead, vocabulary: TargetVocabulary, batch, hidden: Hidden, noise):
+    """eagle1_loss from the target's hidden states over batch (target_hidden's, computed here or stored)."""
+    all_positions = jnp.broadcast_to(jnp.arange(batch.shape[1], dtype=jnp.int32), batch.shape)
     features = jax.lax.stop_gradient(hidden.final.astype(jnp.float32))  # f_0 .. f_T
     inputs, wanted = features[:, :-1], features[:, 1:]
     inputs = inputs + noise.astype(inputs.dtype)
-    cache = KVCache.create(head.config.layer, batch_size, seq_len)
-    predicted, _ = head(batch[:, 1:], inputs, all_positions[:, :-1], cache, target.embed[...])
+    predicted, _ = head(batch[:, 1:], inputs, all_positions[:, :-1], None, vocabulary.embed)
     predicted = predicted.astype(jnp.float32)
     feature_loss = optax.huber_loss(predicted, wanted, delta=1.0).mean()
-    lm_head = None if target.lm_head is None else target.lm_head[...]
-    dtype = target.config.jnp_dtype
-    target_probs = jax.lax.stop_gradient(jax.nn.softmax(unembed(wanted, target.embed[...], lm_head, dtype), -1))
-    head_logits = unembed(predicted, target.embed[...], lm_head, dtype)
+    target_probs = jax.lax.stop_gradient(jax.nn.softmax(vocabulary.unembed(wanted), -1))
+    head_logits = vocabulary.unembed(predicted)
     ce = -(target_probs * jax.nn.log_softmax(head_logits, -1)).sum(-1).mean()
     accuracy = (jnp.argmax(head_logits, -1) == jnp.argmax(target_probs, -1)).mean()
     loss = feature_loss + CE_WEIGHT * ce
@@ -94,23 +130,28 @@ def eagle1_loss(head: EagleHead, target: Transformer, batch, noise):
 
 
 def eagle3_loss(head: EagleHead, target: Transformer, batch, unroll_steps: int, step_decay: float):
-    """EAGLE-3's training-time-test loss on one window batch [B, T + 1] (module docstring)."""
+    """EAGLE-3's training-time-test loss on one window batch [B, T + 1] (module docstring), the target run
+    inside; (loss, metrics)."""
+    hidden = target_hidden(target, batch, head.config.fuse_layers)
+    return eagle3_head_loss(head, TargetVocabulary.of(target), batch, hidden, unroll_steps, step_decay)
+
+
+def eagle3_head_loss(head: EagleHead, vocabulary: TargetVocabulary, batch, hidden: Hidden, unroll_steps: int,
+                     step_decay: float):
+    """eagle3_loss from the target's hidden states over batch (target_hidden's, computed here or stored)."""
     batch_size, seq_len = batch.shape[0], batch.shape[1] - 1
     all_positions = jnp.broadcast_to(jnp.arange(seq_len + 1, dtype=jnp.int32), batch.shape)
-    logits, hidden, _ = target(batch, all_positions, hidden_layers=head.config.fuse_layers)
     hidden = jax.lax.stop_gradient(hidden)
     d2t = head.draft_to_target[...]
-    target_probs = jax.nn.softmax(jax.lax.stop_gradient(logits[:, 1:]), -1)[..., d2t]  # [B, T, Vd]
-    target_probs = target_probs / jnp.maximum(target_probs.sum(-1, keepdims=True), 1e-20)
+    # The target's distribution restricted to the draft ids and renormalised there is the softmax of its
+    # logits at those ids: only those columns of the unembedding are multiplied ([B, T, Vd], not [B, T, V]).
+    target_probs = jax.nn.softmax(vocabulary.unembed(hidden.final[:, 1:], d2t), -1)  # [B, T, Vd]
     fused = head.fuse(jax.tree.map(lambda x: x[..., :-1, :], hidden))  # F_0 .. F_{T-1}
     tokens, positions = batch[:, 1:], all_positions[:, :-1]
-    lm_head = None if target.lm_head is None else target.lm_head[...]
-    target_head = lambda f: unembed(f, target.embed[...], lm_head, target.config.jnp_dtype)  # noqa: E731
     features, loss, metrics = fused, 0.0, {}
     for step in range(unroll_steps):
-        cache = KVCache.create(head.config.layer, batch_size, seq_len)
-        out, _ = head(tokens, features, positions, cache, target.embed[...])
-        draft_logits = head.logits(out, target_head)[..., d2t]
+        out, _ = head(tokens, features, positions, None, vocabulary.embed)  # no cache: flash attention
+        draft_logits, _ = head.draft_logits(out, vocabulary.unembed)  # [B, T, Vd], in d2t's order
         ce = -(target_probs * jax.nn.log_softmax(draft_logits, -1)).sum(-1)  # [B, T]
         valid = (jnp.arange(seq_len) >= step)[None, :]
         step_ce = jnp.where(valid, ce, 0.0).sum() / (valid.sum() * batch_size)
