@@ -24,9 +24,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specjax import default_models, sharding
-from specjax.config import BLOCK_METHODS, ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
-from specjax.proposers import PROPOSERS, UnsupportedSpeculation, proposer_class
-from specjax.proposers.dflash import drafts_full_block
+from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
+from specjax.proposers import PROPOSERS, UnsupportedSpeculation, check_spec, proposer_class
 from specjax.verify import verifier_name
 
 
@@ -60,8 +59,8 @@ class RunConfig:
     draft_vocab_size: int | None = None
 
     def __post_init__(self):
-        # The names SpecConfig leaves to the registries, checked now so that a file names its error.
-        proposer_class(self.spec.method)
+        # What SpecConfig leaves to the registries (names, drafter options), checked now so that a file names its error.
+        check_spec(self.spec)
         verifier_name(self.spec, self.sampling)
         takes = sorted(name for name, cls in PROPOSERS.items() if cls.takes_draft_vocabulary)
         if self.draft_vocab_size is not None and (self.spec.method not in takes or self.draft_vocab_size < 1):
@@ -244,12 +243,7 @@ class Runner:
         greedy = config.sampling.is_greedy
         return {
             **point_fields(config),
-            # What DFlash drafted (dflash_full_block null: the full block where K + 1 < block_size).
-            **({} if config.spec.method not in BLOCK_METHODS
-               else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size,
-                                                            drafter.config.first_draft_slot)}),
-            # How many MTP modules drafted (one applied K times, or several chained).
-            **({} if config.spec.method != "mtp" else {"mtp_modules": drafter.config.num_modules}),
+            **proposer_class(config.spec.method).describe(config.spec, drafter),
             **({} if choice is None else {"tree_nodes": choice.total_tokens, "tree_size_auto": {
                 "sizes": choice.sizes, "estimated_acceptance": choice.acceptance, "verify_s": choice.verify_s,
                 "rest_s": choice.rest_s, "predicted_tokens_per_s": choice.predicted_tok_s}}),

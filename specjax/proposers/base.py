@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax import draft_tree
-from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig, require
+from specjax.config import DTYPES, ConfigError, ModelConfig, SamplingConfig, SpecConfig, require
 from specjax.models.transformer import Hidden
 from specjax.verify.sampling import SamplingMode, SamplingParams
 
@@ -124,6 +124,10 @@ class Proposer:
     # x_{i+1})): a prefix cache's last matched block was written with whatever token followed it then, so the
     # engine recomputes it unless EngineConfig.disable_eagle_block_drop (vLLM's EAGLE last-block drop).
     draft_kv_reads_next_token: ClassVar[bool] = False
+    # The drafter options (SpecConfig fields) this drafter reads, each with the off values another method
+    # may hold in it (OPTION_IGNORED: any, as n-gram's lookup sizes, which ride along in sweeps of every
+    # method); check_options says what this drafter allows in them (check_spec runs both).
+    options: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
@@ -138,9 +142,19 @@ class Proposer:
         return False
 
     @classmethod
+    def describe(cls, spec: SpecConfig, drafter: Any) -> dict:
+        """Columns of a results row that say what this drafter drafted under spec (a sweep's), beyond the spec."""
+        return {}
+
+    @classmethod
     def with_draft_vocabulary(cls, drafter: Any, ids) -> Any:
         """The drafter drafting only the target ids `ids` (FR-Spec), where takes_draft_vocabulary."""
         raise NotImplementedError(f"{cls.__name__} takes no draft vocabulary")
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        """Raises ConfigError naming the field, the value and what is allowed where spec holds a value of one of
+        `options` this drafter cannot run (before anything is loaded); the options' docs live here too."""
 
     def check(self, params: Any, target_config: ModelConfig) -> None:
         """Raises ValueError (host side, before tracing) if params cannot draft for this target."""
@@ -249,12 +263,34 @@ def proposer_class(method: str) -> type[Proposer]:
     return PROPOSERS[method]
 
 
+# The off value of an option other methods ignore whatever it holds (Proposer.options).
+OPTION_IGNORED = object()
+
+
+def check_spec(spec: SpecConfig) -> type[Proposer]:
+    """The class of spec.method, once the drafter options are checked: the method's own by its check_options,
+    every other method's option at its off value (what SpecConfig leaves to the registry; a ConfigError
+    naming the field, the value and what is allowed)."""
+    cls = proposer_class(spec.method)
+    for name, other in sorted(PROPOSERS.items()):
+        for field, off in other.options.items():
+            value = getattr(spec, field)
+            if field in cls.options or off is OPTION_IGNORED or any(value is v for v in off):
+                continue
+            owners = " or ".join(repr(n) for n, c in sorted(PROPOSERS.items()) if field in c.options)
+            allowed = " or ".join({None: "null", False: "false"}.get(v, repr(v)) for v in off)
+            raise ConfigError(f"SpecConfig.{field} = {value!r} with method {spec.method!r} is invalid: allowed {allowed} "
+                              f"(it is an option of method {owners})")
+    cls.check_options(spec)
+    return cls
+
+
 def build_proposer(spec: SpecConfig, sampling: SamplingConfig | SamplingMode, cache_size: int,
                    drafter: Any = None) -> Proposer:
     """The proposer of spec.method, for rows whose sampling settings the mode covers (a SamplingConfig:
     its own mode). A proposer class whose static settings depend on its weights (EAGLE-3 reads the
     target layers its head fuses) defines `build(settings, drafter)`."""
-    cls = proposer_class(spec.method)
+    cls = check_spec(spec)
     if spec.speculative_token_tree is not None and not cls.drafts_trees:
         raise UnsupportedSpeculation(f"method {spec.method!r} drafts chains only: speculative_token_tree is allowed "
                                      f"with {sorted(name for name, c in PROPOSERS.items() if c.drafts_trees)}")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.config import SpecConfig
+from specjax.config import SpecConfig, require
 from specjax.models.dflash import (ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash,
                                    with_draft_vocabulary)
 from specjax.models import hf
@@ -62,8 +62,8 @@ class DFlashState:
 
 def drafts_full_block(spec: SpecConfig, block_size: int, first_draft_slot: int = 1) -> bool:
     """Whether a block drafter of block_size drafts its whole block: spec.dflash_full_block, or where None
-    (auto) where the slots K drafts need (K + first_draft_slot) are fewer than the block (SpecConfig's
-    docstring says why)."""
+    (auto) where the slots K drafts need (K + first_draft_slot) are fewer than the block (DFlashProposer.options
+    says why)."""
     if spec.dflash_full_block is not None:
         return spec.dflash_full_block
     return spec.num_speculative_tokens + first_draft_slot < block_size
@@ -75,6 +75,22 @@ class DFlashProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:dflash"
     checkpoint_kind: ClassVar[str] = "a DFlash drafter"
     takes_draft_vocabulary: ClassVar[bool] = True
+    # dflash_full_block: whether the drafter drafts its whole trained block (null: auto, the whole block where
+    # K + 1 is smaller than it). True: it runs its whole trained block (block_size - 1 mask positions) and
+    # proposes the first K drafts. False: the anchor and K mask positions (vLLM's meaning of
+    # num_speculative_tokens for DFlash). A drafter trained on full blocks attends over a shorter block it
+    # never saw and drafts worse there (docs/performance.md, "Acceptance: DFlash on the default models",
+    # measures what each costs and accepts); set False where a step's cost grows with the block (large batches).
+    options: ClassVar[dict[str, Any]] = {"dflash_full_block": (None, False)}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        require(spec.dflash_full_block is None or isinstance(spec.dflash_full_block, bool), "SpecConfig",
+                "dflash_full_block", spec.dflash_full_block, "null (auto), true or false")
+
+    @classmethod
+    def describe(cls, spec: SpecConfig, drafter: DFlashDrafter) -> dict:
+        return {"dflash_full_block": drafts_full_block(spec, drafter.config.block_size, drafter.config.first_draft_slot)}
 
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> DFlashProposer:
@@ -112,7 +128,7 @@ class DFlashProposer(Proposer):
 
     def num_masks(self, drafter: DFlashDrafter) -> int:
         """Mask positions of the drafted block: those K drafts need, or the drafter's whole block
-        (dflash_full_block True, or None where K drafts need fewer slots: SpecConfig's docstring says why)."""
+        (dflash_full_block True, or None where K drafts need fewer slots: DFlashProposer.options says why)."""
         spec, block_size, first = self.settings.spec, drafter.config.block_size, drafter.config.first_draft_slot
         full = drafts_full_block(spec, block_size, first)
         return block_size - 1 if full else spec.num_speculative_tokens + first - 1

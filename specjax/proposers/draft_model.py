@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from specjax import draft_tree
+from specjax.config import ConfigError, SpecConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer, for_decoding
@@ -56,6 +57,17 @@ class DraftModelProposer(Proposer):
     checkpoint_kind: ClassVar[str] = "a draft model (a Hugging Face LM)"
     drafts_trees: ClassVar[bool] = True
     drafts_dynamic_trees: ClassVar[bool] = True
+    # use_heterogeneous_vocab: draft and target with different tokenizers (vLLM's TLI; a HeterogeneousDraft):
+    # greedy drafting only.
+    options: ClassVar[dict[str, Any]] = {"use_heterogeneous_vocab": (False,)}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        if spec.use_heterogeneous_vocab and spec.draft_sample_method != "greedy":
+            raise ConfigError(
+                f"SpecConfig.use_heterogeneous_vocab = True with method {spec.method!r} and draft_sample_method "
+                f"{spec.draft_sample_method!r} is invalid: allowed only with method 'draft_model' and "
+                "draft_sample_method 'greedy'")
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> Transformer:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax.config import SpecConfig, require
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.mtp import MTPModules, load_mtp, mtp_to_decoding_layout
@@ -59,6 +60,19 @@ class MTPState:
 class MTPProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:mtp"
     checkpoint_kind: ClassVar[str] = "MTP modules (model.mtp_layers.* with num_nextn_predict_layers, MiMo's layout)"
+    # mtp_hidden_state: what feeds module k > 1, 'chained' (the previous module's output, DeepSeek-V3's
+    # recursion) or 'target' (the target's hidden state at every module, as MiMo was trained); null: the
+    # checkpoint's default (specjax.models.mtp).
+    options: ClassVar[dict[str, Any]] = {"mtp_hidden_state": (None,)}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        require(spec.mtp_hidden_state in (None, "chained", "target"), "SpecConfig", "mtp_hidden_state",
+                spec.mtp_hidden_state, "null (the checkpoint's), 'chained' or 'target'")
+
+    @classmethod
+    def describe(cls, spec: SpecConfig, drafter: MTPModules) -> dict:
+        return {"mtp_modules": drafter.config.num_modules}  # one applied K times, or several chained
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> MTPModules:
