@@ -104,10 +104,14 @@ class SpecConfig:
       total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and top_k can fill) that
       `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
       calibration run (specjax.tree_size); the cache has room for the largest.
-    prompt_lookup_min, prompt_lookup_max, use_heterogeneous_vocab, dflash_full_block, dspark_draft_topk,
-      mtp_hidden_state: drafter options (vLLM's names). Each belongs to the drafters that read it, whose
-      proposer says what it means and allows (`Proposer.options`, `Proposer.check_options`); other methods
-      take only its off value. specjax.proposers.check_spec checks them when the proposer is built.
+    prompt_lookup_min / prompt_lookup_max: the n-gram lengths prompt lookup tries, longest first.
+    use_heterogeneous_vocab: draft and target with different tokenizers (vLLM's TLI).
+    dflash_full_block: whether a block drafter drafts its whole trained block (null: auto).
+    dspark_draft_topk: each draft drawn from this many candidates of highest base logit (null: all).
+    mtp_hidden_state: what feeds each multi-token-prediction module after the first (null: the checkpoint's).
+      These five are drafter options (vLLM's names): each belongs to the drafters that read it, whose
+      proposer says what it means and allows (`Proposer.options`, `Proposer.check_options`); other
+      methods take only its off value. specjax.proposers.check_spec checks them when the proposer is built.
     enable_adaptive_verification: vLLM's option: each step the loop chooses how many of the K drafts every
       row verifies, the width with the most expected tokens per second (specjax.adaptive): expected tokens
       from per-position acceptance estimates kept in the loop (a moving average of what each row's drafts
