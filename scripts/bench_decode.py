@@ -311,7 +311,7 @@ def main():
         raise SystemExit(f"--acceptance-rates has {len(rates)} rates: allowed at least K = {num_draft}")
     taus = ([round(1 + sum(rates[:num_draft]), 4)] if rates is not None
             else [float(t) for t in args.acceptance_lengths.split(",")])
-    tree = dict(total_tokens=args.tree_nodes, top_k=args.tree_top_k) if args.tree_nodes else {}
+    tree = dict(total_tokens=args.tree_nodes, tree_top_k=args.tree_top_k) if args.tree_nodes else {}
     lookahead = (args.tree_nodes or num_draft) + 1
     if args.adaptive and tree:
         raise SystemExit("--adaptive: adaptive verification cuts chains, not the trees of --tree-nodes")

@@ -46,7 +46,7 @@ def main() -> None:
     target = build_target(target_config)
     head = build_drafter("eagle3", target_config, draft_config)
     head.lm_head.set_value(head.lm_head[...] * args.draft_logit_scale)
-    auto = synthetic_spec("eagle3", args.acceptance_length, args.depth, total_tokens="auto", top_k=args.top_k)
+    auto = synthetic_spec("eagle3", args.acceptance_length, args.depth, total_tokens="auto", tree_top_k=args.top_k)
     sizes = auto.auto_tree_sizes
     rows = []
     for batch in map(int, args.batches.split(",")):

@@ -104,14 +104,10 @@ def _generate_in_chunks(model, prompt: list[int], max_new_tokens: int, *, seed: 
     return tokens, False, metrics
 
 
-# SpecConfig fields whose flag is not their dashed name: sampling's --top-k is the token filter, the tree's
-# top_k another option.
-SPEC_FLAGS = {"top_k": "--tree-top-k"}
-
-
 def spec_flag(name: str) -> str:
-    """The `specjax generate` flag of SpecConfig field `name`."""
-    return SPEC_FLAGS.get(name, "--" + name.replace("_", "-"))
+    """The `specjax generate` flag of SpecConfig field `name`: its dashed name (--tree-top-k: sampling's --top-k is
+    the token filter)."""
+    return "--" + name.replace("_", "-")
 
 
 def spec_field_help() -> dict[str, str]:
@@ -144,11 +140,10 @@ def add_spec_flags(group) -> None:
             continue
         flag_only = field.type in ("bool", bool)  # a plain switch: --use-heterogeneous-vocab alone means true
         default = "null" if field.default is None else json.dumps(field.default)
-        renamed = "" if field.name not in SPEC_FLAGS else f"; not --{field.name.replace('_', '-')}, sampling's"
         text = helps.get(field.name, "see SpecConfig's docstring")
         group.add_argument(spec_flag(field.name), dest=f"spec_{field.name}", default=None,
                            nargs="?" if flag_only else None, const="true" if flag_only else None, metavar="VALUE",
-                           help=f"{text} (SpecConfig.{field.name}{renamed}; default: {default})".replace("%", "%%"))
+                           help=f"{text} (SpecConfig.{field.name}; default: {default})".replace("%", "%%"))
 
 
 def spec_from_args(args: argparse.Namespace, method: str) -> SpecConfig:
@@ -327,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "flags override --config's values, --set overrides both")
     srv.add_argument("--config", type=Path, default=None, help="a ServeConfig YAML (specjax/serve/_config.py)")
     srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a field, e.g. --set spec.total_tokens=16 --set spec.top_k=4 (repeatable)")
+                     help="override a field, e.g. --set spec.total_tokens=16 --set spec.tree_top_k=4 (repeatable)")
     srv.add_argument("--model", default=None, help="folder or default:NAME (default: default:target)")
     srv.add_argument("--served-model-name", default=None, help="the name clients give as `model` (default: --model)")
     srv.add_argument("--method", default=None, help="a registered drafter, e.g. eagle (default: none, autoregressive; "

@@ -71,7 +71,7 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
     """grid: dotted RunConfig field paths (e.g. spec.num_speculative_tokens) to lists of values; a value
-    that is a mapping for a config (e.g. spec: [{total_tokens: 16, top_k: 4}]) sets its fields together."""
+    that is a mapping for a config (e.g. spec: [{total_tokens: 16, tree_top_k: 4}]) sets its fields together."""
 
     base: RunConfig
     grid: dict[str, list[Any]]
@@ -271,7 +271,7 @@ def point_fields(config: RunConfig) -> dict:
             "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature,
             "draft_vocab_size": config.draft_vocab_size,
             "tree_nodes": config.spec.num_draft_nodes if config.spec.drafts_tree else None,
-            "tree_top_k": config.spec.top_k, "dflash_full_block": config.spec.dflash_full_block or None,
+            "tree_top_k": config.spec.tree_top_k, "dflash_full_block": config.spec.dflash_full_block or None,
             "adaptive": config.spec.enable_adaptive_verification or None}
 
 

@@ -1,7 +1,7 @@
 """`SpecConfig.total_tokens: auto`: the dynamic tree's size chosen for the device, the batch and the drafter.
 
 A step of n nodes emits tau(n) tokens in T_verify(n + 1) + T_rest(n) seconds: the target's forward over the
-root and the nodes, and the rest of the step (the drafter's depth levels, which expand top_k nodes a level
+root and the nodes, and the rest of the step (the drafter's depth levels, which expand tree_top_k nodes a level
 whatever the size, and the tree's selection, masks, verification and cache moves, which grow with it).
 The size picked is the candidate (SpecConfig.auto_tree_sizes) of highest tau(n) / (T_verify(n + 1) +
 T_rest(n)), with

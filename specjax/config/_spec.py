@@ -94,14 +94,15 @@ class SpecConfig:
       comes before it; the deepest path is num_speculative_tokens long. The target scores the whole
       tree in one forward (specjax.draft_tree) and recursive rejection sampling verifies it
       (specjax.verify.tree; rejection_sample_method 'standard'). Drafters whose proposer drafts_trees draft them.
-    total_tokens, top_k: a dynamic draft tree (EAGLE-2), rebuilt every step from the drafter's own
-      confidences: the root's top_k children, then at each depth the top_k frontier nodes (by the product
-      of draft probabilities along their path) each expanded to their top_k children, for
+    total_tokens, tree_top_k: a dynamic draft tree (EAGLE-2), rebuilt every step from the drafter's own
+      confidences: the root's tree_top_k children, then at each depth the tree_top_k frontier nodes (by the
+      product of draft probabilities along their path) each expanded to their tree_top_k children, for
       num_speculative_tokens depths; the total_tokens candidates of highest path probability are kept,
       parents before children. Drafts are each node's top-k (deterministic: q = 1 to the verifier, as
       EAGLE's rule). Both or neither; not with speculative_token_tree. Drafters whose proposer
       drafts_dynamic_trees draft them.
-      total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and top_k can fill) that
+      (EAGLE's config calls tree_top_k top_k, vLLM has no name for it: here top_k is sampling's.)
+      total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and tree_top_k can fill) that
       `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
       calibration run (specjax.tree_size); the cache has room for the largest.
     prompt_lookup_min / prompt_lookup_max: the n-gram lengths prompt lookup tries, longest first.
@@ -138,7 +139,7 @@ class SpecConfig:
     verify_impl: str = "auto"
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
     total_tokens: int | str | None = None
-    top_k: int | None = None
+    tree_top_k: int | None = None
     dflash_full_block: bool | None = None
     dspark_draft_topk: int | None = None
     mtp_hidden_state: str | None = None
@@ -158,9 +159,9 @@ class SpecConfig:
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
-        """The sizes `total_tokens: auto` chooses from: those of AUTO_TREE_SIZES that top_k over the depth
-        fills (top_k + (depth - 1) * top_k^2 candidates), or that number alone when none fits."""
-        most = self.top_k + (self.num_speculative_tokens - 1) * self.top_k ** 2
+        """The sizes `total_tokens: auto` chooses from: those of AUTO_TREE_SIZES that tree_top_k over the depth
+        fills (tree_top_k + (depth - 1) * tree_top_k^2 candidates), or that number alone when none fits."""
+        most = self.tree_top_k + (self.num_speculative_tokens - 1) * self.tree_top_k ** 2
         return tuple(size for size in AUTO_TREE_SIZES if size <= most) or (most,)
 
     @property
@@ -185,21 +186,21 @@ class SpecConfig:
             require(self.rejection_sample_method in TREE_REJECTION_SAMPLE_METHODS, "SpecConfig",
                     "rejection_sample_method", self.rejection_sample_method,
                     f"one of {TREE_REJECTION_SAMPLE_METHODS} with speculative_token_tree")
-        if (self.total_tokens is None) != (self.top_k is None):
-            raise ConfigError(f"SpecConfig.total_tokens = {self.total_tokens!r} and top_k = {self.top_k!r}: allowed "
-                              "both (a dynamic draft tree) or neither")
+        if (self.total_tokens is None) != (self.tree_top_k is None):
+            raise ConfigError(f"SpecConfig.total_tokens = {self.total_tokens!r} and tree_top_k = {self.tree_top_k!r}: "
+                              "allowed both (a dynamic draft tree) or neither")
         if self.total_tokens is not None:
-            require_positive_ints(self, "top_k")
+            require_positive_ints(self, "tree_top_k")
             if self.total_tokens != "auto":
                 require(isinstance(self.total_tokens, int) and not isinstance(self.total_tokens, bool)
                         and self.total_tokens > 0, "SpecConfig", "total_tokens", self.total_tokens,
                         "a positive integer or 'auto'")
             require(self.speculative_token_tree is None, "SpecConfig", "total_tokens", self.total_tokens,
                     "None with speculative_token_tree (a tree is static or dynamic, not both)")
-            candidates = self.top_k + (k - 1) * self.top_k ** 2
+            candidates = self.tree_top_k + (k - 1) * self.tree_top_k ** 2
             require(self.num_draft_nodes <= candidates, "SpecConfig", "total_tokens", self.total_tokens,
-                    f"at most the {candidates} candidates that top_k {self.top_k} over num_speculative_tokens {k} "
-                    "depths makes (top_k + (depth - 1) * top_k^2)")
+                    f"at most the {candidates} candidates that tree_top_k {self.tree_top_k} over num_speculative_tokens "
+                    f"{k} depths makes (tree_top_k + (depth - 1) * tree_top_k^2)")
             require(self.rejection_sample_method in TREE_REJECTION_SAMPLE_METHODS, "SpecConfig",
                     "rejection_sample_method", self.rejection_sample_method,
                     f"one of {TREE_REJECTION_SAMPLE_METHODS} with a dynamic tree")

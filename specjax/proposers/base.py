@@ -114,7 +114,7 @@ class Proposer:
     # True where propose can draft spec.speculative_token_tree: its K are then the tree's nodes, in the
     # tree's order (DESIGN.md's trees; specjax.draft_tree). Others refuse the option when built.
     drafts_trees: ClassVar[bool] = False
-    # True where propose can draft a dynamic tree (spec.total_tokens, spec.top_k: EAGLE-2): its K are
+    # True where propose can draft a dynamic tree (spec.total_tokens, spec.tree_top_k: EAGLE-2): its K are
     # then total_tokens nodes, parents before children, whose parents `tree_parents` reads from the state.
     drafts_dynamic_trees: ClassVar[bool] = False
     # True where with_draft_vocabulary makes the drafter draft only some target ids (FR-Spec;
@@ -296,7 +296,7 @@ def build_proposer(spec: SpecConfig, sampling: SamplingConfig | SamplingMode, ca
                                      f"with {sorted(name for name, c in PROPOSERS.items() if c.drafts_trees)}")
     if spec.total_tokens is not None and not cls.drafts_dynamic_trees:
         raise UnsupportedSpeculation(
-            f"method {spec.method!r} drafts no dynamic trees: total_tokens / top_k are allowed with "
+            f"method {spec.method!r} drafts no dynamic trees: total_tokens / tree_top_k are allowed with "
             f"{sorted(name for name, c in PROPOSERS.items() if c.drafts_dynamic_trees)}")
     if spec.total_tokens == "auto":
         raise UnsupportedSpeculation("total_tokens 'auto' is a choice generate makes before the loop: pass the spec "

@@ -223,12 +223,12 @@ class DraftModelProposer(Proposer):
 
         def expand(cache, level, tokens, parent, sees):
             positions = jnp.broadcast_to((root + level)[:, None], tokens.shape)
-            logits, _, cache = params(tokens, positions, cache.with_lengths(root + 1 + (level - 1) * spec.top_k),
+            logits, _, cache = params(tokens, positions, cache.with_lengths(root + 1 + (level - 1) * spec.tree_top_k),
                                       attention_mask=draft_tree.block_mask(sees, root + 1, cache.max_length))
-            return cache, *draft_tree.top_k_log_probs(logits, spec.top_k)
+            return cache, *draft_tree.top_k_log_probs(logits, spec.tree_top_k)
 
         tokens, parents, slots, log_probs, cache = draft_tree.grow(
-            *draft_tree.top_k_log_probs(logits[:, -1], spec.top_k), expand, cache, depth=spec.num_speculative_tokens,
+            *draft_tree.top_k_log_probs(logits[:, -1], spec.tree_top_k), expand, cache, depth=spec.num_speculative_tokens,
             total_tokens=spec.total_tokens)
         return tokens, None, DraftModelState(cache=cache.with_lengths(root), parents=parents, slots=slots,
                                              tree_log_probs=log_probs)

@@ -129,7 +129,7 @@ class EagleProposer(Proposer):
         # Past the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
         spec = self.settings.spec
         width = spec.num_speculative_tokens + 1
-        draft_slots = width if spec.total_tokens is None else (spec.num_speculative_tokens - 1) * spec.top_k
+        draft_slots = width if spec.total_tokens is None else (spec.num_speculative_tokens - 1) * spec.tree_top_k
         return params.head.create_cache(batch, self.settings.cache_size + width + draft_slots, self.settings.cache_dtype)
 
     def extend(self, params: EagleParams, cache: KVCache, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
@@ -205,11 +205,11 @@ class EagleProposer(Proposer):
             features = outputs[:, None] if parent is None else outputs[rows, parent]
             features = jnp.broadcast_to(features, (*tokens.shape, features.shape[-1]))
             positions = jnp.broadcast_to((committed + level - 1)[:, None], tokens.shape)
-            out, cache = head(tokens, features, positions, cache.with_lengths(committed + (level - 1) * spec.top_k),
+            out, cache = head(tokens, features, positions, cache.with_lengths(committed + (level - 1) * spec.tree_top_k),
                               params.embed, attention_mask=draft_tree.block_mask(sees, committed, cache.max_length))
-            return (cache, out), *self.top_k_children(params, out, spec.top_k)
+            return (cache, out), *self.top_k_children(params, out, spec.tree_top_k)
 
-        tokens, parents, _, log_probs, _ = draft_tree.grow(*self.top_k_children(params, feature, spec.top_k),
+        tokens, parents, _, log_probs, _ = draft_tree.grow(*self.top_k_children(params, feature, spec.tree_top_k),
                                                            expand, (cache, feature), depth=spec.num_speculative_tokens,
                                                            total_tokens=spec.total_tokens)
         return tokens, parents, log_probs
