@@ -223,7 +223,7 @@ class Runner:
             self._models[drafter_key] = load_drafter(*drafter_key[:2], target, config.dtype, model_shards)
         drafter = self._models[drafter_key]
         if config.draft_vocab_size is not None:
-            from specjax.training.eagle import draft_vocabulary
+            from specjax.models.vocabulary import draft_vocabulary
 
             sample_key = (config.target, config.corpus)
             if sample_key not in self._samples:

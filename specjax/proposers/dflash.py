@@ -27,28 +27,19 @@ from specjax.models.dflash import (ARCHITECTURE, DFlashDrafter, check_target, dr
                                    with_draft_vocabulary)
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Hidden, Transformer, einsum_f32, for_decoding, unembed
-from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary
+from specjax.models.transformer import Hidden, Transformer, for_decoding
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
                                     register)
-from specjax.proposers.draft_model import draw_draft_tokens
-from specjax.sharding import MODEL
+from specjax.proposers.drafting import TargetHeadParams, draw_draft_tokens
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("drafter", "embed", "lm_head", "draft_lm_head"), meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class DFlashParams:
-    """The drafter with the target's embedding and LM head (None when tied), which it uses, and, for a
-    drafter with a draft vocabulary (FR-Spec), the target's unembedding restricted to it (gathered once
-    here, not in every step; None otherwise)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashParams(TargetHeadParams):
+    """The drafter with the target's unembedding it drafts through (TargetHeadParams: FR-Spec's rows too)."""
 
     drafter: DFlashDrafter
-    embed: Float[Array, "V D"]
-    lm_head: Float[Array, "D V"] | None
-    draft_lm_head: Float[Array, "D Vd"] | None = None
-    # specjax.sharding's rule for the name not among a Transformer's: split over the vocabulary.
-    parameter_rules: ClassVar[dict[str, tuple[str | None, ...]]] = {"draft_lm_head": (None, MODEL)}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "pending", "num_pending"),
@@ -134,10 +125,8 @@ class DFlashProposer(Proposer):
         return block_size - 1 if full else spec.num_speculative_tokens + first - 1
 
     def bind(self, params: DFlashDrafter, target: Transformer) -> DFlashParams:
-        embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
         ids = params.draft_to_target
-        return DFlashParams(drafter=params, embed=embed, lm_head=lm_head,
-                            draft_lm_head=None if ids is None else restricted_unembedding(embed, lm_head, ids[...]))
+        return DFlashParams.bound(target, None if ids is None else ids[...], drafter=params)
 
     @classmethod
     def with_draft_vocabulary(cls, drafter: DFlashDrafter, ids) -> DFlashDrafter:
@@ -197,12 +186,8 @@ class DFlashProposer(Proposer):
     def logits(self, params: DFlashParams, hidden: Float[Array, "B K D"]) -> Float[Array, "B K V"]:
         """The drafts' logits through the target's LM head; with a draft vocabulary (FR-Spec), through its
         rows only, -inf at every other id."""
-        drafter = params.drafter
-        dtype = drafter.config.layer.jnp_dtype
-        if params.draft_lm_head is None:
-            return unembed(hidden, params.embed, params.lm_head, dtype)
-        draft = einsum_f32("bkd,dv->bkv", hidden.astype(dtype), params.draft_lm_head.astype(dtype))
-        return to_target_vocabulary(draft, drafter.draft_to_target[...], drafter.config.layer.vocab_size)
+        layer, ids = params.drafter.config.layer, params.drafter.draft_to_target
+        return params.logits(hidden, layer.jnp_dtype, None if ids is None else ids[...], layer.vocab_size)
 
     def accept(self, state: DFlashState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> DFlashState:

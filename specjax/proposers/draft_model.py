@@ -23,11 +23,9 @@ from specjax.config import ConfigError, SpecConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer, for_decoding
-from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
-                                    register)
+from specjax.proposers.base import Context, Proposer, TargetOutput, UnsupportedSpeculation, register
+from specjax.proposers.drafting import draft_chain, draw_draft_tokens
 from specjax.proposers.heterogeneous import HeterogeneousDraft
-from specjax.sharding import vocabulary_argmax
-from specjax.verify.sampling import SamplingParams, processed_probs, sample
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots", "tree_log_probs"),
@@ -39,15 +37,6 @@ class DraftModelState:
     parents: Int[Array, "B N"] | None = None
     slots: Int[Array, "B N"] | None = None
     tree_log_probs: Float[Array, "B N"] | None = None  # its path log-probabilities, highest first (grow)
-
-
-def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings,
-                      sampling: SamplingParams):
-    """The next draft token per row and, for probabilistic drafting, its processed distribution (greedy
-    rows of a sampled batch: the argmax, one-hot)."""
-    if not settings.sampling.sampled or settings.spec.draft_sample_method == "greedy":
-        return vocabulary_argmax(logits), None
-    return sample(logits, keys, sampling, settings.sampling), processed_probs(logits, sampling, settings.sampling)
 
 
 @register("draft_model")
@@ -156,26 +145,19 @@ class DraftModelProposer(Proposer):
             window = bridge.draft_ids(window)
         positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
         logits, _, cache = draft(window, positions, state.cache.with_lengths(start))
-        step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
-        def draw(logits, step_key):  # in the draft's own ids
+        def draw(carry, step_key):  # in the draft's own ids
+            logits = carry[1]
             return draw_draft_tokens(logits if bridge is None else bridge.mask(logits), step_key, self.settings,
                                      context.sampling)
 
-        def draft_step(carry, step_key):
-            cache, logits = carry
-            token, probs = draw(logits, step_key)
-            logits, _, cache = draft(token[:, None], cache.lengths[:, None], cache)
-            return (cache, logits[:, 0]), (token, probs)
+        def step(carry, token):
+            logits, _, cache = draft(token[:, None], carry[0].lengths[:, None], carry[0])
+            return cache, logits[:, 0]
 
-        (cache, logits), (tokens, probs) = jax.lax.scan(draft_step, (cache, logits[:, -1]), step_keys[:-1])
-        last_token, last_probs = draw(logits, step_keys[-1])
-        draft_tokens = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
-        if bridge is not None:  # greedy drafting only (SpecConfig refuses the rest): no probabilities to map
+        draft_tokens, draft_probs, (cache, _) = draft_chain(draw, step, (cache, logits[:, -1]), keys, num_draft)
+        if bridge is not None:  # greedy drafting only (check_options refuses the rest): no probabilities to map
             draft_tokens = bridge.target_ids(draft_tokens)
-        draft_probs = None
-        if last_probs is not None:
-            draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
         return draft_tokens, draft_probs, DraftModelState(cache=cache)
 
     def propose_tree(self, params, state: DraftModelState, context: Context):

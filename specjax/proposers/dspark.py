@@ -27,7 +27,7 @@ from specjax.config import SpecConfig, require
 from specjax.models.dspark import ARCHITECTURE, DSparkDrafter, load_dspark
 from specjax.proposers.base import Context, TargetOutput, register
 from specjax.proposers.dflash import DFlashParams, DFlashProposer, DFlashState
-from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.proposers.drafting import draw_draft_tokens
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -33,27 +33,21 @@ from specjax.models import hf
 from specjax.models.eagle import (EagleHead, checkpoint_version, head_to_decoding_layout, load_eagle,
                                   with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
+from specjax.models.transformer import Hidden, Transformer, for_decoding
+from specjax.models.vocabulary import to_target_vocabulary
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, register,
                                     require_target_sizes)
-from specjax.proposers.draft_model import draw_draft_tokens
-from specjax.sharding import MODEL
+from specjax.proposers.drafting import TargetHeadParams, draft_chain, draw_draft_tokens
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("head", "embed", "lm_head", "draft_lm_head"),
                    meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class EagleParams:
-    """The head with the target's embedding and LM head (None when tied), which it shares, and, for an
-    EAGLE-1 head with a draft vocabulary, the target's unembedding restricted to it (gathered once here,
-    not in every draft step; None otherwise)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleParams(TargetHeadParams):
+    """The head with the target's embedding and LM head it shares (TargetHeadParams; an EAGLE-1 head with a
+    draft vocabulary drafts through the target's rows of it, FR-Spec)."""
 
     head: EagleHead
-    embed: Float[Array, "V D"]
-    lm_head: Float[Array, "D V"] | None
-    draft_lm_head: Float[Array, "D Vd"] | None = None
-    # specjax.sharding's rule for the name not among a Transformer's: split over the vocabulary.
-    parameter_rules: ClassVar[dict[str, tuple[str | None, ...]]] = {"draft_lm_head": (None, MODEL)}
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -109,20 +103,26 @@ class EagleProposer(Proposer):
                              f"0..{target_config.num_layers}")
 
     def bind(self, params: EagleHead, target: Transformer) -> EagleParams:
-        embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
-        return EagleParams(head=params, embed=embed, lm_head=lm_head,
-                           draft_lm_head=params.restricted_lm_head(embed, lm_head))
+        ids = params.draft_to_target if params.config.version == 1 else None  # EAGLE-3's LM head is its own
+        return EagleParams.bound(target, None if ids is None else ids[...], head=params)
 
     def logits(self, params: EagleParams, features):
-        return params.head.logits(features, self.target_head(params), params.draft_lm_head)
+        """Float32 logits over the target's vocabulary (-inf outside a draft vocabulary)."""
+        logits, ids = self.draft_logits(params, features)
+        return logits if ids is None else to_target_vocabulary(logits, ids, params.head.config.layer.vocab_size)
 
-    def target_head(self, params: EagleParams):
-        return lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)
+    def draft_logits(self, params: EagleParams, features):
+        """(logits over the draft vocabulary, its target ids), or (logits over the target's, None) for a head
+        without one: what ranks drafts, before any scatter to the target's vocabulary."""
+        head = params.head
+        if params.draft_lm_head is not None:  # EAGLE-1 with a draft vocabulary: the target's rows (FR-Spec)
+            return params.draft_logits(features, head.config.layer.jnp_dtype), head.draft_to_target[...]
+        return head.draft_logits(features, lambda f: params.target_logits(f, head.config.layer.jnp_dtype))
 
     def top_k_children(self, params: EagleParams, features, k: int):
         """(log-probabilities, target ids) of the head's k most likely tokens at each feature, ranked over
         the draft vocabulary where the head has one (no scatter to the target's vocabulary)."""
-        logits, ids = params.head.draft_logits(features, self.target_head(params), params.draft_lm_head)
+        logits, ids = self.draft_logits(params, features)
         return draft_tree.top_k_log_probs(logits, k, ids)
 
     def new_cache(self, params: EagleParams, batch: int) -> KVCache:
@@ -172,23 +172,17 @@ class EagleProposer(Proposer):
             drafts, parents, log_probs = self.draft_tree(params, feature, cache.with_lengths(committed))
             return drafts, None, dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts,
                                                      parents=parents, tree_log_probs=log_probs)
-        step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
-        def draft_step(carry, step_key):
+        def draw(carry, step_key):
+            return draw_draft_tokens(self.logits(params, carry[1]), step_key, self.settings, context.sampling)
+
+        def step(carry, token):
             cache, feature = carry
-            token, probs = draw_draft_tokens(self.logits(params, feature), step_key, self.settings,
-                                             context.sampling)
             out, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, params.embed)
-            return (cache, out[:, 0]), (token, probs)
+            return cache, out[:, 0]
 
-        (cache, feature), (tokens, probs) = jax.lax.scan(
-            draft_step, (cache.with_lengths(committed), feature), step_keys[:-1])
-        last_token, last_probs = draw_draft_tokens(self.logits(params, feature), step_keys[-1], self.settings,
-                                                     context.sampling)
-        drafts = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
-        draft_probs = None
-        if last_probs is not None:
-            draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
+        drafts, draft_probs, (cache, _) = draft_chain(draw, step, (cache.with_lengths(committed), feature), keys,
+                                                      num_draft)
         state = dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts)
         return drafts, draft_probs, state
 

@@ -35,7 +35,7 @@ from specjax.models.kv_cache import KVCache
 from specjax.models.mtp import MTPModules, load_mtp, mtp_to_decoding_layout
 from specjax.models.transformer import Transformer, for_decoding, unembed
 from specjax.proposers.base import Context, Proposer, TargetOutput, register, require_target_sizes
-from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.proposers.drafting import draw_draft_tokens
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("modules", "embed", "lm_head"), meta_fields=())
