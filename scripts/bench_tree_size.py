@@ -22,7 +22,8 @@ import functools
 import jax
 
 from specjax import benchmarking
-from specjax.decoding import choose_tree_size, run_speculative
+from specjax.decoding import run_speculative
+from specjax.trees.sizing import choose_tree_size
 from specjax.metrics import AcceptanceMetrics
 from specjax.speed import (build_drafter, build_target, cache_size_for, generation_args, speculative_run, synthetic_spec,
                            tokens_per_s)

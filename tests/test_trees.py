@@ -17,7 +17,7 @@ from support.distributions import (chi_square_pvalue, exact_joint, joint_counts_
 from support.models import EOS, head_for, medusa_for, target_and_drafts
 from support.requests import REQUESTS, autoregressive_outputs
 
-from specjax import tree_size
+from specjax.trees import sizing
 from specjax import verify as verify_registry
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
@@ -341,7 +341,7 @@ def test_auto_tree_sizes_are_those_the_depth_and_tree_top_k_fill_and_the_cache_h
 def test_the_tree_size_of_highest_predicted_rate_is_chosen():
     """tau / (T_verify + T_rest), T_rest the step less its T_verify at both ends (0.5 at 8 nodes, 1.0 at 32),
     linear between (0.666.. at 16): 2 / 1.5, 3 / 1.866.., 3.5 / 3."""
-    choice = tree_size.choose((8, 16, 32), (2.0, 3.0, 3.5), (1.0, 1.2, 2.0), step_s=(1.5, 3.0), batch=2)
+    choice = sizing.choose((8, 16, 32), (2.0, 3.0, 3.5), (1.0, 1.2, 2.0), step_s=(1.5, 3.0), batch=2)
     assert choice.total_tokens == 16
     np.testing.assert_allclose(choice.rest_s, (0.5, 0.5 + 0.5 / 3, 1.0))
     np.testing.assert_allclose(choice.predicted_tok_s, (2 * 2 / 1.5, 2 * 3 / (1.2 + 0.5 + 0.5 / 3), 2 * 3.5 / 3))
@@ -352,7 +352,7 @@ def test_estimated_acceptance_sums_the_best_nodes_confidences_scaled_to_the_meas
     """Rows [0.5, 0.25, 0.25] and [0.5, 0.5, 0]: 1 + cumulative mean = 1.5, 1.875, 2; measured 3 at 3 nodes
     doubles every gain over 1."""
     log_probs = np.log(np.array([[0.5, 0.25, 0.25], [0.5, 0.5, 1e-30]]))
-    np.testing.assert_allclose(tree_size.estimated_acceptance(log_probs, (1, 2, 3), measured=3.0), (2.0, 2.75, 3.0))
+    np.testing.assert_allclose(sizing.estimated_acceptance(log_probs, (1, 2, 3), measured=3.0), (2.0, 2.75, 3.0))
 
 
 @pytest.mark.loop

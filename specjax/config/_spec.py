@@ -34,7 +34,7 @@ class SamplingConfig:
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 VERIFY_IMPLS = ("auto", "pallas", "xla")
-# The dynamic tree sizes `SpecConfig.total_tokens: auto` chooses from (specjax.tree_size).
+# The dynamic tree sizes `SpecConfig.total_tokens: auto` chooses from (specjax.trees.sizing).
 AUTO_TREE_SIZES = (8, 16, 24, 32, 48, 64)
 # Trees are verified by recursive rejection sampling ('standard'), traversal verification ('block': block
 # verification generalised to trees), or in the benchmark mode (specjax.verify.tree).
@@ -92,7 +92,7 @@ class SpecConfig:
       ranks per node, e.g. ((0,), (1,), (0, 0), (0, 1)): node (0, 1) is the second-ranked candidate of
       depth 2 under the first-ranked one of depth 1. Every node's parent (its path less the last rank)
       comes before it; the deepest path is num_speculative_tokens long. The target scores the whole
-      tree in one forward (specjax.draft_tree) and recursive rejection sampling verifies it
+      tree in one forward (specjax.trees) and recursive rejection sampling verifies it
       (specjax.verify.tree; rejection_sample_method 'standard'). Drafters whose proposer drafts_trees draft them.
     total_tokens, tree_top_k: a dynamic draft tree (EAGLE-2), rebuilt every step from the drafter's own
       confidences: the root's tree_top_k children, then at each depth the tree_top_k frontier nodes (by the
@@ -104,7 +104,7 @@ class SpecConfig:
       (EAGLE's config calls tree_top_k top_k, vLLM has no name for it: here top_k is sampling's.)
       total_tokens 'auto': the size of AUTO_TREE_SIZES (those the depth and tree_top_k can fill) that
       `specjax.decoding.generate` predicts fastest for this device, batch and drafter, from a short
-      calibration run (specjax.tree_size); the cache has room for the largest.
+      calibration run (specjax.trees.sizing); the cache has room for the largest.
     prompt_lookup_min / prompt_lookup_max: the n-gram lengths prompt lookup tries, longest first.
     use_heterogeneous_vocab: draft and target with different tokenizers (vLLM's TLI).
     dflash_full_block: whether a block drafter drafts its whole trained block (null: auto).

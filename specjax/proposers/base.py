@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
+from specjax.trees import structure
 from specjax.config import DTYPES, ConfigError, ModelConfig, SamplingConfig, SpecConfig, require
 from specjax.models.transformer import Hidden
 from specjax.verify.sampling import SamplingMode, SamplingParams
@@ -76,7 +76,7 @@ class TargetOutput:
     hidden: Hidden
     # After a draft tree: the accepted path's node indices (-1 past its length; [B, K], K the tree's
     # depth), along which logits and hidden were taken ([B, K + 1, ...], as after a chain); a drafter
-    # that wrote the tree into a cache of its own moves that path with it (specjax.draft_tree.move_path).
+    # that wrote the tree into a cache of its own moves that path with it (specjax.masks.move_path).
     # None after a chain or the prefill.
     path: Int[Array, "B K"] | None = None
 
@@ -112,7 +112,7 @@ class Proposer:
     # False for a method without weights (n-gram lookup): it takes no drafter folder.
     needs_drafter: ClassVar[bool] = True
     # True where propose can draft spec.speculative_token_tree: its K are then the tree's nodes, in the
-    # tree's order (DESIGN.md's trees; specjax.draft_tree). Others refuse the option when built.
+    # tree's order (DESIGN.md's trees; specjax.trees). Others refuse the option when built.
     drafts_trees: ClassVar[bool] = False
     # True where propose can draft a dynamic tree (spec.total_tokens, spec.tree_top_k: EAGLE-2): its K are
     # then total_tokens nodes, parents before children, whose parents `tree_parents` reads from the state.
@@ -205,16 +205,16 @@ class Proposer:
 
     def tree_log_probs(self, state: Any) -> Float[Array, "B N"] | None:
         """A drafter of dynamic trees: the path log-probabilities of the last tree's nodes, highest first
-        (draft_tree.grow), from which specjax.tree_size estimates acceptance; None otherwise."""
+        (structure.grow), from which specjax.trees.sizing estimates acceptance; None otherwise."""
         return None
 
     def tree_parents(self, state: Any, batch: int) -> Int[Array, "B N"] | None:
-        """The parent of each node the last propose drafted (specjax.draft_tree), None for a chain: a
+        """The parent of each node the last propose drafted (specjax.trees), None for a chain: a
         static tree's from the config; a drafter of dynamic trees returns those it kept in its state."""
         tree = self.settings.spec.speculative_token_tree
         if tree is None:
             return None
-        return jnp.broadcast_to(jnp.asarray(draft_tree.token_tree_parents(tree), jnp.int32), (batch, len(tree)))
+        return jnp.broadcast_to(jnp.asarray(structure.token_tree_parents(tree), jnp.int32), (batch, len(tree)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +300,7 @@ def build_proposer(spec: SpecConfig, sampling: SamplingConfig | SamplingMode, ca
             f"{sorted(name for name, c in PROPOSERS.items() if c.drafts_dynamic_trees)}")
     if spec.total_tokens == "auto":
         raise UnsupportedSpeculation("total_tokens 'auto' is a choice generate makes before the loop: pass the spec "
-                                     "to specjax.decoding.generate, or a size chosen by decoding.choose_tree_size")
+                                     "to specjax.decoding.generate, or a size chosen by trees.sizing.choose_tree_size")
     if isinstance(sampling, SamplingConfig):
         sampling = SamplingMode.of([sampling])
     settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
+from specjax.trees import masks, structure
 from specjax.config import ConfigError, SpecConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
@@ -124,7 +124,7 @@ class DraftModelProposer(Proposer):
         nodes = self.settings.spec.num_draft_nodes
         dynamic = self.settings.spec.total_tokens is not None  # the loop's state keeps one structure throughout
         return DraftModelState(cache=cache.with_lengths(lengths),
-                               parents=draft_tree.chain_parents(batch, nodes) if dynamic else None,
+                               parents=structure.chain_parents(batch, nodes) if dynamic else None,
                                slots=jnp.zeros((batch, nodes), jnp.int32) if dynamic else None,
                                tree_log_probs=jnp.zeros((batch, nodes), jnp.float32) if dynamic else None)
 
@@ -166,7 +166,7 @@ class DraftModelProposer(Proposer):
         tree's mask, and their logits rank their children. Greedy drafting: node (.., r) is its parent's
         r-th ranked token."""
         tree = self.settings.spec.speculative_token_tree
-        parents = draft_tree.token_tree_parents(tree)
+        parents = structure.token_tree_parents(tree)
         rows = jnp.arange(context.tokens.shape[0])
         start = context.lengths - 2
         window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
@@ -174,8 +174,8 @@ class DraftModelProposer(Proposer):
                                   state.cache.with_lengths(start))
         root = start + 1  # the last committed token's slot; node i goes to root + 1 + i
         row_parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (rows.shape[0], len(tree)))
-        mask = draft_tree.attention_mask(row_parents, root, cache.max_length)
-        positions = draft_tree.block_positions(row_parents, root)
+        mask = masks.attention_mask(row_parents, root, cache.max_length)
+        positions = masks.block_positions(row_parents, root)
         width = 1 + max(path[-1] for path in tree)
         ranked = {-1: jax.lax.top_k(logits[:, -1], width)[1]}  # node -> its children's candidates [B, R]
         tokens = [None] * len(tree)
@@ -194,7 +194,7 @@ class DraftModelProposer(Proposer):
         return jnp.stack(tokens, axis=1).astype(jnp.int32), None, DraftModelState(cache=cache.with_lengths(root))
 
     def propose_dynamic_tree(self, params, state: DraftModelState, context: Context):
-        """An EAGLE-2 tree (draft_tree.grow): the root's top-k children, then each level's frontier as one
+        """An EAGLE-2 tree (structure.grow): the root's top-k children, then each level's frontier as one
         block over the draft's cache at its draft slots (after the root's), under the tree's mask."""
         spec, rows = self.settings.spec, jnp.arange(context.tokens.shape[0])
         start = context.lengths - 2
@@ -206,11 +206,11 @@ class DraftModelProposer(Proposer):
         def expand(cache, level, tokens, parent, sees):
             positions = jnp.broadcast_to((root + level)[:, None], tokens.shape)
             logits, _, cache = params(tokens, positions, cache.with_lengths(root + 1 + (level - 1) * spec.tree_top_k),
-                                      attention_mask=draft_tree.block_mask(sees, root + 1, cache.max_length))
-            return cache, *draft_tree.top_k_log_probs(logits, spec.tree_top_k)
+                                      attention_mask=masks.block_mask(sees, root + 1, cache.max_length))
+            return cache, *structure.top_k_log_probs(logits, spec.tree_top_k)
 
-        tokens, parents, slots, log_probs, cache = draft_tree.grow(
-            *draft_tree.top_k_log_probs(logits[:, -1], spec.tree_top_k), expand, cache, depth=spec.num_speculative_tokens,
+        tokens, parents, slots, log_probs, cache = structure.grow(
+            *structure.top_k_log_probs(logits[:, -1], spec.tree_top_k), expand, cache, depth=spec.num_speculative_tokens,
             total_tokens=spec.total_tokens)
         return tokens, None, DraftModelState(cache=cache.with_lengths(root), parents=parents, slots=slots,
                                              tree_log_probs=log_probs)
@@ -230,5 +230,5 @@ class DraftModelProposer(Proposer):
         path = target_out.path
         if state.slots is not None:
             path = jnp.where(path >= 0, jnp.take_along_axis(state.slots, jnp.maximum(path, 0), axis=1), -1)
-        return dataclasses.replace(state, cache=draft_tree.move_path(state.cache, state.cache.lengths, path,
+        return dataclasses.replace(state, cache=masks.move_path(state.cache, state.cache.lengths, path,
                                                                      num_accepted))

@@ -11,7 +11,7 @@ resetting the fill level. After a verify step the next pairs are the verify bloc
 positions 0..n with the tokens d_1..d_n, next_token: n + 1 pairs, fed as a fixed window of K + 1
 whose output at index n starts the next draft.
 
-Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k; the algorithm is specjax.draft_tree.grow): the
+Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k; the algorithm is specjax.structure.grow): the
 head runs each level's frontier as pairs (the parent's output, the node's token) at position
 committed + depth - 1, under the tree's mask over its own cache; those entries are dropped like a chain's
 drafts (the fill level is reset at the next step), so accept needs only the path's tokens.
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
+from specjax.trees import masks, structure
 from specjax.models import hf
 from specjax.models.eagle import (EagleHead, checkpoint_version, head_to_decoding_layout, load_eagle,
                                   with_draft_vocabulary)
@@ -123,7 +123,7 @@ class EagleProposer(Proposer):
         """(log-probabilities, target ids) of the head's k most likely tokens at each feature, ranked over
         the draft vocabulary where the head has one (no scatter to the target's vocabulary)."""
         logits, ids = self.draft_logits(params, features)
-        return draft_tree.top_k_log_probs(logits, k, ids)
+        return structure.top_k_log_probs(logits, k, ids)
 
     def new_cache(self, params: EagleParams, batch: int) -> KVCache:
         # Past the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
@@ -152,7 +152,7 @@ class EagleProposer(Proposer):
                           hidden=last, num_pending=jnp.ones_like(lengths),
                           drafts=jnp.zeros((batch, spec.num_draft_nodes), jnp.int32),
                           parents=None if spec.total_tokens is None
-                          else draft_tree.chain_parents(batch, spec.num_draft_nodes),
+                          else structure.chain_parents(batch, spec.num_draft_nodes),
                           tree_log_probs=None if spec.total_tokens is None
                           else jnp.zeros((batch, spec.num_draft_nodes), jnp.float32))
 
@@ -187,7 +187,7 @@ class EagleProposer(Proposer):
         return drafts, draft_probs, state
 
     def draft_tree(self, params: EagleParams, feature: Float[Array, "B D"], cache):
-        """A dynamic tree (module docstring; draft_tree.grow) from the head's feature at the last committed
+        """A dynamic tree (module docstring; structure.grow) from the head's feature at the last committed
         pair, with the head's cache filled to the committed pairs: (node tokens [B, N], parents [B, N], path
         log-probabilities [B, N], highest first)."""
         head, spec = params.head, self.settings.spec
@@ -200,10 +200,10 @@ class EagleProposer(Proposer):
             features = jnp.broadcast_to(features, (*tokens.shape, features.shape[-1]))
             positions = jnp.broadcast_to((committed + level - 1)[:, None], tokens.shape)
             out, cache = head(tokens, features, positions, cache.with_lengths(committed + (level - 1) * spec.tree_top_k),
-                              params.embed, attention_mask=draft_tree.block_mask(sees, committed, cache.max_length))
+                              params.embed, attention_mask=masks.block_mask(sees, committed, cache.max_length))
             return (cache, out), *self.top_k_children(params, out, spec.tree_top_k)
 
-        tokens, parents, _, log_probs, _ = draft_tree.grow(*self.top_k_children(params, feature, spec.tree_top_k),
+        tokens, parents, _, log_probs, _ = structure.grow(*self.top_k_children(params, feature, spec.tree_top_k),
                                                            expand, (cache, feature), depth=spec.num_speculative_tokens,
                                                            total_tokens=spec.total_tokens)
         return tokens, parents, log_probs
