@@ -369,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--acceptance-length", type=float, default=4.0,
                        help="synthetic mean acceptance length tau (tokens committed a step, at most K + 1)")
     speed.add_argument("--num-speculative-tokens", type=int, default=5, help="K, tokens drafted a step")
-    speed.add_argument("--drafter", default="eagle", help="eagle | eagle_fr | eagle3 | draft_model")
+    speed.add_argument("--drafter", default="eagle",
+                       help="a drafter of specjax.speed.DRAFTERS: a method whose proposer builds a shaped drafter "
+                            "(eagle, eagle3, draft_model, dflash, mtp), or NAME_fr over a draft vocabulary")
     speed.add_argument("--output", default=None, help="also write speed_<shape>.json and .md into this folder")
     speed.set_defaults(run=_speed)
     # Its own parser (specjax/bench_serve.py, which scripts/bench_serve.py runs too) reads the arguments: main.

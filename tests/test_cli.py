@@ -110,7 +110,7 @@ def test_bfloat16_says_greedy_equality_is_up_to_rounding(capsys):
     assert 'docs/performance.md, "Rounding"' in err and "[autoregressive: up to 2 new tokens, bfloat16 on" in err
 
 
-def test_every_spec_config_field_has_a_flag_and_the_trees_top_k_is_not_samplings():
+def test_every_spec_config_field_has_a_flag_and_the_tree_top_k_is_not_samplings():
     import dataclasses
 
     from specjax.config import SpecConfig

@@ -112,7 +112,7 @@ class Proposer:
     # False for a method without weights (n-gram lookup): it takes no drafter folder.
     needs_drafter: ClassVar[bool] = True
     # True where propose can draft spec.speculative_token_tree: its K are then the tree's nodes, in the
-    # tree's order (DESIGN.md's trees; specjax.trees). Others refuse the option when built.
+    # tree's order (docs/design.md's trees; specjax.trees). Others refuse the option when built.
     drafts_trees: ClassVar[bool] = False
     # True where propose can draft a dynamic tree (spec.total_tokens, spec.tree_top_k: EAGLE-2): its K are
     # then total_tokens nodes, parents before children, whose parents `tree_parents` reads from the state.
@@ -128,6 +128,9 @@ class Proposer:
     # may hold in it (OPTION_IGNORED: any, as n-gram's lookup sizes, which ride along in sweeps of every
     # method); check_options says what this drafter allows in them (check_spec runs both).
     options: ClassVar[dict[str, Any]] = {}
+    # What `shaped` builds at a released model's shapes, in words (a speed table's drafter column); None where
+    # the method has no shaped drafter.
+    shaped_description: ClassVar[str | None] = None
 
     @classmethod
     def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
@@ -140,6 +143,13 @@ class Proposer:
         """Whether a drafter folder is this method's by its own files (`specjax generate --draft FOLDER`
         without --method takes the method that recognizes it); by default no folder is recognized."""
         return False
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> Any:
+        """Random weights of this drafter at a released model's shapes, for target_config's target (draft_config: a
+        draft LM's shapes, where the method drafts with one), made on the device in the decoding layout: what
+        speed tables time (specjax.speed; speed does not depend on the values)."""
+        raise NotImplementedError(f"{cls.__name__} builds no shaped drafter (shaped_description is None)")
 
     @classmethod
     def describe(cls, spec: SpecConfig, drafter: Any) -> dict:
@@ -263,6 +273,8 @@ def proposer_class(method: str) -> type[Proposer]:
     return PROPOSERS[method]
 
 
+# The draft vocabulary of shaped drafters that have one (Proposer.shaped): the released Llama-3.1-8B EAGLE-3 head's.
+SHAPED_DRAFT_VOCAB = 32000
 # The off value of an option other methods ignore whatever it holds (Proposer.options).
 OPTION_IGNORED = object()
 

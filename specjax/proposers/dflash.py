@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.config import SpecConfig, require
-from specjax.models.dflash import (ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash,
-                                   with_draft_vocabulary)
+from specjax import benchmarking
+from specjax.config import ModelConfig, SpecConfig, require
+from specjax.models.dflash import (ARCHITECTURE, DFlashConfig, DFlashDrafter, check_target, default_target_layer_ids,
+                                   drafter_to_decoding_layout, init_dflash, load_dflash, with_draft_vocabulary)
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, for_decoding
@@ -78,6 +79,20 @@ class DFlashProposer(Proposer):
     def check_options(cls, spec: SpecConfig) -> None:
         require(spec.dflash_full_block is None or isinstance(spec.dflash_full_block, bool), "SpecConfig",
                 "dflash_full_block", spec.dflash_full_block, "null (auto), true or false")
+
+    # The shaped drafter (speed tables): z-lab's for 8B targets, layers as wide as the target's.
+    shaped_description: ClassVar[str | None] = "DFlash drafter (5 layers, block 16, as z-lab's for 8B targets)"
+    SHAPED_LAYERS, SHAPED_BLOCK = 5, 16
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> DFlashDrafter:
+        layers = min(cls.SHAPED_LAYERS, target_config.num_layers)
+        config = DFlashConfig(
+            layer=dataclasses.replace(target_config, num_layers=layers, qk_norm=True, architecture="Qwen3ForCausalLM"),
+            target_layer_ids=default_target_layer_ids(target_config.num_layers, layers),
+            mask_token_id=target_config.vocab_size - 1, block_size=cls.SHAPED_BLOCK,
+            num_target_layers=target_config.num_layers)
+        return drafter_to_decoding_layout(benchmarking.on_device(lambda: init_dflash(config, seed=3)), model_shards)
 
     @classmethod
     def describe(cls, spec: SpecConfig, drafter: DFlashDrafter) -> dict:

@@ -18,14 +18,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.trees import masks, structure
-from specjax.config import ConfigError, SpecConfig
+from specjax import benchmarking
+from specjax.config import ConfigError, ModelConfig, SpecConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Transformer, for_decoding
+from specjax.models.transformer import Transformer, for_decoding, init_model, to_decoding_layout
 from specjax.proposers.base import Context, Proposer, TargetOutput, UnsupportedSpeculation, register
 from specjax.proposers.drafting import draft_chain, draw_draft_tokens
 from specjax.proposers.heterogeneous import HeterogeneousDraft
+from specjax.trees import masks, structure
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots", "tree_log_probs"),
@@ -57,6 +58,12 @@ class DraftModelProposer(Proposer):
                 f"SpecConfig.use_heterogeneous_vocab = True with method {spec.method!r} and draft_sample_method "
                 f"{spec.draft_sample_method!r} is invalid: allowed only with method 'draft_model' and "
                 "draft_sample_method 'greedy'")
+
+    shaped_description: ClassVar[str | None] = "Llama-3.2-1B-shaped draft LM"
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> Transformer:
+        return to_decoding_layout(benchmarking.on_device(lambda: init_model(draft_config, seed=1)), model_shards)
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> Transformer:

@@ -51,6 +51,7 @@ class DSparkProposer(DFlashProposer):
     default_drafter: ClassVar[str | None] = "default:dspark"
     checkpoint_kind: ClassVar[str] = "a DSpark drafter"
     takes_draft_vocabulary: ClassVar[bool] = False
+    shaped_description: ClassVar[str | None] = None
     architecture: ClassVar[str] = ARCHITECTURE
     read_checkpoint: ClassVar = staticmethod(load_dspark)
     # dspark_draft_topk (vLLM's option): each draft is drawn from the dspark_draft_topk candidates of highest

@@ -28,16 +28,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.trees import masks, structure
+from specjax import benchmarking
+from specjax.config import ModelConfig
 from specjax.models import hf
-from specjax.models.eagle import (EagleHead, checkpoint_version, head_to_decoding_layout, load_eagle,
-                                  with_draft_vocabulary)
+from specjax.models.eagle import (EagleConfig, EagleHead, checkpoint_version, default_fuse_layers,
+                                  head_to_decoding_layout, init_eagle, load_eagle, with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Hidden, Transformer, for_decoding
 from specjax.models.vocabulary import to_target_vocabulary
-from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, register,
+from specjax.proposers.base import (SHAPED_DRAFT_VOCAB, Context, Proposer, ProposerSettings, TargetOutput, register,
                                     require_target_sizes)
 from specjax.proposers.drafting import TargetHeadParams, draft_chain, draw_draft_tokens
+from specjax.trees import masks, structure
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("head", "embed", "lm_head", "draft_lm_head"),
@@ -78,6 +80,16 @@ class EagleProposer(Proposer):
     def build(cls, settings: ProposerSettings, params: Any) -> EagleProposer:
         # EAGLE-3: hidden_layers are the target layers the head fuses.
         return cls(settings, tuple(params.config.fuse_layers) if isinstance(params, EagleHead) else ())
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> EagleHead:
+        """One layer as wide as the target's; EAGLE-3 with its own LM head over SHAPED_DRAFT_VOCAB ids."""
+        own_vocabulary = {} if cls.version == 1 else dict(
+            draft_vocab_size=min(SHAPED_DRAFT_VOCAB, target_config.vocab_size),
+            fuse_layers=default_fuse_layers(target_config.num_layers))
+        config = EagleConfig(layer=dataclasses.replace(target_config, num_layers=1), version=cls.version,
+                             **own_vocabulary)
+        return head_to_decoding_layout(benchmarking.on_device(lambda: init_eagle(config, seed=2)), model_shards)
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> EagleHead:
@@ -241,6 +253,7 @@ def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
 class Eagle1Proposer(EagleProposer):
     version: ClassVar[int] = 1
     default_drafter: ClassVar[str | None] = "default:eagle1"
+    shaped_description: ClassVar[str | None] = "EAGLE-1 head"
     checkpoint_kind: ClassVar[str] = "an EAGLE-1 head"
     takes_draft_vocabulary: ClassVar[bool] = True
 
@@ -254,4 +267,5 @@ class Eagle1Proposer(EagleProposer):
 class Eagle3Proposer(EagleProposer):
     version: ClassVar[int] = 3
     default_drafter: ClassVar[str | None] = "default:eagle3"
+    shaped_description: ClassVar[str | None] = "EAGLE-3 head"
     checkpoint_kind: ClassVar[str] = "an EAGLE-3 head"

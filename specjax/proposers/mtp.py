@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.config import SpecConfig, require
+from specjax import benchmarking
+from specjax.config import ModelConfig, SpecConfig, require
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.mtp import MTPModules, load_mtp, mtp_to_decoding_layout
+from specjax.models.mtp import MTPConfig, MTPModules, init_mtp, load_mtp, mtp_to_decoding_layout
 from specjax.models.transformer import Transformer, for_decoding, unembed
 from specjax.proposers.base import Context, Proposer, TargetOutput, register, require_target_sizes
 from specjax.proposers.drafting import draw_draft_tokens
@@ -69,6 +70,15 @@ class MTPProposer(Proposer):
     def check_options(cls, spec: SpecConfig) -> None:
         require(spec.mtp_hidden_state in (None, "chained", "target"), "SpecConfig", "mtp_hidden_state",
                 spec.mtp_hidden_state, "null (the checkpoint's), 'chained' or 'target'")
+
+    shaped_description: ClassVar[str | None] = ("one MTP module (MiMo's layout: a Qwen2 layer as wide as the target's), "
+                                                "applied K times")
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> MTPModules:
+        layer = dataclasses.replace(target_config, num_layers=1, architecture="Qwen2ForCausalLM", qkv_bias=True)
+        return mtp_to_decoding_layout(benchmarking.on_device(lambda: init_mtp(MTPConfig(layer=layer), seed=4)),
+                                      model_shards)
 
     @classmethod
     def describe(cls, spec: SpecConfig, drafter: MTPModules) -> dict:
