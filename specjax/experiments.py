@@ -338,7 +338,7 @@ def footer(rows: list[dict]) -> list[str]:
                      f"{BUNDLED_TARGET_PARAMETERS} parameters) are bound by kernel launches and dispatch, not by "
                      "reading weights, so the drafter's and the K + 1-token verify's extra work is not hidden; "
                      "speculation pays where decoding is memory bound: `specjax speed` on a GPU (Llama-3.1-8B "
-                     "shapes, 2.8x with EAGLE-1 on an H200).")
+                     "shapes; docs/performance.md has measured speedups).")
     return notes
 
 

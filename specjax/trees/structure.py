@@ -23,8 +23,8 @@ def chain_parents(batch: int, num_nodes: int) -> Int[Array, "B N"]:
 
 def ancestors(parents: Int[Array, "B N"]) -> Bool[Array, "B N N"]:
     """[b, i, a]: node a is node i or one of its ancestors. The closure of "is the parent of" by repeated
-    squaring: log2(N) small products, not a sequential pass over the nodes (which, a few microseconds a
-    node, cost a 60-node tree about 0.3 ms a step on the H200)."""
+    squaring: log2(N) small products, not a sequential pass over the nodes (a few microseconds a node on a
+    GPU: docs/performance.md has the figures)."""
     num_nodes = parents.shape[1]
     nodes = jnp.arange(num_nodes)
     reach = (parents[:, :, None] == nodes[None, None, :]) | (nodes[:, None] == nodes[None, :])[None]

@@ -1,4 +1,4 @@
-"""Verification of draft trees (DESIGN.md, wave 2): one pass over the nodes, parents before children.
+"""Verification of draft trees: one pass over the nodes, parents before children.
 
 A row's tree is `tokens[N]` with `parents[N]` (-1: a child of the last committed token, the root) and,
 for probabilistic drafting, `draft_probs[N, V]`: the distribution node i was drawn from given its
