@@ -76,6 +76,13 @@ class EagleProposer(Proposer):
     drafts_dynamic_trees: ClassVar[bool] = True
     draft_kv_reads_next_token: ClassVar[bool] = True  # pair j is (f_j, x_{j+1})
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # What tells the two registrations apart follows from the head's version.
+        cls.default_drafter = f"default:eagle{cls.version}"
+        cls.checkpoint_kind = f"an EAGLE-{cls.version} head"
+        cls.shaped_description = f"EAGLE-{cls.version} head"
+
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> EagleProposer:
         # EAGLE-3: hidden_layers are the target layers the head fuses.
@@ -252,9 +259,6 @@ def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Eagle1Proposer(EagleProposer):
     version: ClassVar[int] = 1
-    default_drafter: ClassVar[str | None] = "default:eagle1"
-    shaped_description: ClassVar[str | None] = "EAGLE-1 head"
-    checkpoint_kind: ClassVar[str] = "an EAGLE-1 head"
     takes_draft_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -266,6 +270,3 @@ class Eagle1Proposer(EagleProposer):
 @dataclasses.dataclass(frozen=True)
 class Eagle3Proposer(EagleProposer):
     version: ClassVar[int] = 3
-    default_drafter: ClassVar[str | None] = "default:eagle3"
-    shaped_description: ClassVar[str | None] = "EAGLE-3 head"
-    checkpoint_kind: ClassVar[str] = "an EAGLE-3 head"
