@@ -163,8 +163,12 @@ def spec_from_args(args: argparse.Namespace, method: str) -> SpecConfig:
                 values[name] = yaml.safe_load(raw)
             except yaml.YAMLError as error:
                 raise ConfigError(f"{spec_flag(name)} {raw!r} is not a YAML value: {error}") from None
+    from specjax.proposers import check_spec
+
     try:
-        return from_dict(SpecConfig, {"method": method, **values}, "command line")
+        spec = from_dict(SpecConfig, {"method": method, **values}, "command line")
+        check_spec(spec)  # the drafter's own options, which its proposer checks
+        return spec
     except ConfigError as error:
         flags = [f"{spec_flag(name)} sets SpecConfig.{name}" for name in values if f"SpecConfig.{name}" in str(error)]
         raise ConfigError(str(error) + (f" ({'; '.join(flags)})" if flags else "")) from None

@@ -141,6 +141,10 @@ def test_bad_spec_flags_name_the_field_and_the_flag(capsys):
     assert cli.main(["generate", "--method", "ngram", "--prompt-lookup-min", "two", "--prompt", "x"]) == 2
     assert ("command line: SpecConfig.prompt_lookup_min = 'two' is invalid: allowed an integer "
             "(--prompt-lookup-min sets SpecConfig.prompt_lookup_min)") in capsys.readouterr().err
+    # A drafter's own option, checked by its proposer, names its flag too.
+    assert cli.main(["generate", "--method", "ngram", "--prompt-lookup-min", "0", "--prompt", "x"]) == 2
+    assert ("SpecConfig.prompt_lookup_min = 0 is invalid: allowed an integer >= 1 "
+            "(--prompt-lookup-min sets SpecConfig.prompt_lookup_min)") in capsys.readouterr().err
 
 
 @pytest.mark.e2e
