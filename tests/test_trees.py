@@ -5,24 +5,20 @@ control that a verifier accepting the first-ranked path fails the same test. A c
 settings in one batch and runs it with both verifiers, recursive rejection sampling and traversal verification,
 through one compiled loop (asserted)."""
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.distributions import (chi_square_pvalue, exact_joint, joint_counts_by_sampling, speculative_joint_counts,
-                                   tiny_pair)
+from support.distributions import check_lossless, first_ranked_pvalue, tiny_pair, tree_joint_counts
 from support.models import EOS, head_for, medusa_for, target_and_drafts
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax.trees import sizing
-from specjax import verify as verify_registry
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
 from specjax.proposers import UnsupportedSpeculation, build_proposer
-from specjax.verify import tree as tree_verify
 
 # Medusa-style sparse trees: 2 candidates at depth 1, 2 + 1 under them, one more level under the best.
 TREE = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
@@ -51,26 +47,6 @@ def test_greedy_tree_output_is_identical_to_autoregressive(method):
 SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_k=2))
 
 
-def tree_joint_counts(spec: SpecConfig, samplings, drafter, verifiers=("standard", "block")):
-    """{verifier: counts per sampling setting}: every setting of `samplings` in one batch, once per verifier;
-    the verifier is data of the loop, so the second run compiles nothing (checked)."""
-    counts, programs = {}, []
-    for verifier in verifiers:
-        counts[verifier], metrics, _ = joint_counts_by_sampling(
-            dataclasses.replace(spec, rejection_sample_method=verifier), samplings, drafter)
-        programs.append(speculative_loop._cache_size())
-        assert 0 < metrics.summary()["acceptance_rate"] < 1, verifier
-    assert programs == programs[:1] * len(programs)
-    return counts
-
-
-def check_lossless(counts, samplings):
-    for verifier, by_sampling in counts.items():
-        for sampling, sampling_counts in zip(samplings, by_sampling):
-            p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling))
-            assert p_value > 1e-4, (verifier, sampling, p_value)
-
-
 @pytest.mark.loop
 @pytest.mark.slow
 @pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
@@ -92,27 +68,11 @@ def test_draft_model_tree_sampling_is_lossless():
     check_lossless(counts, samplings)
 
 
-def first_ranked(target_probs, tokens, parents, draft_probs, keys):
-    """Deliberately wrong: accepts the first child at every depth, then samples from the target there."""
-    path, length, _ = tree_verify.verify_tree_greedy(jnp.zeros(target_probs.shape[:2], jnp.int32), tokens * 0, parents)
-    last = jnp.take_along_axis(target_probs, (1 + jnp.maximum(path, 0))[:, :, None], 1)[jnp.arange(tokens.shape[0]),
-                                                                                         jnp.maximum(length - 1, 0)]
-    return path, length, jax.vmap(jax.random.categorical)(keys, jnp.log(last))
-
-
 @pytest.mark.loop
 @pytest.mark.slow
 def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
-    rule = verify_registry.VERIFIERS["standard"]
-    monkeypatch.setitem(verify_registry.VERIFIERS, "standard", verify_registry.Verifier(chain=rule.chain,
-                                                                                        tree=first_ranked))
-    jax.clear_caches()
-    try:
-        heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
-        counts, _ = speculative_joint_counts(tree_spec(SMALL_TREE), SamplingConfig(temperature=1.0), heads)
-    finally:
-        jax.clear_caches()
-    assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], SamplingConfig(temperature=1.0))) < 1e-6
+    heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
+    assert first_ranked_pvalue(monkeypatch, tree_spec(SMALL_TREE), heads) < 1e-6
 
 
 def test_trees_are_refused_where_they_are_not_built():
@@ -305,7 +265,7 @@ def test_a_malformed_dynamic_tree_is_a_config_error_naming_the_field(options, me
 def test_dynamic_trees_are_refused_where_they_are_not_built_or_do_not_fit():
     target, drafts = target_and_drafts()
     with pytest.raises(UnsupportedSpeculation,
-                       match=r"drafts no dynamic trees: .* allowed with \['draft_model', 'eagle', 'eagle3'\]"):
+                       match=r"drafts no dynamic trees: .* allowed with \['draft_model', 'eagle', 'eagle3', 'mtp'\]"):
         generate(target, [[1, 2]], max_new_tokens=4, drafter=medusa_for(target, num_heads=2),
                  spec=SpecConfig(method="medusa", num_speculative_tokens=2, total_tokens=4, tree_top_k=2))
     spec = SpecConfig(method="eagle", num_speculative_tokens=4, total_tokens=40, tree_top_k=4)

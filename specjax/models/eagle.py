@@ -243,7 +243,7 @@ def load_eagle(folder: str | Path, target_config: ModelConfig, *, version: int |
     layout. version defaults to what the weights say: 3 with `midlayer.*`, 1 with `layers.0.*`. Either
     version reads a draft vocabulary (config.json `draft_vocab_size`, tensor `d2t`). EAGLE-3's fuse_layers
     default to config.json's eagle_config.eagle_aux_hidden_state_layer_ids, else default_fuse_layers.
-    Repeated layers load (the bundled head fuses 2, 3, 3); only new training configs refuse them."""
+    Repeated layers load (heads trained before the rule); only new training configs refuse them."""
     folder = Path(folder)
     raw = hf.read_config_json(folder)
     reader = hf.TensorReader(folder)

@@ -33,6 +33,8 @@ LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
 # the drafter of method 'mtp': specjax.models.mtp): the LM loads as that architecture, the modules are left out.
 MTP_HOSTS = {"MiMoForCausalLM": "Qwen2ForCausalLM"}
 MTP_TENSOR_PREFIX = "model.mtp_layers."
+# DeepSeek-V3's layout instead appends the modules as decoder layers model.layers.{num_hidden_layers + k}.
+MTP_NUM_MODULES_KEY = "num_nextn_predict_layers"
 SUPPORTED_ARCHITECTURES = (*LLAMA_FAMILY, "GPT2LMHeadModel", *MTP_HOSTS)
 # Buffers some checkpoints carry that are recomputed, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
@@ -420,6 +422,21 @@ def read_config_json(folder: Path, missing_hint: str = "") -> dict:
     return json.loads(path.read_text())
 
 
+def deepseek_mtp_layers(raw: dict) -> range:
+    """The layer indices DeepSeek-V3's layout gives MTP modules, num_hidden_layers + k for the config's
+    num_nextn_predict_layers modules (empty where the config names none)."""
+    first, count = raw.get("num_hidden_layers"), raw.get(MTP_NUM_MODULES_KEY)
+    valid = isinstance(first, int) and isinstance(count, int) and count > 0
+    return range(first, first + count) if valid else range(0)
+
+
+def mtp_tensor_names(keys: set[str], raw: dict) -> set[str]:
+    """The tensors of MTP modules among a checkpoint's keys, in either layout: MiMo's model.mtp_layers.*, or
+    DeepSeek-V3's layers past the LM's (deepseek_mtp_layers); raw is its config.json."""
+    prefixes = (MTP_TENSOR_PREFIX, *(f"model.layers.{i}." for i in deepseek_mtp_layers(raw)))
+    return {key for key in keys if key.startswith(prefixes)}
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     raw = read_config_json(model_dir, " (is this a Hugging Face model folder?)")
     return config_from_hf(raw, Path(model_dir) / CONFIG_FILE)
@@ -435,15 +452,15 @@ def load(model_dir: str | Path, *, param_dtype: str | None = None, dtype: str | 
     used = fill_from_rules(model, rules_for(config), reader, model_dir, config.num_layers, config.architecture)
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints store it anyway
-    used |= {key for key in reader.keys() if key.startswith(MTP_TENSOR_PREFIX)}  # the drafter's (method 'mtp')
+    used |= mtp_tensor_names(reader.keys(), read_config_json(model_dir))  # the drafter's (method 'mtp')
     check_all_used(reader, used, model_dir, config.architecture)
     return model
 
 
 def fill_from_rules(model: nnx.Module, rules: list[Rule], reader: TensorReader, folder: Path, num_layers: int,
-                    description: str) -> set[str]:
+                    description: str, first_layer: int = 0) -> set[str]:
     """Sets every parameter of an abstract (eval_shape) module from the checkpoint through the rule
-    table, checking each tensor's shape; returns the keys used."""
+    table, checking each tensor's shape; returns the keys used. Layer i is named {i} = first_layer + i."""
     dtype = model.config.jnp_param_dtype if isinstance(model.config, ModelConfig) else model.config.layer.jnp_param_dtype
     used: set[str] = set()
     for rule in rules:
@@ -452,7 +469,8 @@ def fill_from_rules(model: nnx.Module, rules: list[Rule], reader: TensorReader, 
         shapes = _expected_hf_shapes(model, rule)
         for i in layers:
             tensors = []
-            for key, expected in zip((reader.resolve(key.format(i=i)) for key in rule.hf), shapes):
+            named = None if i is None else first_layer + i
+            for key, expected in zip((reader.resolve(key.format(i=named)) for key in rule.hf), shapes):
                 tensor = reader.get(key)
                 if tuple(tensor.shape) != expected:
                     raise CheckpointError(f"{folder}: tensor {key!r} has shape {tuple(tensor.shape)}; expected "
@@ -512,9 +530,10 @@ def save(model: Transformer, model_dir: str | Path, *, max_shard_bytes: int = 4 
 
 
 def write_from_rules(model: nnx.Module, rules: list[Rule], model_dir: str | Path, config_json: dict,
-                     extra_tensors: dict | None = None, *, num_layers: int = 1,
+                     extra_tensors: dict | None = None, *, num_layers: int = 1, first_layer: int = 0,
                      max_shard_bytes: int = 4 << 30) -> None:
-    """Writes config.json and the tensors the rule table maps the module to (plus extra_tensors)."""
+    """Writes config.json and the tensors the rule table maps the module to (plus extra_tensors); layer i
+    is named {i} = first_layer + i."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, jax.Array] = {}
@@ -524,7 +543,7 @@ def write_from_rules(model: nnx.Module, rules: list[Rule], model_dir: str | Path
         for i in layers:
             ours = [v[i] if i is not None else v for v in values]
             for key, tensor in zip(rule.hf, rule.to_hf(*ours)):
-                tensors[key.format(i=i)] = jnp.asarray(tensor)
+                tensors[key.format(i=None if i is None else first_layer + i)] = jnp.asarray(tensor)
     tensors.update(extra_tensors or {})
     shards = _split_into_shards(tensors, max_shard_bytes)
     for stale in [*model_dir.glob("model*.safetensors"), model_dir / INDEX_FILE]:

@@ -73,11 +73,11 @@ class DraftModelProposer(Proposer):
     def recognizes(cls, folder: Path) -> bool:
         """An LM of a supported architecture: its embedding among the tensors (EAGLE heads say
         LlamaForCausalLM too, but carry no `model.` embedding), without MTP modules (method mtp's)."""
-        architectures = hf.config_json_or_empty(folder).get("architectures") or [None]
+        raw = hf.config_json_or_empty(folder)
         names = hf.tensor_names(folder)
-        return architectures[0] in hf.SUPPORTED_ARCHITECTURES and any(
-            name.endswith(("model.embed_tokens.weight", "wte.weight")) for name in names) and not any(
-            name.startswith(hf.MTP_TENSOR_PREFIX) for name in names)
+        return (raw.get("architectures") or [None])[0] in hf.SUPPORTED_ARCHITECTURES and any(
+            name.endswith(("model.embed_tokens.weight", "wte.weight")) for name in names) and not hf.mtp_tensor_names(
+            names, raw)
 
     def check(self, params, target_config) -> None:
         tree, spec = self.settings.spec.speculative_token_tree, self.settings.spec

@@ -2,15 +2,18 @@
 target over 8 token ids whose first three tokens can be enumerated, and the speculative counts to
 compare with its joint distribution (all sampling settings of a case in one batch: they are data)."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import verify as verify_registry
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
-from specjax.decoding import generate
+from specjax.decoding import generate, speculative_loop
 from specjax.models.transformer import init_model
+from specjax.verify import tree as tree_verify
 from specjax.verify.sampling import processed_probs
 
 
@@ -83,3 +86,46 @@ def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig, drafter
     return counts[0], metrics
 
 
+def first_ranked(target_probs, tokens, parents, draft_probs, keys):
+    """A tree verifier that is deliberately wrong (the trees' negative control): accepts the first child at every
+    depth, then samples from the target there."""
+    path, length, _ = tree_verify.verify_tree_greedy(jnp.zeros(target_probs.shape[:2], jnp.int32), tokens * 0, parents)
+    last = jnp.take_along_axis(target_probs, (1 + jnp.maximum(path, 0))[:, :, None], 1)[jnp.arange(tokens.shape[0]),
+                                                                                         jnp.maximum(length - 1, 0)]
+    return path, length, jax.vmap(jax.random.categorical)(keys, jnp.log(last))
+
+
+def first_ranked_pvalue(monkeypatch, spec: SpecConfig, drafter) -> float:
+    """The chi-square p-value at T 1 of a tree spec decoded with the 'standard' tree verifier replaced by
+    first_ranked (its own compiled loop: the caches are cleared before and after)."""
+    rule = verify_registry.VERIFIERS["standard"]
+    monkeypatch.setitem(verify_registry.VERIFIERS, "standard", verify_registry.Verifier(chain=rule.chain,
+                                                                                        tree=first_ranked))
+    sampling = SamplingConfig(temperature=1.0)
+    jax.clear_caches()
+    try:
+        counts, _ = speculative_joint_counts(spec, sampling, drafter)
+    finally:
+        jax.clear_caches()
+    return chi_square_pvalue(counts, exact_joint(tiny_pair()[0], sampling))
+
+
+def tree_joint_counts(spec: SpecConfig, samplings, drafter, verifiers=("standard", "block")):
+    """{verifier: counts per sampling setting}: every setting of `samplings` in one batch, once per verifier;
+    the verifier is data of the loop, so the second run compiles nothing (checked)."""
+    counts, programs = {}, []
+    for verifier in verifiers:
+        counts[verifier], metrics, _ = joint_counts_by_sampling(
+            dataclasses.replace(spec, rejection_sample_method=verifier), samplings, drafter)
+        programs.append(speculative_loop._cache_size())
+        assert 0 < metrics.summary()["acceptance_rate"] < 1, verifier
+    assert programs == programs[:1] * len(programs)
+    return counts
+
+
+def check_lossless(counts, samplings):
+    """Every verifier's counts of every sampling setting follow the tiny target (p-value > 1e-4)."""
+    for verifier, by_sampling in counts.items():
+        for sampling, sampling_counts in zip(samplings, by_sampling):
+            p_value = chi_square_pvalue(sampling_counts, exact_joint(tiny_pair()[0], sampling))
+            assert p_value > 1e-4, (verifier, sampling, p_value)
