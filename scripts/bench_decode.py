@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive, benchmarking, draft_tree, sharding
+from specjax import adaptive, benchmarking, sharding
+from specjax.trees import masks, structure
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, draft_timing, speculative_loop
 from specjax.metrics import AcceptanceMetrics
@@ -84,12 +85,12 @@ def component_times(target, drafters: dict, batch: int, context: int, num_draft:
         return logits, (written.with_lengths(cache.lengths), tokens, mask)
 
     def tree_mask(rows: int):  # which parents does not change the cost: the chain's
-        return draft_tree.attention_mask(draft_tree.chain_parents(batch, rows - 1), jnp.full((batch,), context),
+        return masks.attention_mask(structure.chain_parents(batch, rows - 1), jnp.full((batch,), context),
                                          cache_size)
 
     block = (tree_nodes or num_draft) + 1
     # The verification forward takes the tree's mask as the loop gives it (the attention kernel's form).
-    verify_mask = draft_tree.tree_mask(draft_tree.chain_parents(batch, block - 1)) if tree_nodes else None
+    verify_mask = masks.tree_mask(structure.chain_parents(batch, block - 1)) if tree_nodes else None
     times = {"t_ar_forward_s": measure(forward, target, cache, jnp.zeros((batch, 1), jnp.int32), None),
              "t_verify_s": measure(forward, target, cache, jnp.zeros((batch, block), jnp.int32), verify_mask)}
     for method, drafter in drafters.items():
@@ -311,7 +312,7 @@ def main():
         raise SystemExit(f"--acceptance-rates has {len(rates)} rates: allowed at least K = {num_draft}")
     taus = ([round(1 + sum(rates[:num_draft]), 4)] if rates is not None
             else [float(t) for t in args.acceptance_lengths.split(",")])
-    tree = dict(total_tokens=args.tree_nodes, top_k=args.tree_top_k) if args.tree_nodes else {}
+    tree = dict(total_tokens=args.tree_nodes, tree_top_k=args.tree_top_k) if args.tree_nodes else {}
     lookahead = (args.tree_nodes or num_draft) + 1
     if args.adaptive and tree:
         raise SystemExit("--adaptive: adaptive verification cuts chains, not the trees of --tree-nodes")

@@ -22,7 +22,8 @@ import functools
 import jax
 
 from specjax import benchmarking
-from specjax.decoding import choose_tree_size, run_speculative
+from specjax.decoding import run_speculative
+from specjax.trees.sizing import choose_tree_size
 from specjax.metrics import AcceptanceMetrics
 from specjax.speed import (build_drafter, build_target, cache_size_for, generation_args, speculative_run, synthetic_spec,
                            tokens_per_s)
@@ -46,7 +47,7 @@ def main() -> None:
     target = build_target(target_config)
     head = build_drafter("eagle3", target_config, draft_config)
     head.lm_head.set_value(head.lm_head[...] * args.draft_logit_scale)
-    auto = synthetic_spec("eagle3", args.acceptance_length, args.depth, total_tokens="auto", top_k=args.top_k)
+    auto = synthetic_spec("eagle3", args.acceptance_length, args.depth, total_tokens="auto", tree_top_k=args.top_k)
     sizes = auto.auto_tree_sizes
     rows = []
     for batch in map(int, args.batches.split(",")):

@@ -119,9 +119,8 @@ def padded(tree: Any, length: int) -> Any:
 # ------------------------------------------------------------------------------------------ cost curves
 
 # The analytic curve, in units of one decode step of the target at batch 1: a forward reads the weights once
-# (1) and computes over every scored token, which starts to cost about RIDGE_TOKENS tokens in (at the 8B shape
-# on the H200 a 16-position forward costs 0.98x, 1.88x and 4.69x one position at batch 1, 16 and 64: issue 39);
-# the drafter a fixed DRAFT_COST whatever the width.
+# (1) and computes over every scored token, which starts to cost about RIDGE_TOKENS tokens in (docs/performance.md
+# measures a 16-position forward against one at the 8B shape); the drafter a fixed DRAFT_COST whatever the width.
 RIDGE_TOKENS = 300.0
 DRAFT_COST = 0.2
 PROFILE_ITERATIONS = 10  # forwards per timed loop when profiling (benchmarking.time_in_loop)

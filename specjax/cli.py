@@ -104,14 +104,10 @@ def _generate_in_chunks(model, prompt: list[int], max_new_tokens: int, *, seed: 
     return tokens, False, metrics
 
 
-# SpecConfig fields whose flag is not their dashed name: sampling's --top-k is the token filter, the tree's
-# top_k another option.
-SPEC_FLAGS = {"top_k": "--tree-top-k"}
-
-
 def spec_flag(name: str) -> str:
-    """The `specjax generate` flag of SpecConfig field `name`."""
-    return SPEC_FLAGS.get(name, "--" + name.replace("_", "-"))
+    """The `specjax generate` flag of SpecConfig field `name`: its dashed name (--tree-top-k: sampling's --top-k is
+    the token filter)."""
+    return "--" + name.replace("_", "-")
 
 
 def spec_field_help() -> dict[str, str]:
@@ -144,11 +140,10 @@ def add_spec_flags(group) -> None:
             continue
         flag_only = field.type in ("bool", bool)  # a plain switch: --use-heterogeneous-vocab alone means true
         default = "null" if field.default is None else json.dumps(field.default)
-        renamed = "" if field.name not in SPEC_FLAGS else f"; not --{field.name.replace('_', '-')}, sampling's"
         text = helps.get(field.name, "see SpecConfig's docstring")
         group.add_argument(spec_flag(field.name), dest=f"spec_{field.name}", default=None,
                            nargs="?" if flag_only else None, const="true" if flag_only else None, metavar="VALUE",
-                           help=f"{text} (SpecConfig.{field.name}{renamed}; default: {default})".replace("%", "%%"))
+                           help=f"{text} (SpecConfig.{field.name}; default: {default})".replace("%", "%%"))
 
 
 def spec_from_args(args: argparse.Namespace, method: str) -> SpecConfig:
@@ -168,8 +163,12 @@ def spec_from_args(args: argparse.Namespace, method: str) -> SpecConfig:
                 values[name] = yaml.safe_load(raw)
             except yaml.YAMLError as error:
                 raise ConfigError(f"{spec_flag(name)} {raw!r} is not a YAML value: {error}") from None
+    from specjax.proposers import check_spec
+
     try:
-        return from_dict(SpecConfig, {"method": method, **values}, "command line")
+        spec = from_dict(SpecConfig, {"method": method, **values}, "command line")
+        check_spec(spec)  # the drafter's own options, which its proposer checks
+        return spec
     except ConfigError as error:
         flags = [f"{spec_flag(name)} sets SpecConfig.{name}" for name in values if f"SpecConfig.{name}" in str(error)]
         raise ConfigError(str(error) + (f" ({'; '.join(flags)})" if flags else "")) from None
@@ -327,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "flags override --config's values, --set overrides both")
     srv.add_argument("--config", type=Path, default=None, help="a ServeConfig YAML (specjax/serve/_config.py)")
     srv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a field, e.g. --set spec.total_tokens=16 --set spec.top_k=4 (repeatable)")
+                     help="override a field, e.g. --set spec.total_tokens=16 --set spec.tree_top_k=4 (repeatable)")
     srv.add_argument("--model", default=None, help="folder or default:NAME (default: default:target)")
     srv.add_argument("--served-model-name", default=None, help="the name clients give as `model` (default: --model)")
     srv.add_argument("--method", default=None, help="a registered drafter, e.g. eagle (default: none, autoregressive; "
@@ -374,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--acceptance-length", type=float, default=4.0,
                        help="synthetic mean acceptance length tau (tokens committed a step, at most K + 1)")
     speed.add_argument("--num-speculative-tokens", type=int, default=5, help="K, tokens drafted a step")
-    speed.add_argument("--drafter", default="eagle", help="eagle | eagle_fr | eagle3 | draft_model")
+    speed.add_argument("--drafter", default="eagle",
+                       help="a drafter of specjax.speed.DRAFTERS: a method whose proposer builds a shaped drafter "
+                            "(eagle, eagle3, draft_model, dflash, mtp), or NAME_fr over a draft vocabulary")
     speed.add_argument("--output", default=None, help="also write speed_<shape>.json and .md into this folder")
     speed.set_defaults(run=_speed)
     # Its own parser (specjax/bench_serve.py, which scripts/bench_serve.py runs too) reads the arguments: main.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import time
 from typing import Any, Sequence
 
 import jax
@@ -31,7 +30,8 @@ from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
 from specjax.models.transformer import Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
-from specjax import adaptive, benchmarking, draft_tree, sharding, tree_size
+from specjax import adaptive, benchmarking, sharding
+from specjax.trees import masks, sizing, structure
 from specjax.sharding import BATCH, constrain
 from specjax.verify import SYNTHETIC, Verifier, lossless_verifiers, method_index, verify_drafts
 from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams, sample
@@ -243,8 +243,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     if row_parents is None:
         positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
     else:  # each node sees the cache, the root and its ancestors, at position fill + depth
-        positions = draft_tree.block_positions(row_parents, fill)
-        mask = draft_tree.tree_mask(row_parents)
+        positions = masks.block_positions(row_parents, fill)
+        mask = masks.tree_mask(row_parents)
     num_valid = None
     if state.adaptive is None:
         logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
@@ -273,9 +273,9 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
         num_valid=num_valid)
     if path is not None:  # the accepted path into contiguous slots; from here on it reads as a chain
         path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
-        cache = draft_tree.move_path(cache, fill, path, num_accepted)
+        cache = masks.move_path(cache, fill, path, num_accepted)
         draft_tokens = jnp.take_along_axis(draft_tokens, jnp.maximum(path, 0), axis=1)
-        logits, hidden = draft_tree.along_path((logits, hidden), path)
+        logits, hidden = structure.along_path((logits, hidden), path)
 
     # The target cache keeps the last committed token and the accepted drafts: rollback is lengths.
     cache = cache.with_lengths(jnp.where(active, decode.lengths + num_accepted, decode.cache.lengths))
@@ -337,7 +337,7 @@ class GenerationResult:
     num_generated: np.ndarray  # [B]
     stopped_by_eos: np.ndarray  # [B] bool
     metrics: AcceptanceMetrics | None = None  # speculative decoding only
-    tree_size_choice: tree_size.TreeSizeChoice | None = None  # what total_tokens 'auto' chose, and why
+    tree_size_choice: sizing.TreeSizeChoice | None = None  # what total_tokens 'auto' chose, and why
 
     def sequences(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.num_generated)]
@@ -475,7 +475,7 @@ def generate(
                                 gather_logits=gather_logits, cost_curve=cost_curve)
         choice = None
         if spec.total_tokens == "auto":
-            choice = choose_tree_size(run, model, spec, request.batch_size)
+            choice = sizing.choose_tree_size(run, model, spec, request.batch_size)
             spec = dataclasses.replace(spec, total_tokens=choice.total_tokens)
         state, _ = run(spec)
     metrics = AcceptanceMetrics.from_counters(state.counters, request.batch_size)
@@ -540,37 +540,6 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
     seconds = benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1],
                                         invariant=1, carry=True, iterations=adaptive.PROFILE_ITERATIONS)["median_s"]
     return max(seconds, adaptive.MIN_PROFILED_SECONDS)
-
-
-def choose_tree_size(run, model: Transformer, spec: SpecConfig, batch: int) -> tree_size.TreeSizeChoice:
-    """total_tokens 'auto' (specjax.tree_size): calibration runs of the request at the smallest and the
-    largest candidate size (each the fastest of REPEATS runs of CALIBRATION_TOKENS tokens a row, less the
-    fastest of one token a row, so that neither the prefill nor the compile counts), the largest tree's
-    drafts' confidences and measured acceptance, and the target's forward timed at every candidate size.
-    run(spec, max_new_tokens=n) -> (SpecState, proposer), as run_speculative with the request bound."""
-    sizes = spec.auto_tree_sizes
-
-    def calibrate(size):
-        def timed(max_new_tokens):
-            start = time.perf_counter()
-            state, proposer = run(dataclasses.replace(spec, total_tokens=size), max_new_tokens=max_new_tokens)
-            return jax.block_until_ready(state), proposer, time.perf_counter() - start
-
-        timed(1)  # compiles
-        # The first run of each budget is slower (allocation): the fastest of a few runs counts.
-        short, _, short_s = min((timed(1) for _ in range(tree_size.REPEATS)), key=lambda timing: timing[2])
-        state, proposer, long_s = min((timed(tree_size.CALIBRATION_TOKENS) for _ in range(tree_size.REPEATS)),
-                                      key=lambda timing: timing[2])
-        steps = int(state.counters.steps.max()) - int(short.counters.steps.max())
-        return state, proposer, (long_s - short_s) / max(steps, 1)
-
-    state, proposer, largest_step_s = calibrate(sizes[-1])
-    measured = AcceptanceMetrics.from_counters(state.counters, batch).summary()["mean_acceptance_length"]
-    log_probs = np.asarray(sharding.to_host(proposer.tree_log_probs(state.proposer)))[:batch]
-    acceptance = tree_size.estimated_acceptance(log_probs, sizes, measured)
-    verify_s = tree_size.verify_seconds(model, state.decode.cache, sizes)
-    smallest_step_s = calibrate(sizes[0])[2] if len(sizes) > 1 else largest_step_s
-    return tree_size.choose(sizes, acceptance, verify_s, (smallest_step_s, largest_step_s), batch)
 
 
 def _result(state: DecodeState, request: PaddedBatch, eos_token_ids: tuple[int, ...]) -> GenerationResult:

@@ -24,9 +24,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from specjax import default_models, sharding
-from specjax.config import BLOCK_METHODS, ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
-from specjax.proposers import PROPOSERS, UnsupportedSpeculation, proposer_class
-from specjax.proposers.dflash import drafts_full_block
+from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
+from specjax.proposers import PROPOSERS, UnsupportedSpeculation, check_spec, proposer_class
 from specjax.verify import verifier_name
 
 
@@ -60,8 +59,8 @@ class RunConfig:
     draft_vocab_size: int | None = None
 
     def __post_init__(self):
-        # The names SpecConfig leaves to the registries, checked now so that a file names its error.
-        proposer_class(self.spec.method)
+        # What SpecConfig leaves to the registries (names, drafter options), checked now so that a file names its error.
+        check_spec(self.spec)
         verifier_name(self.spec, self.sampling)
         takes = sorted(name for name, cls in PROPOSERS.items() if cls.takes_draft_vocabulary)
         if self.draft_vocab_size is not None and (self.spec.method not in takes or self.draft_vocab_size < 1):
@@ -72,7 +71,7 @@ class RunConfig:
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
     """grid: dotted RunConfig field paths (e.g. spec.num_speculative_tokens) to lists of values; a value
-    that is a mapping for a config (e.g. spec: [{total_tokens: 16, top_k: 4}]) sets its fields together."""
+    that is a mapping for a config (e.g. spec: [{total_tokens: 16, tree_top_k: 4}]) sets its fields together."""
 
     base: RunConfig
     grid: dict[str, list[Any]]
@@ -224,7 +223,7 @@ class Runner:
             self._models[drafter_key] = load_drafter(*drafter_key[:2], target, config.dtype, model_shards)
         drafter = self._models[drafter_key]
         if config.draft_vocab_size is not None:
-            from specjax.training.eagle import draft_vocabulary
+            from specjax.models.vocabulary import draft_vocabulary
 
             sample_key = (config.target, config.corpus)
             if sample_key not in self._samples:
@@ -244,12 +243,7 @@ class Runner:
         greedy = config.sampling.is_greedy
         return {
             **point_fields(config),
-            # What DFlash drafted (dflash_full_block null: the full block where K + 1 < block_size).
-            **({} if config.spec.method not in BLOCK_METHODS
-               else {"dflash_full_block": drafts_full_block(config.spec, drafter.config.block_size,
-                                                            drafter.config.first_draft_slot)}),
-            # How many MTP modules drafted (one applied K times, or several chained).
-            **({} if config.spec.method != "mtp" else {"mtp_modules": drafter.config.num_modules}),
+            **proposer_class(config.spec.method).describe(config.spec, drafter),
             **({} if choice is None else {"tree_nodes": choice.total_tokens, "tree_size_auto": {
                 "sizes": choice.sizes, "estimated_acceptance": choice.acceptance, "verify_s": choice.verify_s,
                 "rest_s": choice.rest_s, "predicted_tokens_per_s": choice.predicted_tok_s}}),
@@ -277,7 +271,7 @@ def point_fields(config: RunConfig) -> dict:
             "draft_sample_method": config.spec.draft_sample_method, "temperature": config.sampling.temperature,
             "draft_vocab_size": config.draft_vocab_size,
             "tree_nodes": config.spec.num_draft_nodes if config.spec.drafts_tree else None,
-            "tree_top_k": config.spec.top_k, "dflash_full_block": config.spec.dflash_full_block or None,
+            "tree_top_k": config.spec.tree_top_k, "dflash_full_block": config.spec.dflash_full_block or None,
             "adaptive": config.spec.enable_adaptive_verification or None}
 
 
@@ -344,7 +338,7 @@ def footer(rows: list[dict]) -> list[str]:
                      f"{BUNDLED_TARGET_PARAMETERS} parameters) are bound by kernel launches and dispatch, not by "
                      "reading weights, so the drafter's and the K + 1-token verify's extra work is not hidden; "
                      "speculation pays where decoding is memory bound: `specjax speed` on a GPU (Llama-3.1-8B "
-                     "shapes, 2.8x with EAGLE-1 on an H200).")
+                     "shapes; docs/performance.md has measured speedups).")
     return notes
 
 

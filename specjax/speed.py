@@ -16,7 +16,6 @@ scripts/bench_decode.py builds on these pieces for its batch, prompt-length and 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -26,21 +25,18 @@ import numpy as np
 from specjax import benchmarking
 from specjax.config import ModelConfig, SamplingConfig, SpecConfig
 from specjax.decoding import decode_loop, loop_arrays, pad_request, speculative_loop
-from specjax.models.dflash import (DFlashConfig, default_target_layer_ids, drafter_to_decoding_layout, init_dflash,
-                                   with_draft_vocabulary)
-from specjax.models.eagle import EagleConfig, default_fuse_layers, head_to_decoding_layout, init_eagle
-from specjax.models.mtp import MTPConfig, init_mtp, mtp_to_decoding_layout
 from specjax.models.transformer import init_model, to_decoding_layout
-from specjax.proposers.base import build_proposer
+from specjax.proposers import PROPOSERS, build_proposer, proposer_class
+from specjax.proposers.base import SHAPED_DRAFT_VOCAB
 from specjax.verify.sampling import SamplingMode
 
-DRAFTERS = {"eagle": "EAGLE-1 head", "eagle_fr": "EAGLE-1 head over 32000 draft ids (FR-Spec)",
-            "eagle3": "EAGLE-3 head", "draft_model": "Llama-3.2-1B-shaped draft LM",
-            "dflash": "DFlash drafter (5 layers, block 16, as z-lab's for 8B targets)",
-            "dflash_fr": "the DFlash drafter over 32000 draft ids (FR-Spec)",
-            "mtp": "one MTP module (MiMo's layout: a Qwen2 layer as wide as the target's), applied K times"}
-# name: what it is at 8b (mtp: at mimo7b)
-DFLASH_LAYERS, DFLASH_BLOCK = 5, 16
+FR_SUFFIX = "_fr"  # a drafter name's variant over a draft vocabulary (FR-Spec)
+# The drafters a speed table can time: every method whose proposer builds a shaped drafter, and NAME_fr for
+# those that take a draft vocabulary; name: what it is at 8b (mtp: at mimo7b).
+DRAFTERS = {name + suffix: (cls.shaped_description if not suffix else
+                            f"{cls.shaped_description} over {SHAPED_DRAFT_VOCAB} draft ids (FR-Spec)")
+            for name, cls in PROPOSERS.items() if cls.shaped_description is not None
+            for suffix in ("", FR_SUFFIX)[:1 + cls.takes_draft_vocabulary]}
 GREEDY = SamplingConfig()
 
 
@@ -49,7 +45,7 @@ SHAPE_PREFIX = "shape:"  # `shape:8b` in place of a model folder: random weights
 
 def shaped_models(name: str, method: str | None = None):
     """(target, tokenizer, drafter) for `shape:NAME`: random weights at benchmarking.SHAPES[NAME] (the drafter
-    as build_drafter makes it; none for n-gram), and a word-level tokenizer whose id i is the word '<i>', so
+    as build_drafter makes it; none for a method without weights), and a word-level tokenizer whose id i is the word '<i>', so
     that the engine and the server can be loaded at a released model's sizes with nothing downloaded. The
     text means nothing; use synthetic acceptance (rejection_sample_method 'synthetic') for speculation."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -61,15 +57,16 @@ def shaped_models(name: str, method: str | None = None):
     words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(target_config.vocab_size)}, unk_token="<0>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
-    if method is not None and method != "ngram" and method not in DRAFTERS:
-        raise ValueError(f"method {method!r} with model {SHAPE_PREFIX}{name}: allowed {sorted(DRAFTERS)} or ngram")
-    drafter = None if method in (None, "ngram") else build_drafter(method, target_config, draft_config)
+    weightless = sorted(method for method, cls in PROPOSERS.items() if not cls.needs_drafter)
+    if method is not None and method not in weightless and method not in DRAFTERS:
+        raise ValueError(f"method {method!r} with model {SHAPE_PREFIX}{name}: allowed {sorted(DRAFTERS) + weightless}")
+    drafter = None if method is None or method in weightless else build_drafter(method, target_config, draft_config)
     return build_target(target_config), tokenizer, drafter
 
 
 def spec_method(drafter: str) -> str:
-    """The SpecConfig method of a drafter in DRAFTERS (eagle_fr and dflash_fr: over a draft vocabulary)."""
-    return drafter.removesuffix("_fr")
+    """The SpecConfig method of a drafter in DRAFTERS (NAME_fr: over a draft vocabulary)."""
+    return drafter.removesuffix(FR_SUFFIX)
 
 
 def build_target(config: ModelConfig, model_shards: int = 1):
@@ -79,38 +76,16 @@ def build_target(config: ModelConfig, model_shards: int = 1):
 
 
 def build_drafter(drafter: str, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1):
-    """A random drafter in DRAFTERS for the target, on the device in the decoding layout: an EAGLE-1 head
-    (eagle), the same head over a 32000-token draft vocabulary (eagle_fr, FR-Spec: a draft step reads
-    those rows of the target's LM head), an EAGLE-3 head with its own LM head over a 32000-token draft
-    vocabulary, as released for Llama-3.1-8B (eagle3), a draft LM of draft_config (draft_model), or a
-    DFlash drafter of z-lab's 8B shape: 5 layers as wide as the target's, block 16 (dflash), or one MTP
-    module as wide as the target's (mtp, as MiMo-7B's first)."""
-    if drafter == "draft_model":
-        return to_decoding_layout(benchmarking.on_device(lambda: init_model(draft_config, seed=1)), model_shards)
-    if drafter == "dflash_fr":  # the first 32000 ids: speed does not depend on which
-        full = build_drafter("dflash", target_config, draft_config, model_shards)
-        return with_draft_vocabulary(full, np.arange(min(32000, target_config.vocab_size)))
-    if drafter == "mtp":
-        layer = dataclasses.replace(target_config, num_layers=1, architecture="Qwen2ForCausalLM", qkv_bias=True)
-        return mtp_to_decoding_layout(benchmarking.on_device(lambda: init_mtp(MTPConfig(layer=layer), seed=4)),
-                                      model_shards)
-    if drafter == "dflash":
-        layers = min(DFLASH_LAYERS, target_config.num_layers)
-        config = DFlashConfig(
-            layer=dataclasses.replace(target_config, num_layers=layers, qk_norm=True, architecture="Qwen3ForCausalLM"),
-            target_layer_ids=default_target_layer_ids(target_config.num_layers, layers),
-            mask_token_id=target_config.vocab_size - 1, block_size=DFLASH_BLOCK, num_target_layers=target_config.num_layers)
-        return drafter_to_decoding_layout(benchmarking.on_device(lambda: init_dflash(config, seed=3)), model_shards)
-    layer = dataclasses.replace(target_config, num_layers=1)
-    draft_vocab = min(32000, target_config.vocab_size)
-    heads = {"eagle": EagleConfig(layer=layer, version=1),
-             # The first draft_vocab ids: speed does not depend on which.
-             "eagle_fr": EagleConfig(layer=layer, version=1, draft_vocab_size=draft_vocab),
-             "eagle3": EagleConfig(layer=layer, version=3, draft_vocab_size=draft_vocab,
-                                   fuse_layers=default_fuse_layers(target_config.num_layers))}
-    if drafter not in heads:
+    """A random drafter in DRAFTERS for the target, on the device in the decoding layout, as its proposer's
+    `shaped` builds it; NAME_fr: the same drafter over the first SHAPED_DRAFT_VOCAB ids (FR-Spec: a draft step
+    reads those rows of the target's LM head; speed does not depend on which ids)."""
+    if drafter not in DRAFTERS:
         raise ValueError(f"drafter {drafter!r} is unknown: allowed {', '.join(DRAFTERS)}")
-    return head_to_decoding_layout(benchmarking.on_device(lambda: init_eagle(heads[drafter], seed=2)), model_shards)
+    proposer = proposer_class(spec_method(drafter))
+    weights = proposer.shaped(target_config, draft_config, model_shards)
+    if drafter.endswith(FR_SUFFIX):
+        weights = proposer.with_draft_vocabulary(weights, np.arange(min(SHAPED_DRAFT_VOCAB, target_config.vocab_size)))
+    return weights
 
 
 def cache_size_for(prompt_len: int, new_tokens: int, num_draft: int) -> int:
@@ -126,16 +101,16 @@ def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahe
 
 
 def synthetic_spec(drafter: str, tau: float, num_draft: int, total_tokens: int | None = None,
-                   top_k: int | None = None, rates: tuple[float, ...] | None = None,
+                   tree_top_k: int | None = None, rates: tuple[float, ...] | None = None,
                    adaptive: bool = False) -> SpecConfig:
-    """K = num_draft drafts a step (or a dynamic tree of depth K: total_tokens, top_k), of which the
+    """K = num_draft drafts a step (or a dynamic tree of depth K: total_tokens, tree_top_k), of which the
     verifier accepts a mean of tau (synthetic acceptance; along a tree's first-ranked path), or with
     rates, position i with the unconditional rate rates[i] (the first K of them: a per-position profile);
     adaptive: with enable_adaptive_verification."""
     acceptance = (dict(synthetic_acceptance_length=tau) if rates is None
                   else dict(synthetic_acceptance_rates=tuple(rates[:num_draft])))
     return SpecConfig(method=spec_method(drafter), num_speculative_tokens=num_draft, total_tokens=total_tokens,
-                      top_k=top_k, rejection_sample_method="synthetic", enable_adaptive_verification=adaptive,
+                      tree_top_k=tree_top_k, rejection_sample_method="synthetic", enable_adaptive_verification=adaptive,
                       **acceptance)
 
 

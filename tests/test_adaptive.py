@@ -171,7 +171,7 @@ def test_a_profile_times_each_width_and_the_drafters_propose():
 @pytest.mark.parametrize("options, message", [
     (dict(enable_adaptive_verification=True, speculative_token_tree=((0,), (1,), (0, 0))),
      r"enable_adaptive_verification = True with speculative_token_tree .* cuts chains"),
-    (dict(enable_adaptive_verification=True, total_tokens=4, top_k=2),
+    (dict(enable_adaptive_verification=True, total_tokens=4, tree_top_k=2),
      r"enable_adaptive_verification = True with total_tokens = 4 .* cuts chains"),
     (dict(adaptive_verify_widths=(0, 2)), r"adaptive_verify_widths = \(0, 2\) is invalid: allowed null without"),
     (dict(enable_adaptive_verification=True, adaptive_verify_widths=(0, 1)), r"ending with it \(2\)"),

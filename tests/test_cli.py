@@ -110,7 +110,7 @@ def test_bfloat16_says_greedy_equality_is_up_to_rounding(capsys):
     assert 'docs/performance.md, "Rounding"' in err and "[autoregressive: up to 2 new tokens, bfloat16 on" in err
 
 
-def test_every_spec_config_field_has_a_flag_and_the_trees_top_k_is_not_samplings():
+def test_every_spec_config_field_has_a_flag_and_the_tree_top_k_is_not_samplings():
     import dataclasses
 
     from specjax.config import SpecConfig
@@ -120,12 +120,11 @@ def test_every_spec_config_field_has_a_flag_and_the_trees_top_k_is_not_samplings
         value = "eagle" if field.name == "method" else "7"
         args = parser.parse_args(["generate", "--prompt", "x", cli.spec_flag(field.name), value])
         assert getattr(args, "method" if field.name == "method" else f"spec_{field.name}") == value
-    assert cli.spec_flag("top_k") == "--tree-top-k"
     args = parser.parse_args(["generate", "--prompt", "x", "--method", "eagle", "--num-speculative-tokens", "3",
                               "--total-tokens", "8", "--tree-top-k", "2", "--top-k", "5", "--dflash-full-block",
                               "false", "--speculative-token-tree", "null", "--prompt-lookup-min", "2"])
     spec = cli.spec_from_args(args, "eagle")
-    assert (spec.num_speculative_tokens, spec.total_tokens, spec.top_k, spec.dflash_full_block,
+    assert (spec.num_speculative_tokens, spec.total_tokens, spec.tree_top_k, spec.dflash_full_block,
             spec.prompt_lookup_min) == (3, 8, 2, False, 2)
     assert args.top_k == 5  # sampling's
     tree = cli.spec_from_args(parser.parse_args(["generate", "--prompt", "x", "--num-speculative-tokens", "2",
@@ -137,10 +136,14 @@ def test_every_spec_config_field_has_a_flag_and_the_trees_top_k_is_not_samplings
 
 def test_bad_spec_flags_name_the_field_and_the_flag(capsys):
     assert cli.main(["generate", "--method", "eagle", "--total-tokens", "8", "--prompt", "x"]) == 2
-    assert ("SpecConfig.total_tokens = 8 and top_k = None: allowed both (a dynamic draft tree) or neither "
+    assert ("SpecConfig.total_tokens = 8 and tree_top_k = None: allowed both (a dynamic draft tree) or neither "
             "(--total-tokens sets SpecConfig.total_tokens)") in capsys.readouterr().err
     assert cli.main(["generate", "--method", "ngram", "--prompt-lookup-min", "two", "--prompt", "x"]) == 2
     assert ("command line: SpecConfig.prompt_lookup_min = 'two' is invalid: allowed an integer "
+            "(--prompt-lookup-min sets SpecConfig.prompt_lookup_min)") in capsys.readouterr().err
+    # A drafter's own option, checked by its proposer, names its flag too.
+    assert cli.main(["generate", "--method", "ngram", "--prompt-lookup-min", "0", "--prompt", "x"]) == 2
+    assert ("SpecConfig.prompt_lookup_min = 0 is invalid: allowed an integer >= 1 "
             "(--prompt-lookup-min sets SpecConfig.prompt_lookup_min)") in capsys.readouterr().err
 
 

@@ -73,6 +73,20 @@ def test_registry_names_are_checked_where_the_registries_are(changes, build, mes
         build(spec)
 
 
+def test_the_spec_validates_no_drafter_by_name():
+    import inspect
+
+    from specjax.proposers import PROPOSERS
+
+    checks = inspect.getsource(SpecConfig.__post_init__) + inspect.getsource(SpecConfig.check_adaptive)
+    assert not [name for name in PROPOSERS if f"'{name}'" in checks or f'"{name}"' in checks]
+    # Each drafter's options are its proposer's: checked when a proposer is built, naming field, value and owner.
+    with pytest.raises(ConfigError, match=r"SpecConfig.prompt_lookup_max = 1 is invalid: allowed an integer >= "
+                                          r"prompt_lookup_min \(2\)"):
+        build_proposer(SpecConfig(method="ngram", prompt_lookup_min=2, prompt_lookup_max=1), SamplingConfig(), 16)
+    assert SpecConfig(method="eagle", prompt_lookup_min=2).prompt_lookup_min == 2  # n-gram's sizes ride along
+
+
 def test_malformed_yaml_is_one_line_naming_the_file_line_and_column(tmp_path, capsys):
     from specjax import cli
 

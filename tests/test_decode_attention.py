@@ -197,11 +197,11 @@ def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypat
 
 @pytest.mark.slow
 def test_a_trees_verification_forward_attends_through_the_kernel_and_computes_xlas_logits():
-    """The loop's verification forward over a tree (tree_size.tree_verify_forward, as decoding runs it)
+    """The loop's verification forward over a tree (sizing.tree_verify_forward, as decoding runs it)
     takes the kernel in the decoding layout, not a silent fallback to XLA, with the logits XLA computes."""
     from support.jaxpr import primitives
 
-    from specjax.tree_size import tree_verify_forward
+    from specjax.trees.sizing import tree_verify_forward
 
     stacked = hf.load(fixture_dir("llama_gqa"))
     parents = jnp.asarray([[-1, -1, 0, 0, 1], [-1, 0, 1, 2, 3]], jnp.int32)  # a tree and a chain

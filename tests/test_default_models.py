@@ -78,7 +78,7 @@ def test_dynamic_trees_of_the_bundled_heads_are_lossless_at_temperature_zero(six
     accepted, and the tokens are the autoregressive ones."""
     target, prompts, budgets, eos, expected = sixteen_ragged_rows_with_eos
     _, _, head = load_models(default_models.TARGET, method, dtype="float32")
-    spec = SpecConfig(method=method, num_speculative_tokens=4, total_tokens=16, top_k=4)
+    spec = SpecConfig(method=method, num_speculative_tokens=4, total_tokens=16, tree_top_k=4)
     result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[eos], spec=spec, drafter=head)
     assert result.sequences() == expected.sequences()
     assert (result.stopped_by_eos == expected.stopped_by_eos).all() and expected.stopped_by_eos.sum() >= 4
@@ -138,7 +138,7 @@ def test_the_eagle_tree_sweep_sets_a_trees_fields_together():
     """A grid value that is a mapping sets its config's fields at once (a dynamic tree's total_tokens and top_k
     are valid only together); a field it does not have is named."""
     points = grid_points(load_sweep(REPO / "configs/sweeps/eagle_tree.yaml"))
-    trees = {(config.spec.total_tokens, config.spec.top_k) for _, config in points}
+    trees = {(config.spec.total_tokens, config.spec.tree_top_k) for _, config in points}
     assert trees == {(None, None), (16, 2), (16, 4), (32, 3), (32, 4), (32, 8), (60, 4), (60, 8)}
     assert len(points) == 32 and {config.spec.num_speculative_tokens for _, config in points} == {6}
     with pytest.raises(ConfigError, match=r"grid key 'spec': SpecConfig has no field 'top_p': allowed \["):

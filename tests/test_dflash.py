@@ -21,7 +21,7 @@ from specjax.models import hf
 from specjax.models.dflash import (default_target_layer_ids, drafter_to_decoding_layout, load_dflash, save_dflash,
                                    with_draft_vocabulary)
 from specjax.models.transformer import unembed
-from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer
+from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer, check_spec
 
 T1 = SamplingConfig(temperature=1.0)
 
@@ -165,9 +165,11 @@ def test_bad_drafters_and_settings_are_refused(zlab, tmp_path):
     with pytest.raises(UnsupportedSpeculation, match=r"num_speculative_tokens = 8 .*allowed 1..7"):
         generate(target, [[3, 4]], max_new_tokens=4, spec=SpecConfig(method="dflash", num_speculative_tokens=8),
                  drafter=drafter)
-    with pytest.raises(ValueError, match=r"SpecConfig.dflash_full_block = True is invalid: allowed null \(auto\), "
-                                         r"true or false with method 'dflash' or 'dspark'; null or false with method 'eagle'"):
-        SpecConfig(method="eagle", dflash_full_block=True)
+    with pytest.raises(ValueError, match=r"SpecConfig.dflash_full_block = True with method 'eagle' is invalid: allowed "
+                                         r"null or false \(it is an option of method 'dflash' or 'dspark'\)"):
+        check_spec(SpecConfig(method="eagle", dflash_full_block=True))
+    with pytest.raises(ValueError, match=r"SpecConfig.dflash_full_block = 1 is invalid: allowed null \(auto\), true or "):
+        check_spec(SpecConfig(method="dflash", dflash_full_block=1))
     with pytest.raises(ValueError, match=r"DFlashConfig.target_layer_ids = \(0, 4\) is invalid: allowed layers 0..3"):
         dataclasses.replace(drafter.config, target_layer_ids=(0, 4))
     with pytest.raises(ValueError, match=r"DFlashConfig.mask_token_id = 128 is invalid"):

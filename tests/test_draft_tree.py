@@ -1,4 +1,4 @@
-"""Draft-tree structure (specjax.draft_tree): ancestors and depths against a brute force; one target
+"""Draft-tree structure (specjax.trees): ancestors and depths against a brute force; one target
 forward over [root, nodes] with the tree's mask and positions gives every node the logits of a plain
 forward over its own path; after the accepted path is moved into contiguous slots the cache equals
 the one a plain forward over the committed tokens builds (keys, values, lengths), in both layouts."""
@@ -10,7 +10,7 @@ import pytest
 from support.checkpoints import fixture_dir
 from support.models import forward, positions_like
 
-from specjax import draft_tree
+from specjax.trees import masks, structure
 from specjax.models import hf
 from specjax.models.transformer import to_decoding_layout
 
@@ -32,12 +32,12 @@ def path_to(parents, node):
 
 def test_ancestors_and_depths_match_a_brute_force_and_a_chain_is_causal():
     parents = random_trees(np.random.default_rng(0), rows=16, nodes=12)
-    got, depth = np.asarray(draft_tree.ancestors(jnp.asarray(parents))), np.asarray(draft_tree.depths(jnp.asarray(parents)))
+    got, depth = np.asarray(structure.ancestors(jnp.asarray(parents))), np.asarray(structure.depths(jnp.asarray(parents)))
     for b in range(16):
         for i in range(12):
             assert set(np.flatnonzero(got[b, i])) == set(path_to(parents[b], i)) and depth[b, i] == len(path_to(parents[b], i))
-    chain = draft_tree.chain_parents(2, 5)
-    mask = np.asarray(draft_tree.attention_mask(chain, jnp.asarray([3, 7]), 16))
+    chain = structure.chain_parents(2, 5)
+    mask = np.asarray(masks.attention_mask(chain, jnp.asarray([3, 7]), 16))
     slots = np.arange(16)
     for b, level in enumerate((3, 7)):
         np.testing.assert_array_equal(mask[b], slots[None, :] <= level + np.arange(6)[:, None])
@@ -83,8 +83,8 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
     fill = cache.lengths
     roots = jnp.asarray([p[-1] for p in prompts])
     block = jnp.concatenate([roots[:, None], jnp.asarray(tokens)], axis=1)
-    mask = draft_tree.attention_mask(jnp.asarray(parents), fill, CACHE)
-    logits, _, tree_cache = forward(model, block, draft_tree.block_positions(jnp.asarray(parents), fill), cache,
+    mask = masks.attention_mask(jnp.asarray(parents), fill, CACHE)
+    logits, _, tree_cache = forward(model, block, masks.block_positions(jnp.asarray(parents), fill), cache,
                                     attention_mask=mask)
     # References: one batched forward over every node's own path, right-padded (the model is causal).
     sequences = [(b, i, prompt + [int(tokens[b, j]) for j in path_to(parents[b], i)])
@@ -95,11 +95,11 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
                                    rtol=0, err_msg=f"row {b} node {i}")
 
     # Accept the path to each row's deepest node, move it, and compare with a plain prefill of the result.
-    leaves = np.asarray(draft_tree.depths(jnp.asarray(parents))).argmax(1)
+    leaves = np.asarray(structure.depths(jnp.asarray(parents))).argmax(1)
     paths = [path_to(parents[b], int(leaves[b])) for b in range(ROWS)]
     length = jnp.asarray([len(p) for p in paths])
     path = jnp.asarray([p + [-1] * (NODES - len(p)) for p in paths])
-    moved = draft_tree.move_path(tree_cache, fill, path, length).with_lengths(fill + 1 + length)
+    moved = masks.move_path(tree_cache, fill, path, length).with_lengths(fill + 1 + length)
     sequences = [prompt + [int(tokens[b, j]) for j in paths[b]] for b, prompt in enumerate(prompts)]
     _, plain = padded_forward(model, sequences, model.create_cache(ROWS, CACHE))
     np.testing.assert_array_equal(moved.lengths, fill + 1 + length)
@@ -115,8 +115,8 @@ def test_preorder_keeps_parents_first_siblings_in_rank_order_and_the_first_ranke
 
     parents = random_trees(np.random.default_rng(3), rows=16, nodes=12)
     ranks = np.array([[sum(parents[b, j] == parents[b, i] for j in range(i)) for i in range(12)] for b in range(16)])
-    order = np.asarray(draft_tree.preorder(jnp.asarray(parents), jnp.asarray(ranks), max_depth=12))
-    tokens, new_parents = (np.asarray(x) for x in draft_tree.permute(jnp.arange(12)[None].repeat(16, 0),
+    order = np.asarray(structure.preorder(jnp.asarray(parents), jnp.asarray(ranks), max_depth=12))
+    tokens, new_parents = (np.asarray(x) for x in structure.permute(jnp.arange(12)[None].repeat(16, 0),
                                                                      jnp.asarray(parents), jnp.asarray(order)))
     for b in range(16):
         assert sorted(order[b]) == list(range(12)) and (tokens[b] == order[b]).all()
@@ -138,8 +138,8 @@ def test_moving_a_path_already_in_place_leaves_the_cache_as_it_is(setup):
     cache, _ = prefilled(model, prompts)
     fill, length = cache.lengths, jnp.asarray([3, 0, 2])
     in_place = jnp.asarray([[0, 1, 2, -1], [-1] * 4, [0, 1, -1, -1]])
-    for got, want in zip(jax.tree.leaves(draft_tree.move_path(cache, fill, in_place, length)), jax.tree.leaves(cache)):
+    for got, want in zip(jax.tree.leaves(masks.move_path(cache, fill, in_place, length)), jax.tree.leaves(cache)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    moved = draft_tree.move_path(cache, fill, jnp.asarray([[1, 2, 3, -1], [-1] * 4, [0, 1, -1, -1]]), length)
+    moved = masks.move_path(cache, fill, jnp.asarray([[1, 2, 3, -1], [-1] * 4, [0, 1, -1, -1]]), length)
     np.testing.assert_array_equal(np.asarray(moved.layer(0)[0][0, fill[0] + 1]),
                                   np.asarray(cache.layer(0)[0][0, fill[0] + 2]))

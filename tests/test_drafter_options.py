@@ -12,7 +12,7 @@ from specjax.config import ConfigError, ModelConfig, SamplingConfig, SpecConfig
 from specjax.data.tokenizer import train_bpe_tokenizer
 from specjax.decoding import generate
 from specjax.models.transformer import init_model
-from specjax.proposers import build_proposer
+from specjax.proposers import build_proposer, check_spec
 from specjax.proposers.base import TargetOutput
 from specjax.proposers.heterogeneous import HeterogeneousDraft, intersect_vocabularies, normalize_token
 
@@ -74,11 +74,13 @@ def test_heterogeneous_vocabularies_greedy_output_is_identical_and_drafts_are_ac
     (dict(use_heterogeneous_vocab=True, draft_sample_method="probabilistic"),
      r"use_heterogeneous_vocab = True with method 'draft_model' and draft_sample_method 'probabilistic' is "
      r"invalid: allowed only with method 'draft_model' and draft_sample_method 'greedy'"),
-    (dict(use_heterogeneous_vocab=True, method="eagle"), r"use_heterogeneous_vocab = True with method 'eagle'"),
+    (dict(use_heterogeneous_vocab=True, method="eagle"),
+     r"use_heterogeneous_vocab = True with method 'eagle' is invalid: allowed false \(it is an option of method "
+     r"'draft_model'\)"),
 ])
 def test_heterogeneous_vocab_is_refused_outside_greedy_draft_models(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        SpecConfig(**kwargs)
+        check_spec(SpecConfig(**kwargs))
 
 
 def test_a_plain_draft_is_refused_under_heterogeneous_vocab():

@@ -23,7 +23,7 @@ from specjax.config import ConfigError, DSparkTrainConfig, SamplingConfig, SpecC
 from specjax.decoding import generate
 from specjax.models import hf
 from specjax.models.dspark import dspark_config, init_dspark, load_dspark, save_dspark, with_random_heads
-from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer
+from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer, check_spec
 from specjax.training import dflash as block_training
 from specjax.training.confidence import confidence_against_margin, held_out_steps
 from specjax.training.evaluation import held_out_prompts
@@ -302,10 +302,10 @@ def test_bad_settings_are_refused(tmp_path):
                                           r"\['vanilla', 'gated'\]"):
         dataclasses.replace(drafter.config, markov_head_type="rnn")
     with pytest.raises(ConfigError, match=r"SpecConfig.dspark_draft_topk = 0 is invalid: allowed null, or an integer "
-                                          r">= 1 with method 'dspark'"):
-        SpecConfig(method="dspark", dspark_draft_topk=0)
-    with pytest.raises(ConfigError, match=r"dspark_draft_topk = 4 is invalid: .*\(method is 'dflash'\)"):
-        SpecConfig(method="dflash", dspark_draft_topk=4)
+                                          r">= 1"):
+        check_spec(SpecConfig(method="dspark", dspark_draft_topk=0))
+    with pytest.raises(ConfigError, match=r"dspark_draft_topk = 4 with method 'dflash' is invalid: allowed null"):
+        check_spec(SpecConfig(method="dflash", dspark_draft_topk=4))
     vocab = target.config.vocab_size
     with pytest.raises(ValueError, match=rf"dspark_draft_topk = {vocab + 1} is invalid: allowed null or 1..{vocab}"):
         generate(target, [[3, 4]], max_new_tokens=2, drafter=drafter,

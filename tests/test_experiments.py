@@ -13,10 +13,11 @@ import yaml
 from support.checkpoints import REPO, write_tiny_checkpoint
 
 from specjax import cli
-from specjax.config import ConfigError
+from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.experiments import TIMING_FIELDS, load_run, load_sweep
 from specjax.models import hf
 from specjax.models.eagle import EagleConfig, init_eagle, save_eagle
+from specjax.proposers import build_proposer
 
 PROMPTS = ["def add(", "for item in", "total +=", "def sub(a, b):", "return a"]
 
@@ -130,6 +131,21 @@ def test_a_bad_grid_key_is_named(models, tmp_path):
     with pytest.raises(ConfigError, match=r"sweep.yaml: grid key 'spec.num_draft_tokens': SpecConfig has no field "
                                           r"'num_draft_tokens': allowed \["):
         load_sweep(path)
+
+
+def test_every_speed_table_drafter_is_built_by_its_proposer_and_fits_the_target():
+    from specjax import benchmarking, speed
+
+    target_config, draft_config = benchmarking.SHAPES["tiny"]
+    assert {"eagle", "eagle_fr", "eagle3", "draft_model", "dflash", "dflash_fr", "mtp"} <= set(speed.DRAFTERS)
+    for name in speed.DRAFTERS:
+        weights = speed.build_drafter(name, target_config, draft_config)
+        spec = SpecConfig(method=speed.spec_method(name), num_speculative_tokens=2)
+        proposer = build_proposer(spec, SamplingConfig(), cache_size=16, drafter=weights)
+        proposer.check(weights, target_config)  # raises where the shaped drafter does not fit
+        assert (getattr(weights, "draft_to_target", None) is not None) == name.endswith("_fr") or name == "eagle3"
+    with pytest.raises(ValueError, match=r"drafter 'medusa' is unknown: allowed dflash, dflash_fr"):
+        speed.build_drafter("medusa", target_config, draft_config)
 
 
 def test_the_8b_speed_table_is_skipped_off_gpus_with_a_reason(capsys):

@@ -96,7 +96,18 @@ def test_a_config_imports_no_model_code():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'safetensors', 'specjax')))")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert eval(out) == ["specjax", "specjax.config"]
+    assert eval(out)[:2] == ["specjax", "specjax.config"]
+    assert all(name.startswith("specjax.config.") for name in eval(out)[2:]), out
+
+
+def test_the_verifiers_load_no_model_code():
+    """Verifiers are pure math: the tree verifier reads a tree's structure (specjax.trees.structure) without the
+    masks and cache moves that run it through a model."""
+    code = ("import sys; import specjax.verify.tree; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'safetensors', 'specjax')))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert not [name for name in eval(out) if name.startswith(("flax", "safetensors", "specjax.models"))], out
 
 
 def private_names_taken(source: str, where: str) -> list[str]:

@@ -107,12 +107,12 @@ GREEDY_CASES = [
       for name in ("eagle", "eagle3", "eagle_fr") for k in (1, 4)),
     # EAGLE-2 dynamic trees (these random heads' paths are accepted one draft deep now and then; the bundled
     # heads' deeper paths: tests/test_default_models.py).
-    *(greedy_case(name, 4, accepts_sometimes, tag="tree12-top3", total_tokens=12, top_k=3)
+    *(greedy_case(name, 4, accepts_sometimes, tag="tree12-top3", total_tokens=12, tree_top_k=3)
       for name in ("eagle", "eagle3")),
-    greedy_case("perturbed", 4, every_length_occurs, tag="tree12-top3", total_tokens=12, top_k=3),
+    greedy_case("perturbed", 4, every_length_occurs, tag="tree12-top3", total_tokens=12, tree_top_k=3),
     # ... with the tree's mask in the Pallas kernel (the target's 13-token verification block).
     greedy_case("perturbed", 4, accepts_often, requests="ragged16", attention_kernel=True,
-                tag="tree12-top3-attention_kernel", total_tokens=12, top_k=3),
+                tag="tree12-top3-attention_kernel", total_tokens=12, tree_top_k=3),
     *(greedy_case("medusa", k, accepts_sometimes) for k in (1, 3)),
     # One forward drafts the block; K up to the block's 15. The fixture target is random, and a drafter
     # trained on its text accepts little (tests/test_train_dflash.py trains one for a target with structure).
@@ -190,8 +190,8 @@ LOSSLESS_CASES = [
     *(lossless_case(name, ("block",)) for name in ("eagle", "eagle3", "eagle_fr")),
     # EAGLE-2 dynamic trees: each node's top-k (deterministic), recursive rejection sampling ('standard') and
     # traversal verification ('block' on a tree).
-    lossless_case("eagle", drafting="greedy", tag="tree5-top2", total_tokens=5, top_k=2),
-    *(lossless_case(name, ("standard",), "greedy", samplings, tag="tree5-top2", total_tokens=5, top_k=2)
+    lossless_case("eagle", drafting="greedy", tag="tree5-top2", total_tokens=5, tree_top_k=2),
+    *(lossless_case(name, ("standard",), "greedy", samplings, tag="tree5-top2", total_tokens=5, tree_top_k=2)
       for name, samplings in (("eagle3", SAMPLINGS[1:2]), ("eagle_fr", SAMPLINGS[2:3]),
                               ("draft_model", SAMPLINGS[1:2]))),
     lossless_case("medusa"),

@@ -23,7 +23,7 @@ from specjax.experiments import recognized_method
 from specjax.models import hf
 from specjax.models.mtp import MTPConfig, init_mtp, load_mtp, save_mtp
 from specjax.models.transformer import Hidden
-from specjax.proposers import Context, TargetOutput, build_proposer, proposer_class
+from specjax.proposers import Context, TargetOutput, build_proposer, check_spec, proposer_class
 from specjax.verify import standard
 
 T1 = SamplingConfig(temperature=1.0)
@@ -217,9 +217,9 @@ def test_bad_input_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"SpecConfig.num_speculative_tokens = 0 is invalid: allowed an integer >= 1"):
         SpecConfig(method="mtp", num_speculative_tokens=0)
     with pytest.raises(ConfigError, match=r"SpecConfig.mtp_hidden_state = 'first' is invalid"):
-        SpecConfig(method="mtp", mtp_hidden_state="first")
-    with pytest.raises(ConfigError, match=r"mtp_hidden_state = 'target' is invalid: .* null with method 'eagle'"):
-        SpecConfig(method="eagle", mtp_hidden_state="target")
+        check_spec(SpecConfig(method="mtp", mtp_hidden_state="first"))
+    with pytest.raises(ConfigError, match=r"mtp_hidden_state = 'target' with method 'eagle' is invalid: allowed null"):
+        check_spec(SpecConfig(method="eagle", mtp_hidden_state="target"))
     target = hf.load(fixture_dir("qwen2"))
     with pytest.raises(hf.CheckpointError, match=r"num_nextn_predict_layers = 0: a checkpoint for method 'mtp' needs "
                                                  r"MTP modules"):

@@ -253,14 +253,14 @@ RANKED_CASES = cases(dict(num_modules=3, depth=5, chained=True), dict(num_module
 
 
 @pytest.mark.parametrize("case", CHAIN_CASES)
-def test_a_dynamic_tree_with_top_k_1_is_the_chain_the_modules_draft(case):
+def test_a_dynamic_tree_with_tree_top_k_1_is_the_chain_the_modules_draft(case):
     """Several modules then the last repeated, one module repeated, fed chained (after or before the final norm)
     or the target's hidden state: the one-path tree's tokens are the chain's drafts, row by row."""
     target = target_and_drafts()[0]
     modules = mtp_modules(target.config, case["num_modules"], chain_after_final_norm=not case.get("before_norm"))
     hidden_state = "chained" if case["chained"] else "target"
     chain = SpecConfig(method="mtp", num_speculative_tokens=case["depth"], mtp_hidden_state=hidden_state)
-    tree = dataclasses.replace(chain, total_tokens=case["depth"], top_k=1)
+    tree = dataclasses.replace(chain, total_tokens=case["depth"], tree_top_k=1)
     chain_tokens, _ = drafted_tree(modules, chain)
     tree_tokens, parents = drafted_tree(modules, tree)
     assert (parents == np.arange(-1, case["depth"] - 1)).all()
@@ -269,13 +269,13 @@ def test_a_dynamic_tree_with_top_k_1_is_the_chain_the_modules_draft(case):
 
 @pytest.mark.parametrize("case", RANKED_CASES)
 def test_each_tree_node_is_its_parents_ranked_child_along_its_own_path(case):
-    """top_k 2, every candidate kept: every node's token is the r-th most likely token of the modules' distribution
+    """tree_top_k 2, every candidate kept: every node's token is the r-th most likely token of the modules' distribution
     after its path's tokens (path_logits, computed without the tree), r its rank among its siblings."""
     target = target_and_drafts()[0]
     modules = mtp_modules(target.config, case["num_modules"])
     hidden_state = "chained" if case["chained"] else "target"
     spec = SpecConfig(method="mtp", num_speculative_tokens=case["depth"], total_tokens=2 + 4 * (case["depth"] - 1),
-                      top_k=2, mtp_hidden_state=hidden_state)
+                      tree_top_k=2, mtp_hidden_state=hidden_state)
     tokens, parents = drafted_tree(modules, spec)
     hidden = target(jnp.asarray(COMMITTED), jnp.arange(COMMITTED.shape[1])[None].repeat(2, 0))[1].final
     embed, lm_head = shared_of(target)
@@ -303,7 +303,7 @@ def test_module_caches_after_an_accepted_tree_path_equal_a_fresh_prefill():
     target = target_and_drafts()[0]
     modules = mtp_modules(target.config, 3)
     depth, size = 5, 64
-    proposer = build_proposer(SpecConfig(method="mtp", num_speculative_tokens=depth, total_tokens=18, top_k=2),
+    proposer = build_proposer(SpecConfig(method="mtp", num_speculative_tokens=depth, total_tokens=18, tree_top_k=2),
                               SamplingConfig(), size, modules)
     params = proposer.bind(modules, target)
     rng = np.random.default_rng(2)
@@ -352,7 +352,7 @@ def test_greedy_tree_output_is_identical_to_autoregressive():
     """Three modules, then the last repeated, drafting 10-node trees of depth 5 for ragged rows with EOS in paths."""
     target = target_and_drafts()[0]
     prompts, budgets = REQUESTS["ragged16"]()
-    spec = SpecConfig(method="mtp", num_speculative_tokens=5, total_tokens=10, top_k=2)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=5, total_tokens=10, tree_top_k=2)
     result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], spec=spec,
                       drafter=mtp_modules(target.config, 3))
     expected = autoregressive_outputs("ragged16")
@@ -366,7 +366,7 @@ def tiny_modules():
     return mtp_modules(TINY, num_modules=2, init_std=0.6, seed=3)
 
 
-TREE = SpecConfig(method="mtp", num_speculative_tokens=3, total_tokens=6, top_k=2)  # module 1, then it repeated
+TREE = SpecConfig(method="mtp", num_speculative_tokens=3, total_tokens=6, tree_top_k=2)  # module 1, then it repeated
 SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5))
 
 

@@ -14,7 +14,7 @@ from support.jaxpr import primitives, speculative_loop_args
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
 from specjax.models import hf
-from specjax.proposers import Context, build_proposer
+from specjax.proposers import Context, build_proposer, check_spec
 
 
 @functools.cache
@@ -130,7 +130,7 @@ def test_ngram_generation_is_one_program_with_one_while_loop():
 ])
 def test_bad_lookup_lengths_are_refused(lookup_min, lookup_max, message):
     with pytest.raises(ConfigError, match=message):
-        ngram_spec(2, lookup_min, lookup_max)
+        check_spec(ngram_spec(2, lookup_min, lookup_max))
 
 
 def test_drafter_weights_are_refused():

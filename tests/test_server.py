@@ -347,7 +347,7 @@ def test_an_unknown_method_is_refused_at_startup_naming_the_flag(capsys):
 def test_the_config_from_yaml_flags_and_overrides(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("spec: {method: eagle, num_speculative_tokens: 3}\nmax_num_seqs: 2\nport: 9000\n")
-    config = load_serve_config(path, {"port": 9001, "max_num_seqs": None}, ["spec.total_tokens=6", "spec.top_k=2"])
+    config = load_serve_config(path, {"port": 9001, "max_num_seqs": None}, ["spec.total_tokens=6", "spec.tree_top_k=2"])
     assert config.port == 9001 and config.max_num_seqs == 2  # a flag over the file; an absent flag keeps it
     assert (config.spec.method, config.spec.num_speculative_tokens, config.spec.total_tokens) == ("eagle", 3, 6)
     assert load_serve_config().spec is None and load_serve_config() == ServeConfig()

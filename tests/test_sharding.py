@@ -164,7 +164,7 @@ def test_speculative_tokens_match_one_device_for_every_verifier(models, prompts,
 @pytest.mark.loop
 @pytest.mark.parametrize("method", ["eagle", "eagle_fr", "eagle3", "medusa", "ngram", "eagle3_tree"])
 def test_every_drafter_matches_one_device(models, prompts, method):
-    tree = dict(total_tokens=8, top_k=2) if method.endswith("_tree") else {}  # an EAGLE-2 dynamic tree
+    tree = dict(total_tokens=8, tree_top_k=2) if method.endswith("_tree") else {}  # an EAGLE-2 dynamic tree
     method = method.removesuffix("_tree")
     spec = SpecConfig(method="eagle" if method == "eagle_fr" else method, num_speculative_tokens=3,
                       prompt_lookup_min=1, prompt_lookup_max=3, **tree)

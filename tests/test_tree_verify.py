@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from support.distributions import chi_square_pvalue
 
-from specjax import draft_tree as tree_shapes
+from specjax.trees import structure
 from specjax.verify import block, standard
 from specjax.verify.common import Draws, race_sample
 from specjax.verify.tree import (deepest_path, make_tree_draws, bonus_weights, traversal_weights, verify_tree,
@@ -123,7 +123,7 @@ def traversal_top_down(target_probs, tokens, parents, draft_probs, keys):
     weights, residuals = traversal_weights(target_probs, tokens, parents, draft_probs)
     passes = uniforms <= weights[:, 1:]
     first = jnp.where(passes.any(-1), jnp.argmax(passes, -1), -1)
-    on_path = tree_shapes.ancestors(parents)[jnp.arange(ROWS), jnp.maximum(first, 0)] & (first >= 0)[:, None]
+    on_path = structure.ancestors(parents)[jnp.arange(ROWS), jnp.maximum(first, 0)] & (first >= 0)[:, None]
     path, length, node = deepest_path(parents, on_path)
     return path, length, race_sample(bonus_weights(target_probs, tokens, parents, residuals, node),
                                      exponentials)

@@ -15,7 +15,7 @@ from support.distributions import check_lossless, first_ranked_pvalue, tiny_pair
 from support.models import EOS, head_for, medusa_for, target_and_drafts
 from support.requests import REQUESTS, autoregressive_outputs
 
-from specjax import tree_size
+from specjax.trees import sizing
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
 from specjax.proposers import UnsupportedSpeculation, build_proposer
@@ -132,7 +132,7 @@ def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill(tree)
     target, drafts = target_and_drafts()
     draft = drafts["perturbed"]
     spec = (tree_spec(method="draft_model") if tree == "static" else
-            SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=10, top_k=2))  # every candidate
+            SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=10, tree_top_k=2))  # every candidate
     proposer = build_proposer(spec, SamplingConfig(), 32, draft)
     committed = jnp.asarray([[5, 9, 2, 7, 1, 3]])
     hidden = target(committed[:, :-1], jnp.arange(5)[None])[1]
@@ -177,14 +177,14 @@ def chain_step(proposer, params, feature, tokens, positions, cache):
     return jax.nn.log_softmax(proposer.logits(params, feature)), (out[:, 0], cache)
 
 
-def dynamic_tree_and_reference(name: str, top_k: int, total_tokens: int, depth: int = 3):
+def dynamic_tree_and_reference(name: str, tree_top_k: int, total_tokens: int, depth: int = 3):
     """One dynamic tree drafted by an EAGLE head for two ragged rows, and, per node, the head's
     log-probabilities at its parent computed the plain way: the pending pairs, then the node's path
     fed as a chain (one pair at a time, each seeing the committed pairs and the path before it)."""
     from specjax.proposers import Context, TargetOutput, build_proposer
 
     target, _ = target_and_drafts()
-    spec = SpecConfig(method=name, num_speculative_tokens=depth, total_tokens=total_tokens, top_k=top_k)
+    spec = SpecConfig(method=name, num_speculative_tokens=depth, total_tokens=total_tokens, tree_top_k=tree_top_k)
     proposer = build_proposer(spec, SamplingConfig(), 64, head_for(name))
     params = proposer.bind(head_for(name), target)
     committed, lengths = jnp.asarray([[5, 9, 2, 7, 1, 3], [4, 4, 8, 1, 0, 0]]), jnp.asarray([6, 4])
@@ -225,9 +225,9 @@ TINY_VOCAB = 128  # target_and_drafts()'s
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3"])
 def test_a_dynamic_tree_drafts_each_nodes_top_k_as_the_head_computes_it_along_the_nodes_path(name):
-    """Every node is one of the top_k tokens of the head's distribution at its parent (computed without the tree
-    mask), siblings differ, parents come first; with top_k 1 the tree is the chain the head drafts."""
-    tokens, parents, reference = dynamic_tree_and_reference(name, top_k=2, total_tokens=8)
+    """Every node is one of the tree_top_k tokens of the head's distribution at its parent (computed without the tree
+    mask), siblings differ, parents come first; with tree_top_k 1 the tree is the chain the head drafts."""
+    tokens, parents, reference = dynamic_tree_and_reference(name, tree_top_k=2, total_tokens=8)
     for b in range(2):
         for i in range(tokens.shape[1]):
             assert parents[b, i] < i
@@ -241,22 +241,22 @@ def test_a_dynamic_tree_drafts_each_nodes_top_k_as_the_head_computes_it_along_th
         for parent in set(parents[b].tolist()):
             siblings = tokens[b][parents[b] == parent]
             assert len(set(siblings.tolist())) == len(siblings)
-    tokens, parents, reference = dynamic_tree_and_reference(name, top_k=1, total_tokens=3)
+    tokens, parents, reference = dynamic_tree_and_reference(name, tree_top_k=1, total_tokens=3)
     assert (parents == [[-1, 0, 1]] * 2).all()
     assert (tokens == reference.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(total_tokens=8), r"total_tokens = 8 and top_k = None: allowed both"),
-    (dict(total_tokens=21, top_k=2), r"total_tokens = 21 is invalid: allowed at most the 14 candidates"),
-    (dict(total_tokens=4, top_k=0), r"top_k = 0 is invalid: allowed an integer >= 1"),
-    (dict(total_tokens=4, top_k=2, draft_sample_method="probabilistic"),
+    (dict(total_tokens=8), r"total_tokens = 8 and tree_top_k = None: allowed both"),
+    (dict(total_tokens=21, tree_top_k=2), r"total_tokens = 21 is invalid: allowed at most the 14 candidates"),
+    (dict(total_tokens=4, tree_top_k=0), r"tree_top_k = 0 is invalid: allowed an integer >= 1"),
+    (dict(total_tokens=4, tree_top_k=2, draft_sample_method="probabilistic"),
      r"draft_sample_method .* 'greedy' with a dynamic"),
-    (dict(total_tokens=4, top_k=2, rejection_sample_method="typical"), r"rejection_sample_method .* with a dynamic tree"),
-    (dict(total_tokens=4, top_k=2, speculative_token_tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))),
+    (dict(total_tokens=4, tree_top_k=2, rejection_sample_method="typical"), r"rejection_sample_method .* with a dynamic tree"),
+    (dict(total_tokens=4, tree_top_k=2, speculative_token_tree=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))),
      r"total_tokens = 4 is invalid: allowed None with speculative_token_tree"),
-    (dict(total_tokens="big", top_k=2), r"total_tokens = 'big' is invalid: allowed a positive integer or 'auto'"),
-    (dict(total_tokens=0, top_k=2), r"total_tokens = 0 is invalid: allowed a positive integer or 'auto'")])
+    (dict(total_tokens="big", tree_top_k=2), r"total_tokens = 'big' is invalid: allowed a positive integer or 'auto'"),
+    (dict(total_tokens=0, tree_top_k=2), r"total_tokens = 0 is invalid: allowed a positive integer or 'auto'")])
 def test_a_malformed_dynamic_tree_is_a_config_error_naming_the_field(options, message):
     with pytest.raises(ConfigError, match=message):
         SpecConfig(method="eagle", num_speculative_tokens=4, **options)
@@ -267,8 +267,8 @@ def test_dynamic_trees_are_refused_where_they_are_not_built_or_do_not_fit():
     with pytest.raises(UnsupportedSpeculation,
                        match=r"drafts no dynamic trees: .* allowed with \['draft_model', 'eagle', 'eagle3', 'mtp'\]"):
         generate(target, [[1, 2]], max_new_tokens=4, drafter=medusa_for(target, num_heads=2),
-                 spec=SpecConfig(method="medusa", num_speculative_tokens=2, total_tokens=4, top_k=2))
-    spec = SpecConfig(method="eagle", num_speculative_tokens=4, total_tokens=40, top_k=4)
+                 spec=SpecConfig(method="medusa", num_speculative_tokens=2, total_tokens=4, tree_top_k=2))
+    spec = SpecConfig(method="eagle", num_speculative_tokens=4, total_tokens=40, tree_top_k=4)
     with pytest.raises(ValueError, match=r"\+ drafts scored per step \+ 1 \(41\) = 51 does not fit cache_size 48"):
         generate(target, [[1, 2]], max_new_tokens=8, cache_size=48, spec=spec, drafter=head_for("eagle"))
 
@@ -283,7 +283,7 @@ def test_synthetic_acceptance_of_a_tree_accepts_the_first_ranked_path_to_the_set
         spec, drafter = tree_spec(rejection_sample_method="synthetic", synthetic_acceptance_rates=(1.0, 1.0, 0.0)), \
             medusa_for(target, num_heads=3, scale=0.05)
     else:
-        spec = SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=10, top_k=3,
+        spec = SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=10, tree_top_k=3,
                           rejection_sample_method="synthetic", synthetic_acceptance_rates=(1.0, 1.0, 0.0))
         drafter = head_for("eagle")
     result = generate(target, [[3, 9, 27], [5, 1, 4, 4, 2]], max_new_tokens=[31, 13], spec=spec, drafter=drafter)
@@ -291,17 +291,17 @@ def test_synthetic_acceptance_of_a_tree_accepts_the_first_ranked_path_to_the_set
     assert result.num_generated.tolist() == [31, 13]
 
 
-def test_auto_tree_sizes_are_those_the_depth_and_top_k_fill_and_the_cache_has_room_for_the_largest():
-    assert SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens="auto", top_k=3).auto_tree_sizes == (8, 16)
-    spec = SpecConfig(method="eagle", num_speculative_tokens=6, total_tokens="auto", top_k=8)
+def test_auto_tree_sizes_are_those_the_depth_and_tree_top_k_fill_and_the_cache_has_room_for_the_largest():
+    assert SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens="auto", tree_top_k=3).auto_tree_sizes == (8, 16)
+    spec = SpecConfig(method="eagle", num_speculative_tokens=6, total_tokens="auto", tree_top_k=8)
     assert spec.auto_tree_sizes == (8, 16, 24, 32, 48, 64) and spec.num_draft_nodes == 64
-    assert SpecConfig(method="eagle", num_speculative_tokens=2, total_tokens="auto", top_k=2).auto_tree_sizes == (6,)
+    assert SpecConfig(method="eagle", num_speculative_tokens=2, total_tokens="auto", tree_top_k=2).auto_tree_sizes == (6,)
 
 
 def test_the_tree_size_of_highest_predicted_rate_is_chosen():
     """tau / (T_verify + T_rest), T_rest the step less its T_verify at both ends (0.5 at 8 nodes, 1.0 at 32),
     linear between (0.666.. at 16): 2 / 1.5, 3 / 1.866.., 3.5 / 3."""
-    choice = tree_size.choose((8, 16, 32), (2.0, 3.0, 3.5), (1.0, 1.2, 2.0), step_s=(1.5, 3.0), batch=2)
+    choice = sizing.choose((8, 16, 32), (2.0, 3.0, 3.5), (1.0, 1.2, 2.0), step_s=(1.5, 3.0), batch=2)
     assert choice.total_tokens == 16
     np.testing.assert_allclose(choice.rest_s, (0.5, 0.5 + 0.5 / 3, 1.0))
     np.testing.assert_allclose(choice.predicted_tok_s, (2 * 2 / 1.5, 2 * 3 / (1.2 + 0.5 + 0.5 / 3), 2 * 3.5 / 3))
@@ -312,7 +312,7 @@ def test_estimated_acceptance_sums_the_best_nodes_confidences_scaled_to_the_meas
     """Rows [0.5, 0.25, 0.25] and [0.5, 0.5, 0]: 1 + cumulative mean = 1.5, 1.875, 2; measured 3 at 3 nodes
     doubles every gain over 1."""
     log_probs = np.log(np.array([[0.5, 0.25, 0.25], [0.5, 0.5, 1e-30]]))
-    np.testing.assert_allclose(tree_size.estimated_acceptance(log_probs, (1, 2, 3), measured=3.0), (2.0, 2.75, 3.0))
+    np.testing.assert_allclose(sizing.estimated_acceptance(log_probs, (1, 2, 3), measured=3.0), (2.0, 2.75, 3.0))
 
 
 @pytest.mark.loop
@@ -321,7 +321,7 @@ def test_total_tokens_auto_chooses_a_size_and_its_output_is_the_autoregressive_o
     """The calibration (at the largest of 8 and 16 nodes) and the choice; greedy output = autoregressive."""
     target, drafts = target_and_drafts()
     prompts, budgets = REQUESTS["ragged16"]()
-    spec = SpecConfig(method=method, num_speculative_tokens=3, total_tokens="auto", top_k=3)
+    spec = SpecConfig(method=method, num_speculative_tokens=3, total_tokens="auto", tree_top_k=3)
     drafter = head_for("eagle") if method == "eagle" else drafts["perturbed"]
     result = generate(target, prompts, max_new_tokens=budgets, eos_token_ids=[EOS], spec=spec, drafter=drafter)
     assert result.sequences() == autoregressive_outputs("ragged16").sequences()

@@ -31,7 +31,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.config import ModelConfig, require
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.vocabulary import validated_draft_ids
+from specjax.models.vocabulary import with_draft_ids
 from specjax.models.transformer import (DecodingLayer, Hidden, StackedLayers, at_model_precision, checkpointed,
                                         decoder_layer, init_param, normalize, project_qkv, query_slots_for, scan_layers)
 
@@ -167,10 +167,7 @@ def with_draft_vocabulary(drafter: DFlashDrafter, ids) -> DFlashDrafter:
     `ids` (1-D, sorted, unique; e.g. the most frequent ids of a corpus), ranking them with the target's LM
     head restricted to them. Training-free and lossless; applied at run time (z-lab's layout has no place
     for it: save_dflash refuses such a drafter)."""
-    ids = validated_draft_ids(ids, drafter.config.layer.vocab_size, "with_draft_vocabulary")
-    reduced = jax.tree.map(lambda w: w, drafter)  # a new module over the same arrays
-    reduced.draft_to_target = nnx.data(nnx.Variable(jnp.asarray(ids, jnp.int32)))
-    return reduced
+    return with_draft_ids(drafter, ids, drafter.config.layer.vocab_size)
 
 
 def drafter_to_decoding_layout(drafter: DFlashDrafter, model_shards: int = 1) -> DFlashDrafter:

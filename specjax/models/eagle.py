@@ -5,10 +5,9 @@ target's final-norm feature at j and x_{j+1} the token after it (the token strea
 of the features); one Llama decoder layer, whose attention reads that input directly (its first
 input norm is skipped), predicts f_{j+1}; the target's own LM head turns it into draft logits.
 With a draft vocabulary (FR-Spec, Zhao et al. 2025: the most frequent target ids), only those rows of
-the target's unembedding are used (`restricted_lm_head`, gathered once per generate call by the
-proposer), so a draft step reads a fraction of the LM-head bytes; the head's weights are the same and
-the target still verifies over its whole vocabulary (`with_draft_vocabulary` applies it to a trained
-head).
+the target's unembedding are used (gathered once per generate call by the proposer), so a draft step
+reads a fraction of the LM-head bytes; the head's weights are the same and the target still verifies over
+its whole vocabulary (`with_draft_vocabulary` applies it to a trained head).
 
 EAGLE-3: the feature is fused from the hidden states entering three target layers (default 2, L//2,
 L-3) through fc (3H -> H, no bias); the layer's attention reads [norm(embed), norm(feature)] (2H) and
@@ -36,7 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax.config import ConfigError, ModelConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary, validated_draft_ids
+from specjax.models.vocabulary import to_target_vocabulary, with_draft_ids
 from specjax.models.transformer import (StackedLayers, DecodingLayer, Hidden, at_model_precision, checkpointed,
                                         init_param, decoder_layer, einsum_f32, normalize, query_slots_for)
 
@@ -153,42 +152,29 @@ class EagleHead(nnx.Module):
         return KVCache.create(self.config.layer, batch_size, max_length, dtype,
                               per_layer=isinstance(self.layer, DecodingLayer))
 
-    def restricted_lm_head(self, embed: Float[Array, "V D"],
-                           lm_head: Float[Array, "D V"] | None) -> Float[Array, "D Vd"] | None:
-        """EAGLE-1 with a draft vocabulary: the target's unembedding (lm_head, or the tied embedding when
-        lm_head is None) restricted to draft_to_target, as [D, V_draft]; None for every other head.
-        Drafting gathers it once per generate call (EagleProposer.bind), not in every draft step."""
-        if self.config.version != 1 or self.draft_to_target is None:
-            return None
-        return restricted_unembedding(embed, lm_head, self.draft_to_target[...])
-
-    def logits(self, features: Float[Array, "... D"], target_lm_head,
-               draft_lm_head: Float[Array, "D Vd"] | None = None) -> Float[Array, "... V"]:
+    def logits(self, features: Float[Array, "... D"], target_lm_head) -> Float[Array, "... V"]:
         """Float32 logits over the target's vocabulary. target_lm_head(features) -> logits is the
-        target's unembedding, which an EAGLE-1 head without a draft vocabulary uses. With a draft
-        vocabulary the logits of the draft ids come from a [D, V_draft] head, EAGLE-3's own (after its
-        final norm) or, for EAGLE-1, draft_lm_head (restricted_lm_head of the target), and land at
-        their target ids (draft_to_target); every other target id is -inf."""
-        draft, ids = self.draft_logits(features, target_lm_head, draft_lm_head)
+        target's unembedding, which an EAGLE-1 head uses. EAGLE-3 with a draft vocabulary: the logits of
+        the draft ids come from its own [D, V_draft] head (after its final norm) and land at their target
+        ids (draft_to_target); every other target id is -inf."""
+        draft, ids = self.draft_logits(features, target_lm_head)
         return draft if ids is None else to_target_vocabulary(draft, ids, self.config.layer.vocab_size)
 
     @at_model_precision
-    def draft_logits(self, features: Float[Array, "... D"], target_lm_head,
-                     draft_lm_head: Float[Array, "D Vd"] | None = None
+    def draft_logits(self, features: Float[Array, "... D"], target_lm_head
                      ) -> tuple[Float[Array, "... Vd"], Int[Array, " Vd"] | None]:
         """(logits over the draft vocabulary, its target ids draft_to_target), or (`logits`, None) for a
-        head without one: what ranks drafts without the scatter to the target's vocabulary."""
+        head without one: what ranks drafts without the scatter to the target's vocabulary. An EAGLE-1
+        head with one drafts through the target's rows, which its bound params hold
+        (specjax.proposers.drafting.TargetHeadParams, FR-Spec)."""
         c = self.config.layer
         if self.draft_to_target is None:
             return target_lm_head(features), None
         if self.config.version == 1:
-            if draft_lm_head is None:
-                raise ValueError("an EAGLE-1 head with a draft vocabulary needs draft_lm_head: the target's "
-                                 "unembedding restricted to it (EagleHead.restricted_lm_head)")
-            x, weight = features.astype(c.jnp_dtype), draft_lm_head
-        else:
-            x, weight = normalize(features.astype(c.jnp_dtype), self.final_norm[...], None, c), self.lm_head[...]
-        return einsum_f32("...d,dv->...v", x, weight.astype(c.jnp_dtype)), self.draft_to_target[...]
+            raise ValueError("an EAGLE-1 head with a draft vocabulary drafts through the target's unembedding "
+                             "restricted to it: allowed through EagleProposer.draft_logits (its bound params)")
+        x = normalize(features.astype(c.jnp_dtype), self.final_norm[...], None, c)
+        return einsum_f32("...d,dv->...v", x, self.lm_head[...].astype(c.jnp_dtype)), self.draft_to_target[...]
 
 
 def init_eagle(config: EagleConfig, seed: int = 0) -> EagleHead:
@@ -209,16 +195,13 @@ def head_to_decoding_layout(head: EagleHead, model_shards: int = 1) -> EagleHead
 def with_draft_vocabulary(head: EagleHead, ids) -> EagleHead:
     """FR-Spec (Zhao et al. 2025) for a trained EAGLE-1 head: a new head over the same weights that drafts
     only the target ids `ids` (1-D, sorted, unique; e.g. the most frequent ids of a corpus,
-    specjax.training.eagle.draft_vocabulary). Training-free and lossless: the target verifies over its
+    specjax.models.vocabulary.draft_vocabulary). Training-free and lossless: the target verifies over its
     whole vocabulary. The head given is unchanged; a head with a draft vocabulary gets the new one."""
     if head.config.version != 1:
         raise ValueError(f"with_draft_vocabulary: got an EAGLE-{head.config.version} head, whose own LM head is "
                          "trained over its draft vocabulary: allowed only EAGLE-1 heads")
-    ids = validated_draft_ids(ids, head.config.layer.vocab_size, "with_draft_vocabulary")
-    reduced = jax.tree.map(lambda w: w, head)  # a new module over the same arrays
-    reduced.config = dataclasses.replace(head.config, draft_vocab_size=len(ids))
-    # nnx.data: an EAGLE-1 head without a draft vocabulary holds None there, a static attribute
-    reduced.draft_to_target = nnx.data(nnx.Variable(jnp.asarray(ids, jnp.int32)))
+    reduced = with_draft_ids(head, ids, head.config.layer.vocab_size)
+    reduced.config = dataclasses.replace(head.config, draft_vocab_size=reduced.draft_to_target.shape[0])
     return reduced
 
 

@@ -108,7 +108,7 @@ def normalize(x: Float[Array, "... D"], scale, bias, config: ModelConfig):
 class NewTokenMask:
     """Which slots the new tokens of a call see, given among themselves: new token t sees new token j where
     sees[b, t, j], and every slot before the row's first new slot (the committed cache). A draft tree's
-    verification block (draft_tree.tree_mask); the decoding layout's Pallas kernel takes it as it is,
+    verification block (masks.tree_mask); the decoding layout's Pallas kernel takes it as it is,
     XLA as the dense [B, T, S] mask (`dense`)."""
     sees: Bool[Array, "B T M"]
 

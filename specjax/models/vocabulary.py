@@ -4,9 +4,18 @@ their probabilities stay inside it while the target verifies over its whole voca
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jaxtyping import Array, Float, Int
+
+
+def draft_vocabulary(train_tokens: np.ndarray, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
+    """The draft_vocab_size most frequent ids of train_tokens (ties to the lower id), sorted."""
+    counts = np.bincount(np.asarray(train_tokens, np.int64), minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id ascending
+    return np.sort(order[:draft_vocab_size]).astype(np.int32)
 
 
 def validated_draft_ids(ids, vocab_size: int, caller: str) -> np.ndarray:
@@ -27,6 +36,16 @@ def validated_draft_ids(ids, vocab_size: int, caller: str) -> np.ndarray:
         raise ValueError(f"{caller}: ids[{i + 1}] = {ids[i + 1]} follows ids[{i}] = {ids[i]}: allowed "
                          "only sorted ids without repeats (strictly increasing)")
     return ids
+
+
+def with_draft_ids(drafter: nnx.Module, ids, vocab_size: int) -> nnx.Module:
+    """A new drafter over the same weights whose draft_to_target is ids (validated against vocab_size, the
+    target's): the drafter given is unchanged."""
+    ids = validated_draft_ids(ids, vocab_size, "with_draft_vocabulary")
+    reduced = jax.tree.map(lambda w: w, drafter)  # a new module over the same arrays
+    # nnx.data: a drafter without a draft vocabulary holds None there, a static attribute
+    reduced.draft_to_target = nnx.data(nnx.Variable(jnp.asarray(ids, jnp.int32)))
+    return reduced
 
 
 def restricted_unembedding(embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None,

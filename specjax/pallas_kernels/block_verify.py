@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from specjax.verify import block  # the jnp reference (specjax.verify.block), not the registry
 from specjax.verify.common import Draws, from_draws, gather_position
 
-# The tile width and warp count that read fastest on the H200 (scripts/bench_verify.py).
+# The tile width and warp count that read fastest where measured (scripts/bench_verify.py; docs/performance.md).
 DEFAULT_TILE = 1024
 TRITON_NUM_WARPS = 8
 _NO_INDEX = jnp.iinfo(jnp.int32).max

@@ -8,8 +8,9 @@ from specjax.proposers import eagle  # noqa: F401  (registers "eagle", "eagle3")
 from specjax.proposers import medusa  # noqa: F401  (registers "medusa")
 from specjax.proposers import mtp  # noqa: F401  (registers "mtp")
 from specjax.proposers import ngram  # noqa: F401  (registers "ngram")
-from specjax.proposers.base import (PROPOSERS, Context, Proposer, TargetOutput, UnsupportedSpeculation,
-                                    WeightlessProposer, build_proposer, proposer_class, register)
+from specjax.proposers.base import (OPTION_IGNORED, PROPOSERS, Context, Proposer, TargetOutput,
+                                    UnsupportedSpeculation, WeightlessProposer, build_proposer, check_spec,
+                                    proposer_class, register)
 
-__all__ = ["PROPOSERS", "Context", "Proposer", "TargetOutput", "UnsupportedSpeculation", "WeightlessProposer",
-           "build_proposer", "proposer_class", "register"]
+__all__ = ["OPTION_IGNORED", "PROPOSERS", "Context", "Proposer", "TargetOutput", "UnsupportedSpeculation",
+           "WeightlessProposer", "build_proposer", "check_spec", "proposer_class", "register"]

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
-from specjax.config import DTYPES, ModelConfig, SamplingConfig, SpecConfig, require
+from specjax.trees import structure
+from specjax.config import DTYPES, ConfigError, ModelConfig, SamplingConfig, SpecConfig, require
 from specjax.models.transformer import Hidden
 from specjax.verify.sampling import SamplingMode, SamplingParams
 
@@ -76,7 +76,7 @@ class TargetOutput:
     hidden: Hidden
     # After a draft tree: the accepted path's node indices (-1 past its length; [B, K], K the tree's
     # depth), along which logits and hidden were taken ([B, K + 1, ...], as after a chain); a drafter
-    # that wrote the tree into a cache of its own moves that path with it (specjax.draft_tree.move_path).
+    # that wrote the tree into a cache of its own moves that path with it (specjax.masks.move_path).
     # None after a chain or the prefill.
     path: Int[Array, "B K"] | None = None
 
@@ -112,9 +112,9 @@ class Proposer:
     # False for a method without weights (n-gram lookup): it takes no drafter folder.
     needs_drafter: ClassVar[bool] = True
     # True where propose can draft spec.speculative_token_tree: its K are then the tree's nodes, in the
-    # tree's order (DESIGN.md's trees; specjax.draft_tree). Others refuse the option when built.
+    # tree's order (docs/design.md's trees; specjax.trees). Others refuse the option when built.
     drafts_trees: ClassVar[bool] = False
-    # True where propose can draft a dynamic tree (spec.total_tokens, spec.top_k: EAGLE-2): its K are
+    # True where propose can draft a dynamic tree (spec.total_tokens, spec.tree_top_k: EAGLE-2): its K are
     # then total_tokens nodes, parents before children, whose parents `tree_parents` reads from the state.
     drafts_dynamic_trees: ClassVar[bool] = False
     # True where with_draft_vocabulary makes the drafter draft only some target ids (FR-Spec;
@@ -124,6 +124,13 @@ class Proposer:
     # x_{i+1})): a prefix cache's last matched block was written with whatever token followed it then, so the
     # engine recomputes it unless EngineConfig.disable_eagle_block_drop (vLLM's EAGLE last-block drop).
     draft_kv_reads_next_token: ClassVar[bool] = False
+    # The drafter options (SpecConfig fields) this drafter reads, each with the off values another method
+    # may hold in it (OPTION_IGNORED: any, as n-gram's lookup sizes, which ride along in sweeps of every
+    # method); check_options says what this drafter allows in them (check_spec runs both).
+    options: ClassVar[dict[str, Any]] = {}
+    # What `shaped` builds at a released model's shapes, in words (a speed table's drafter column); None where
+    # the method has no shaped drafter.
+    shaped_description: ClassVar[str | None] = None
 
     @classmethod
     def load(cls, folder: Path, target: Any, dtype: str | None, model_shards: int) -> Any:
@@ -138,9 +145,26 @@ class Proposer:
         return False
 
     @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> Any:
+        """Random weights of this drafter at a released model's shapes, for target_config's target (draft_config: a
+        draft LM's shapes, where the method drafts with one), made on the device in the decoding layout: what
+        speed tables time (specjax.speed; speed does not depend on the values)."""
+        raise NotImplementedError(f"{cls.__name__} builds no shaped drafter (shaped_description is None)")
+
+    @classmethod
+    def describe(cls, spec: SpecConfig, drafter: Any) -> dict:
+        """Columns of a results row that say what this drafter drafted under spec (a sweep's), beyond the spec."""
+        return {}
+
+    @classmethod
     def with_draft_vocabulary(cls, drafter: Any, ids) -> Any:
         """The drafter drafting only the target ids `ids` (FR-Spec), where takes_draft_vocabulary."""
         raise NotImplementedError(f"{cls.__name__} takes no draft vocabulary")
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        """Raises ConfigError naming the field, the value and what is allowed where spec holds a value of one of
+        `options` this drafter cannot run (before anything is loaded); the options' docs live here too."""
 
     def check(self, params: Any, target_config: ModelConfig) -> None:
         """Raises ValueError (host side, before tracing) if params cannot draft for this target."""
@@ -191,16 +215,16 @@ class Proposer:
 
     def tree_log_probs(self, state: Any) -> Float[Array, "B N"] | None:
         """A drafter of dynamic trees: the path log-probabilities of the last tree's nodes, highest first
-        (draft_tree.grow), from which specjax.tree_size estimates acceptance; None otherwise."""
+        (structure.grow), from which specjax.trees.sizing estimates acceptance; None otherwise."""
         return None
 
     def tree_parents(self, state: Any, batch: int) -> Int[Array, "B N"] | None:
-        """The parent of each node the last propose drafted (specjax.draft_tree), None for a chain: a
+        """The parent of each node the last propose drafted (specjax.trees), None for a chain: a
         static tree's from the config; a drafter of dynamic trees returns those it kept in its state."""
         tree = self.settings.spec.speculative_token_tree
         if tree is None:
             return None
-        return jnp.broadcast_to(jnp.asarray(draft_tree.token_tree_parents(tree), jnp.int32), (batch, len(tree)))
+        return jnp.broadcast_to(jnp.asarray(structure.token_tree_parents(tree), jnp.int32), (batch, len(tree)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,22 +273,46 @@ def proposer_class(method: str) -> type[Proposer]:
     return PROPOSERS[method]
 
 
+# The draft vocabulary of shaped drafters that have one (Proposer.shaped): the released Llama-3.1-8B EAGLE-3 head's.
+SHAPED_DRAFT_VOCAB = 32000
+# The off value of an option other methods ignore whatever it holds (Proposer.options).
+OPTION_IGNORED = object()
+
+
+def check_spec(spec: SpecConfig) -> type[Proposer]:
+    """The class of spec.method, once the drafter options are checked: the method's own by its check_options,
+    every other method's option at its off value (what SpecConfig leaves to the registry; a ConfigError
+    naming the field, the value and what is allowed)."""
+    cls = proposer_class(spec.method)
+    for name, other in sorted(PROPOSERS.items()):
+        for field, off in other.options.items():
+            value = getattr(spec, field)
+            if field in cls.options or off is OPTION_IGNORED or any(value is v for v in off):
+                continue
+            owners = " or ".join(repr(n) for n, c in sorted(PROPOSERS.items()) if field in c.options)
+            allowed = " or ".join({None: "null", False: "false"}.get(v, repr(v)) for v in off)
+            raise ConfigError(f"SpecConfig.{field} = {value!r} with method {spec.method!r} is invalid: allowed {allowed} "
+                              f"(it is an option of method {owners})")
+    cls.check_options(spec)
+    return cls
+
+
 def build_proposer(spec: SpecConfig, sampling: SamplingConfig | SamplingMode, cache_size: int,
                    drafter: Any = None) -> Proposer:
     """The proposer of spec.method, for rows whose sampling settings the mode covers (a SamplingConfig:
     its own mode). A proposer class whose static settings depend on its weights (EAGLE-3 reads the
     target layers its head fuses) defines `build(settings, drafter)`."""
-    cls = proposer_class(spec.method)
+    cls = check_spec(spec)
     if spec.speculative_token_tree is not None and not cls.drafts_trees:
         raise UnsupportedSpeculation(f"method {spec.method!r} drafts chains only: speculative_token_tree is allowed "
                                      f"with {sorted(name for name, c in PROPOSERS.items() if c.drafts_trees)}")
     if spec.total_tokens is not None and not cls.drafts_dynamic_trees:
         raise UnsupportedSpeculation(
-            f"method {spec.method!r} drafts no dynamic trees: total_tokens / top_k are allowed with "
+            f"method {spec.method!r} drafts no dynamic trees: total_tokens / tree_top_k are allowed with "
             f"{sorted(name for name, c in PROPOSERS.items() if c.drafts_dynamic_trees)}")
     if spec.total_tokens == "auto":
         raise UnsupportedSpeculation("total_tokens 'auto' is a choice generate makes before the loop: pass the spec "
-                                     "to specjax.decoding.generate, or a size chosen by decoding.choose_tree_size")
+                                     "to specjax.decoding.generate, or a size chosen by trees.sizing.choose_tree_size")
     if isinstance(sampling, SamplingConfig):
         sampling = SamplingMode.of([sampling])
     settings = ProposerSettings(spec=spec, sampling=sampling, cache_size=cache_size)

@@ -22,33 +22,25 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax.config import SpecConfig
-from specjax.models.dflash import (ARCHITECTURE, DFlashDrafter, check_target, drafter_to_decoding_layout, load_dflash,
-                                   with_draft_vocabulary)
+from specjax import benchmarking
+from specjax.config import ModelConfig, SpecConfig, require
+from specjax.models.dflash import (ARCHITECTURE, DFlashConfig, DFlashDrafter, check_target, default_target_layer_ids,
+                                   drafter_to_decoding_layout, init_dflash, load_dflash, with_draft_vocabulary)
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Hidden, Transformer, einsum_f32, for_decoding, unembed
-from specjax.models.vocabulary import restricted_unembedding, to_target_vocabulary
+from specjax.models.transformer import Hidden, Transformer, for_decoding
 from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
                                     register)
-from specjax.proposers.draft_model import draw_draft_tokens
-from specjax.sharding import MODEL
+from specjax.proposers.drafting import TargetHeadParams, draw_draft_tokens
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("drafter", "embed", "lm_head", "draft_lm_head"), meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class DFlashParams:
-    """The drafter with the target's embedding and LM head (None when tied), which it uses, and, for a
-    drafter with a draft vocabulary (FR-Spec), the target's unembedding restricted to it (gathered once
-    here, not in every step; None otherwise)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashParams(TargetHeadParams):
+    """The drafter with the target's unembedding it drafts through (TargetHeadParams: FR-Spec's rows too)."""
 
     drafter: DFlashDrafter
-    embed: Float[Array, "V D"]
-    lm_head: Float[Array, "D V"] | None
-    draft_lm_head: Float[Array, "D Vd"] | None = None
-    # specjax.sharding's rule for the name not among a Transformer's: split over the vocabulary.
-    parameter_rules: ClassVar[dict[str, tuple[str | None, ...]]] = {"draft_lm_head": (None, MODEL)}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "pending", "num_pending"),
@@ -62,8 +54,8 @@ class DFlashState:
 
 def drafts_full_block(spec: SpecConfig, block_size: int, first_draft_slot: int = 1) -> bool:
     """Whether a block drafter of block_size drafts its whole block: spec.dflash_full_block, or where None
-    (auto) where the slots K drafts need (K + first_draft_slot) are fewer than the block (SpecConfig's
-    docstring says why)."""
+    (auto) where the slots K drafts need (K + first_draft_slot) are fewer than the block (DFlashProposer.options
+    says why)."""
     if spec.dflash_full_block is not None:
         return spec.dflash_full_block
     return spec.num_speculative_tokens + first_draft_slot < block_size
@@ -75,6 +67,36 @@ class DFlashProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:dflash"
     checkpoint_kind: ClassVar[str] = "a DFlash drafter"
     takes_draft_vocabulary: ClassVar[bool] = True
+    # dflash_full_block: whether the drafter drafts its whole trained block (null: auto, the whole block where
+    # K + 1 is smaller than it). True: it runs its whole trained block (block_size - 1 mask positions) and
+    # proposes the first K drafts. False: the anchor and K mask positions (vLLM's meaning of
+    # num_speculative_tokens for DFlash). A drafter trained on full blocks attends over a shorter block it
+    # never saw and drafts worse there (docs/performance.md, "Acceptance: DFlash on the default models",
+    # measures what each costs and accepts); set False where a step's cost grows with the block (large batches).
+    options: ClassVar[dict[str, Any]] = {"dflash_full_block": (None, False)}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        require(spec.dflash_full_block is None or isinstance(spec.dflash_full_block, bool), "SpecConfig",
+                "dflash_full_block", spec.dflash_full_block, "null (auto), true or false")
+
+    # The shaped drafter (speed tables): z-lab's for 8B targets, layers as wide as the target's.
+    shaped_description: ClassVar[str | None] = "DFlash drafter (5 layers, block 16, as z-lab's for 8B targets)"
+    SHAPED_LAYERS, SHAPED_BLOCK = 5, 16
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> DFlashDrafter:
+        layers = min(cls.SHAPED_LAYERS, target_config.num_layers)
+        config = DFlashConfig(
+            layer=dataclasses.replace(target_config, num_layers=layers, qk_norm=True, architecture="Qwen3ForCausalLM"),
+            target_layer_ids=default_target_layer_ids(target_config.num_layers, layers),
+            mask_token_id=target_config.vocab_size - 1, block_size=cls.SHAPED_BLOCK,
+            num_target_layers=target_config.num_layers)
+        return drafter_to_decoding_layout(benchmarking.on_device(lambda: init_dflash(config, seed=3)), model_shards)
+
+    @classmethod
+    def describe(cls, spec: SpecConfig, drafter: DFlashDrafter) -> dict:
+        return {"dflash_full_block": drafts_full_block(spec, drafter.config.block_size, drafter.config.first_draft_slot)}
 
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> DFlashProposer:
@@ -112,16 +134,14 @@ class DFlashProposer(Proposer):
 
     def num_masks(self, drafter: DFlashDrafter) -> int:
         """Mask positions of the drafted block: those K drafts need, or the drafter's whole block
-        (dflash_full_block True, or None where K drafts need fewer slots: SpecConfig's docstring says why)."""
+        (dflash_full_block True, or None where K drafts need fewer slots: DFlashProposer.options says why)."""
         spec, block_size, first = self.settings.spec, drafter.config.block_size, drafter.config.first_draft_slot
         full = drafts_full_block(spec, block_size, first)
         return block_size - 1 if full else spec.num_speculative_tokens + first - 1
 
     def bind(self, params: DFlashDrafter, target: Transformer) -> DFlashParams:
-        embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
         ids = params.draft_to_target
-        return DFlashParams(drafter=params, embed=embed, lm_head=lm_head,
-                            draft_lm_head=None if ids is None else restricted_unembedding(embed, lm_head, ids[...]))
+        return DFlashParams.bound(target, None if ids is None else ids[...], drafter=params)
 
     @classmethod
     def with_draft_vocabulary(cls, drafter: DFlashDrafter, ids) -> DFlashDrafter:
@@ -181,12 +201,8 @@ class DFlashProposer(Proposer):
     def logits(self, params: DFlashParams, hidden: Float[Array, "B K D"]) -> Float[Array, "B K V"]:
         """The drafts' logits through the target's LM head; with a draft vocabulary (FR-Spec), through its
         rows only, -inf at every other id."""
-        drafter = params.drafter
-        dtype = drafter.config.layer.jnp_dtype
-        if params.draft_lm_head is None:
-            return unembed(hidden, params.embed, params.lm_head, dtype)
-        draft = einsum_f32("bkd,dv->bkv", hidden.astype(dtype), params.draft_lm_head.astype(dtype))
-        return to_target_vocabulary(draft, drafter.draft_to_target[...], drafter.config.layer.vocab_size)
+        layer, ids = params.drafter.config.layer, params.drafter.draft_to_target
+        return params.logits(hidden, layer.jnp_dtype, None if ids is None else ids[...], layer.vocab_size)
 
     def accept(self, state: DFlashState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> DFlashState:

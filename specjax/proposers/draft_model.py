@@ -12,21 +12,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
+from specjax import benchmarking
+from specjax.config import ConfigError, ModelConfig, SpecConfig
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Transformer, for_decoding
-from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, UnsupportedSpeculation,
-                                    register)
+from specjax.models.transformer import Transformer, for_decoding, init_model, to_decoding_layout
+from specjax.proposers.base import Context, Proposer, TargetOutput, UnsupportedSpeculation, register
+from specjax.proposers.drafting import draft_chain, draw_draft_tokens
 from specjax.proposers.heterogeneous import HeterogeneousDraft
-from specjax.sharding import vocabulary_argmax
-from specjax.verify.sampling import SamplingParams, processed_probs, sample
+from specjax.trees import masks, structure
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("cache", "parents", "slots", "tree_log_probs"),
@@ -40,15 +40,6 @@ class DraftModelState:
     tree_log_probs: Float[Array, "B N"] | None = None  # its path log-probabilities, highest first (grow)
 
 
-def draw_draft_tokens(logits: Float[Array, "B V"], keys: PRNGKeyArray, settings: ProposerSettings,
-                      sampling: SamplingParams):
-    """The next draft token per row and, for probabilistic drafting, its processed distribution (greedy
-    rows of a sampled batch: the argmax, one-hot)."""
-    if not settings.sampling.sampled or settings.spec.draft_sample_method == "greedy":
-        return vocabulary_argmax(logits), None
-    return sample(logits, keys, sampling, settings.sampling), processed_probs(logits, sampling, settings.sampling)
-
-
 @register("draft_model")
 @dataclasses.dataclass(frozen=True)
 class DraftModelProposer(Proposer):
@@ -56,6 +47,23 @@ class DraftModelProposer(Proposer):
     checkpoint_kind: ClassVar[str] = "a draft model (a Hugging Face LM)"
     drafts_trees: ClassVar[bool] = True
     drafts_dynamic_trees: ClassVar[bool] = True
+    # use_heterogeneous_vocab: draft and target with different tokenizers (vLLM's TLI; a HeterogeneousDraft):
+    # greedy drafting only.
+    options: ClassVar[dict[str, Any]] = {"use_heterogeneous_vocab": (False,)}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        if spec.use_heterogeneous_vocab and spec.draft_sample_method != "greedy":
+            raise ConfigError(
+                f"SpecConfig.use_heterogeneous_vocab = True with method {spec.method!r} and draft_sample_method "
+                f"{spec.draft_sample_method!r} is invalid: allowed only with method 'draft_model' and "
+                "draft_sample_method 'greedy'")
+
+    shaped_description: ClassVar[str | None] = "Llama-3.2-1B-shaped draft LM"
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> Transformer:
+        return to_decoding_layout(benchmarking.on_device(lambda: init_model(draft_config, seed=1)), model_shards)
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> Transformer:
@@ -123,7 +131,7 @@ class DraftModelProposer(Proposer):
         nodes = self.settings.spec.num_draft_nodes
         dynamic = self.settings.spec.total_tokens is not None  # the loop's state keeps one structure throughout
         return DraftModelState(cache=cache.with_lengths(lengths),
-                               parents=draft_tree.chain_parents(batch, nodes) if dynamic else None,
+                               parents=structure.chain_parents(batch, nodes) if dynamic else None,
                                slots=jnp.zeros((batch, nodes), jnp.int32) if dynamic else None,
                                tree_log_probs=jnp.zeros((batch, nodes), jnp.float32) if dynamic else None)
 
@@ -144,26 +152,19 @@ class DraftModelProposer(Proposer):
             window = bridge.draft_ids(window)
         positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
         logits, _, cache = draft(window, positions, state.cache.with_lengths(start))
-        step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
-        def draw(logits, step_key):  # in the draft's own ids
+        def draw(carry, step_key):  # in the draft's own ids
+            logits = carry[1]
             return draw_draft_tokens(logits if bridge is None else bridge.mask(logits), step_key, self.settings,
                                      context.sampling)
 
-        def draft_step(carry, step_key):
-            cache, logits = carry
-            token, probs = draw(logits, step_key)
-            logits, _, cache = draft(token[:, None], cache.lengths[:, None], cache)
-            return (cache, logits[:, 0]), (token, probs)
+        def step(carry, token):
+            logits, _, cache = draft(token[:, None], carry[0].lengths[:, None], carry[0])
+            return cache, logits[:, 0]
 
-        (cache, logits), (tokens, probs) = jax.lax.scan(draft_step, (cache, logits[:, -1]), step_keys[:-1])
-        last_token, last_probs = draw(logits, step_keys[-1])
-        draft_tokens = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
-        if bridge is not None:  # greedy drafting only (SpecConfig refuses the rest): no probabilities to map
+        draft_tokens, draft_probs, (cache, _) = draft_chain(draw, step, (cache, logits[:, -1]), keys, num_draft)
+        if bridge is not None:  # greedy drafting only (check_options refuses the rest): no probabilities to map
             draft_tokens = bridge.target_ids(draft_tokens)
-        draft_probs = None
-        if last_probs is not None:
-            draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
         return draft_tokens, draft_probs, DraftModelState(cache=cache)
 
     def propose_tree(self, params, state: DraftModelState, context: Context):
@@ -172,7 +173,7 @@ class DraftModelProposer(Proposer):
         tree's mask, and their logits rank their children. Greedy drafting: node (.., r) is its parent's
         r-th ranked token."""
         tree = self.settings.spec.speculative_token_tree
-        parents = draft_tree.token_tree_parents(tree)
+        parents = structure.token_tree_parents(tree)
         rows = jnp.arange(context.tokens.shape[0])
         start = context.lengths - 2
         window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
@@ -180,8 +181,8 @@ class DraftModelProposer(Proposer):
                                   state.cache.with_lengths(start))
         root = start + 1  # the last committed token's slot; node i goes to root + 1 + i
         row_parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (rows.shape[0], len(tree)))
-        mask = draft_tree.attention_mask(row_parents, root, cache.max_length)
-        positions = draft_tree.block_positions(row_parents, root)
+        mask = masks.attention_mask(row_parents, root, cache.max_length)
+        positions = masks.block_positions(row_parents, root)
         width = 1 + max(path[-1] for path in tree)
         ranked = {-1: jax.lax.top_k(logits[:, -1], width)[1]}  # node -> its children's candidates [B, R]
         tokens = [None] * len(tree)
@@ -200,7 +201,7 @@ class DraftModelProposer(Proposer):
         return jnp.stack(tokens, axis=1).astype(jnp.int32), None, DraftModelState(cache=cache.with_lengths(root))
 
     def propose_dynamic_tree(self, params, state: DraftModelState, context: Context):
-        """An EAGLE-2 tree (draft_tree.grow): the root's top-k children, then each level's frontier as one
+        """An EAGLE-2 tree (structure.grow): the root's top-k children, then each level's frontier as one
         block over the draft's cache at its draft slots (after the root's), under the tree's mask."""
         spec, rows = self.settings.spec, jnp.arange(context.tokens.shape[0])
         start = context.lengths - 2
@@ -211,12 +212,12 @@ class DraftModelProposer(Proposer):
 
         def expand(cache, level, tokens, parent, sees):
             positions = jnp.broadcast_to((root + level)[:, None], tokens.shape)
-            logits, _, cache = params(tokens, positions, cache.with_lengths(root + 1 + (level - 1) * spec.top_k),
-                                      attention_mask=draft_tree.block_mask(sees, root + 1, cache.max_length))
-            return cache, *draft_tree.top_k_log_probs(logits, spec.top_k)
+            logits, _, cache = params(tokens, positions, cache.with_lengths(root + 1 + (level - 1) * spec.tree_top_k),
+                                      attention_mask=masks.block_mask(sees, root + 1, cache.max_length))
+            return cache, *structure.top_k_log_probs(logits, spec.tree_top_k)
 
-        tokens, parents, slots, log_probs, cache = draft_tree.grow(
-            *draft_tree.top_k_log_probs(logits[:, -1], spec.top_k), expand, cache, depth=spec.num_speculative_tokens,
+        tokens, parents, slots, log_probs, cache = structure.grow(
+            *structure.top_k_log_probs(logits[:, -1], spec.tree_top_k), expand, cache, depth=spec.num_speculative_tokens,
             total_tokens=spec.total_tokens)
         return tokens, None, DraftModelState(cache=cache.with_lengths(root), parents=parents, slots=slots,
                                              tree_log_probs=log_probs)
@@ -236,5 +237,5 @@ class DraftModelProposer(Proposer):
         path = target_out.path
         if state.slots is not None:
             path = jnp.where(path >= 0, jnp.take_along_axis(state.slots, jnp.maximum(path, 0), axis=1), -1)
-        return dataclasses.replace(state, cache=draft_tree.move_path(state.cache, state.cache.lengths, path,
+        return dataclasses.replace(state, cache=masks.move_path(state.cache, state.cache.lengths, path,
                                                                      num_accepted))

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax.config import SpecConfig, require
 from specjax.models.dspark import ARCHITECTURE, DSparkDrafter, load_dspark
 from specjax.proposers.base import Context, TargetOutput, register
 from specjax.proposers.dflash import DFlashParams, DFlashProposer, DFlashState
-from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.proposers.drafting import draw_draft_tokens
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -50,8 +51,21 @@ class DSparkProposer(DFlashProposer):
     default_drafter: ClassVar[str | None] = "default:dspark"
     checkpoint_kind: ClassVar[str] = "a DSpark drafter"
     takes_draft_vocabulary: ClassVar[bool] = False
+    shaped_description: ClassVar[str | None] = None
     architecture: ClassVar[str] = ARCHITECTURE
     read_checkpoint: ClassVar = staticmethod(load_dspark)
+    # dspark_draft_topk (vLLM's option): each draft is drawn from the dspark_draft_topk candidates of highest
+    # base (backbone) logit, with the Markov bias added to those only (vLLM's gathered bias: k rows of W2 read
+    # instead of V); null: the whole vocabulary. The draft probabilities the verifier sees are that restricted
+    # distribution, so verification stays lossless. DFlash's dflash_full_block applies too.
+    options: ClassVar[dict[str, Any]] = {**DFlashProposer.options, "dspark_draft_topk": (None,)}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        super().check_options(spec)
+        topk = spec.dspark_draft_topk
+        require(topk is None or (isinstance(topk, int) and not isinstance(topk, bool) and topk >= 1), "SpecConfig",
+                "dspark_draft_topk", topk, "null, or an integer >= 1")
 
     def check(self, params: Any, target_config) -> None:
         if not isinstance(params, DSparkDrafter):

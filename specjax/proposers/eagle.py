@@ -11,7 +11,7 @@ resetting the fill level. After a verify step the next pairs are the verify bloc
 positions 0..n with the tokens d_1..d_n, next_token: n + 1 pairs, fed as a fixed window of K + 1
 whose output at index n starts the next draft.
 
-Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k; the algorithm is specjax.draft_tree.grow): the
+Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k; the algorithm is specjax.structure.grow): the
 head runs each level's frontier as pairs (the parent's output, the node's token) at position
 committed + depth - 1, under the tree's mask over its own cache; those entries are dropped like a chain's
 drafts (the fill level is reset at the next step), so accept needs only the path's tokens.
@@ -28,32 +28,28 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
+from specjax import benchmarking
+from specjax.config import ModelConfig
 from specjax.models import hf
-from specjax.models.eagle import (EagleHead, checkpoint_version, head_to_decoding_layout, load_eagle,
-                                  with_draft_vocabulary)
+from specjax.models.eagle import (EagleConfig, EagleHead, checkpoint_version, default_fuse_layers,
+                                  head_to_decoding_layout, init_eagle, load_eagle, with_draft_vocabulary)
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Hidden, Transformer, for_decoding, unembed
-from specjax.proposers.base import (Context, Proposer, ProposerSettings, TargetOutput, register,
+from specjax.models.transformer import Hidden, Transformer, for_decoding
+from specjax.models.vocabulary import to_target_vocabulary
+from specjax.proposers.base import (SHAPED_DRAFT_VOCAB, Context, Proposer, ProposerSettings, TargetOutput, register,
                                     require_target_sizes)
-from specjax.proposers.draft_model import draw_draft_tokens
-from specjax.sharding import MODEL
+from specjax.proposers.drafting import TargetHeadParams, draft_chain, draw_draft_tokens
+from specjax.trees import masks, structure
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("head", "embed", "lm_head", "draft_lm_head"),
                    meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class EagleParams:
-    """The head with the target's embedding and LM head (None when tied), which it shares, and, for an
-    EAGLE-1 head with a draft vocabulary, the target's unembedding restricted to it (gathered once here,
-    not in every draft step; None otherwise)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleParams(TargetHeadParams):
+    """The head with the target's embedding and LM head it shares (TargetHeadParams; an EAGLE-1 head with a
+    draft vocabulary drafts through the target's rows of it, FR-Spec)."""
 
     head: EagleHead
-    embed: Float[Array, "V D"]
-    lm_head: Float[Array, "D V"] | None
-    draft_lm_head: Float[Array, "D Vd"] | None = None
-    # specjax.sharding's rule for the name not among a Transformer's: split over the vocabulary.
-    parameter_rules: ClassVar[dict[str, tuple[str | None, ...]]] = {"draft_lm_head": (None, MODEL)}
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -80,10 +76,27 @@ class EagleProposer(Proposer):
     drafts_dynamic_trees: ClassVar[bool] = True
     draft_kv_reads_next_token: ClassVar[bool] = True  # pair j is (f_j, x_{j+1})
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # What tells the two registrations apart follows from the head's version.
+        cls.default_drafter = f"default:eagle{cls.version}"
+        cls.checkpoint_kind = f"an EAGLE-{cls.version} head"
+        cls.shaped_description = f"EAGLE-{cls.version} head"
+
     @classmethod
     def build(cls, settings: ProposerSettings, params: Any) -> EagleProposer:
         # EAGLE-3: hidden_layers are the target layers the head fuses.
         return cls(settings, tuple(params.config.fuse_layers) if isinstance(params, EagleHead) else ())
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> EagleHead:
+        """One layer as wide as the target's; EAGLE-3 with its own LM head over SHAPED_DRAFT_VOCAB ids."""
+        own_vocabulary = {} if cls.version == 1 else dict(
+            draft_vocab_size=min(SHAPED_DRAFT_VOCAB, target_config.vocab_size),
+            fuse_layers=default_fuse_layers(target_config.num_layers))
+        config = EagleConfig(layer=dataclasses.replace(target_config, num_layers=1), version=cls.version,
+                             **own_vocabulary)
+        return head_to_decoding_layout(benchmarking.on_device(lambda: init_eagle(config, seed=2)), model_shards)
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> EagleHead:
@@ -109,27 +122,33 @@ class EagleProposer(Proposer):
                              f"0..{target_config.num_layers}")
 
     def bind(self, params: EagleHead, target: Transformer) -> EagleParams:
-        embed, lm_head = target.embed[...], None if target.lm_head is None else target.lm_head[...]
-        return EagleParams(head=params, embed=embed, lm_head=lm_head,
-                           draft_lm_head=params.restricted_lm_head(embed, lm_head))
+        ids = params.draft_to_target if params.config.version == 1 else None  # EAGLE-3's LM head is its own
+        return EagleParams.bound(target, None if ids is None else ids[...], head=params)
 
     def logits(self, params: EagleParams, features):
-        return params.head.logits(features, self.target_head(params), params.draft_lm_head)
+        """Float32 logits over the target's vocabulary (-inf outside a draft vocabulary)."""
+        logits, ids = self.draft_logits(params, features)
+        return logits if ids is None else to_target_vocabulary(logits, ids, params.head.config.layer.vocab_size)
 
-    def target_head(self, params: EagleParams):
-        return lambda f: unembed(f, params.embed, params.lm_head, params.head.config.layer.jnp_dtype)
+    def draft_logits(self, params: EagleParams, features):
+        """(logits over the draft vocabulary, its target ids), or (logits over the target's, None) for a head
+        without one: what ranks drafts, before any scatter to the target's vocabulary."""
+        head = params.head
+        if params.draft_lm_head is not None:  # EAGLE-1 with a draft vocabulary: the target's rows (FR-Spec)
+            return params.draft_logits(features, head.config.layer.jnp_dtype), head.draft_to_target[...]
+        return head.draft_logits(features, lambda f: params.target_logits(f, head.config.layer.jnp_dtype))
 
     def top_k_children(self, params: EagleParams, features, k: int):
         """(log-probabilities, target ids) of the head's k most likely tokens at each feature, ranked over
         the draft vocabulary where the head has one (no scatter to the target's vocabulary)."""
-        logits, ids = params.head.draft_logits(features, self.target_head(params), params.draft_lm_head)
-        return draft_tree.top_k_log_probs(logits, k, ids)
+        logits, ids = self.draft_logits(params, features)
+        return structure.top_k_log_probs(logits, k, ids)
 
     def new_cache(self, params: EagleParams, batch: int) -> KVCache:
         # Past the committed pairs: the pending ones, then the chain's drafts or a tree's frontier nodes.
         spec = self.settings.spec
         width = spec.num_speculative_tokens + 1
-        draft_slots = width if spec.total_tokens is None else (spec.num_speculative_tokens - 1) * spec.top_k
+        draft_slots = width if spec.total_tokens is None else (spec.num_speculative_tokens - 1) * spec.tree_top_k
         return params.head.create_cache(batch, self.settings.cache_size + width + draft_slots, self.settings.cache_dtype)
 
     def extend(self, params: EagleParams, cache: KVCache, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
@@ -152,7 +171,7 @@ class EagleProposer(Proposer):
                           hidden=last, num_pending=jnp.ones_like(lengths),
                           drafts=jnp.zeros((batch, spec.num_draft_nodes), jnp.int32),
                           parents=None if spec.total_tokens is None
-                          else draft_tree.chain_parents(batch, spec.num_draft_nodes),
+                          else structure.chain_parents(batch, spec.num_draft_nodes),
                           tree_log_probs=None if spec.total_tokens is None
                           else jnp.zeros((batch, spec.num_draft_nodes), jnp.float32))
 
@@ -172,28 +191,22 @@ class EagleProposer(Proposer):
             drafts, parents, log_probs = self.draft_tree(params, feature, cache.with_lengths(committed))
             return drafts, None, dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts,
                                                      parents=parents, tree_log_probs=log_probs)
-        step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
 
-        def draft_step(carry, step_key):
+        def draw(carry, step_key):
+            return draw_draft_tokens(self.logits(params, carry[1]), step_key, self.settings, context.sampling)
+
+        def step(carry, token):
             cache, feature = carry
-            token, probs = draw_draft_tokens(self.logits(params, feature), step_key, self.settings,
-                                             context.sampling)
             out, cache = head(token[:, None], feature[:, None], cache.lengths[:, None], cache, params.embed)
-            return (cache, out[:, 0]), (token, probs)
+            return cache, out[:, 0]
 
-        (cache, feature), (tokens, probs) = jax.lax.scan(
-            draft_step, (cache.with_lengths(committed), feature), step_keys[:-1])
-        last_token, last_probs = draw_draft_tokens(self.logits(params, feature), step_keys[-1], self.settings,
-                                                     context.sampling)
-        drafts = jnp.concatenate([tokens, last_token[None]], axis=0).swapaxes(0, 1)  # [B, K]
-        draft_probs = None
-        if last_probs is not None:
-            draft_probs = jnp.concatenate([probs, last_probs[None]], axis=0).swapaxes(0, 1)  # [B, K, V]
+        drafts, draft_probs, (cache, _) = draft_chain(draw, step, (cache.with_lengths(committed), feature), keys,
+                                                      num_draft)
         state = dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts)
         return drafts, draft_probs, state
 
     def draft_tree(self, params: EagleParams, feature: Float[Array, "B D"], cache):
-        """A dynamic tree (module docstring; draft_tree.grow) from the head's feature at the last committed
+        """A dynamic tree (module docstring; structure.grow) from the head's feature at the last committed
         pair, with the head's cache filled to the committed pairs: (node tokens [B, N], parents [B, N], path
         log-probabilities [B, N], highest first)."""
         head, spec = params.head, self.settings.spec
@@ -205,11 +218,11 @@ class EagleProposer(Proposer):
             features = outputs[:, None] if parent is None else outputs[rows, parent]
             features = jnp.broadcast_to(features, (*tokens.shape, features.shape[-1]))
             positions = jnp.broadcast_to((committed + level - 1)[:, None], tokens.shape)
-            out, cache = head(tokens, features, positions, cache.with_lengths(committed + (level - 1) * spec.top_k),
-                              params.embed, attention_mask=draft_tree.block_mask(sees, committed, cache.max_length))
-            return (cache, out), *self.top_k_children(params, out, spec.top_k)
+            out, cache = head(tokens, features, positions, cache.with_lengths(committed + (level - 1) * spec.tree_top_k),
+                              params.embed, attention_mask=masks.block_mask(sees, committed, cache.max_length))
+            return (cache, out), *self.top_k_children(params, out, spec.tree_top_k)
 
-        tokens, parents, _, log_probs, _ = draft_tree.grow(*self.top_k_children(params, feature, spec.top_k),
+        tokens, parents, _, log_probs, _ = structure.grow(*self.top_k_children(params, feature, spec.tree_top_k),
                                                            expand, (cache, feature), depth=spec.num_speculative_tokens,
                                                            total_tokens=spec.total_tokens)
         return tokens, parents, log_probs
@@ -246,8 +259,6 @@ def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Eagle1Proposer(EagleProposer):
     version: ClassVar[int] = 1
-    default_drafter: ClassVar[str | None] = "default:eagle1"
-    checkpoint_kind: ClassVar[str] = "an EAGLE-1 head"
     takes_draft_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -259,5 +270,3 @@ class Eagle1Proposer(EagleProposer):
 @dataclasses.dataclass(frozen=True)
 class Eagle3Proposer(EagleProposer):
     version: ClassVar[int] = 3
-    default_drafter: ClassVar[str | None] = "default:eagle3"
-    checkpoint_kind: ClassVar[str] = "an EAGLE-3 head"

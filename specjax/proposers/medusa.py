@@ -26,7 +26,7 @@ from specjax.models.medusa import LMHead, MedusaHeads, load_medusa
 from specjax.models.transformer import Transformer
 from specjax.proposers.base import (Context, Proposer, TargetOutput, UnsupportedSpeculation, register,
                                     require_target_sizes)
-from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.proposers.drafting import draw_draft_tokens
 from specjax.verify.sampling import SamplingParams, processed_probs
 
 

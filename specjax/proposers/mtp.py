@@ -17,7 +17,7 @@ the modules over the committed tokens (tests/test_mtp.py). vLLM instead re-prefi
 num_rejected - 1 tokens; the window costs W entries per module per step instead of one. The last module's
 repeated steps write entries n, n + 1, ... that the next window overwrites.
 
-Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k; specjax.draft_tree.grow): a node at depth d (its
+Dynamic trees (EAGLE-2; SpecConfig.total_tokens, tree_top_k; specjax.trees.structure.grow): a node at depth d (its
 token a candidate for x_{n+d}) ranks its children with module m = min(d, M - 1) (M modules), along its own
 path p_1 .. p_d. While d < M, module d runs at the path's d slots n - d .. n - 1 (its entry s reads
 x_{s+d+1}: the path's tokens), fed the target's hidden states there or, chained, module d - 1's outputs
@@ -25,8 +25,8 @@ along the same path (the window's at slot n - d, whose token x_n is committed, t
 run); past the modules the last one runs at slot n + d - M on the node's token, fed its parent's output,
 as the chain repeats it. Each module writes its nodes' entries after its committed ones (slot n - m on), in
 a region of its own cache layer, each entry seeing the committed entries, its own path's entries and, in
-the last module, its ancestors': with top_k 1 the tree is the chain (tests/test_mtp_layouts.py). The
-region overwrites slots up to n - m + (K - 1) * top_k, so the window is W = K + min(K, M) entries (the
+the last module, its ancestors': with tree_top_k 1 the tree is the chain (tests/test_mtp_layouts.py). The
+region overwrites slots up to n - m + (K - 1) * tree_top_k, so the window is W = K + min(K, M) entries (the
 next one reaches back past every slot a tree wrote), and accept needs only the path's hidden states.
 """
 
@@ -41,13 +41,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
+from specjax import benchmarking
+from specjax.config import ModelConfig, SpecConfig, require
 from specjax.models import hf
 from specjax.models.kv_cache import KVCache
-from specjax.models.mtp import MTPModules, layout_of, load_mtp, mtp_to_decoding_layout
+from specjax.models.mtp import MTPConfig, MTPModules, init_mtp, layout_of, load_mtp, mtp_to_decoding_layout
 from specjax.models.transformer import Transformer, for_decoding, unembed
 from specjax.proposers.base import Context, Proposer, TargetOutput, register, require_target_sizes
-from specjax.proposers.draft_model import draw_draft_tokens
+from specjax.proposers.drafting import draw_draft_tokens
+from specjax.trees import masks, structure
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("modules", "embed", "lm_head"), meta_fields=())
@@ -77,6 +79,28 @@ class MTPProposer(Proposer):
     checkpoint_kind: ClassVar[str] = ("MTP modules (num_nextn_predict_layers with model.mtp_layers.*, MiMo's layout, "
                                       "or model.layers.{num_hidden_layers + k}.eh_proj etc., DeepSeek-V3's)")
     drafts_dynamic_trees: ClassVar[bool] = True
+    # mtp_hidden_state: what feeds module k > 1, 'chained' (the previous module's output, DeepSeek-V3's
+    # recursion) or 'target' (the target's hidden state at every module, as MiMo was trained); null: the
+    # checkpoint's default (specjax.models.mtp).
+    options: ClassVar[dict[str, Any]] = {"mtp_hidden_state": (None,)}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        require(spec.mtp_hidden_state in (None, "chained", "target"), "SpecConfig", "mtp_hidden_state",
+                spec.mtp_hidden_state, "null (the checkpoint's), 'chained' or 'target'")
+
+    shaped_description: ClassVar[str | None] = ("one MTP module (MiMo's layout: a Qwen2 layer as wide as the target's), "
+                                                "applied K times")
+
+    @classmethod
+    def shaped(cls, target_config: ModelConfig, draft_config: ModelConfig, model_shards: int = 1) -> MTPModules:
+        layer = dataclasses.replace(target_config, num_layers=1, architecture="Qwen2ForCausalLM", qkv_bias=True)
+        return mtp_to_decoding_layout(benchmarking.on_device(lambda: init_mtp(MTPConfig(layer=layer), seed=4)),
+                                      model_shards)
+
+    @classmethod
+    def describe(cls, spec: SpecConfig, drafter: MTPModules) -> dict:
+        return {"mtp_modules": drafter.config.num_modules}  # one applied K times, or several chained
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> MTPModules:
@@ -113,14 +137,14 @@ class MTPProposer(Proposer):
         final = target_out.hidden.final  # [B, T, D]: h_s at s
         batch = final.shape[0]
         tree = spec.total_tokens is not None
-        tree_slots = (spec.num_speculative_tokens - 1) * spec.top_k if tree else 0
+        tree_slots = (spec.num_speculative_tokens - 1) * spec.tree_top_k if tree else 0
         cache = modules.create_cache(batch, self.settings.cache_size + 2 * width + tree_slots, self.settings.cache_dtype)
         _, cache = modules.over_sequence(prompt, final, params.embed, self.hidden_state(modules), cache)
         n = lengths - 1
         window = jnp.clip(n[:, None] - width + jnp.arange(width)[None, :], 0, final.shape[1] - 1)
         nodes = jnp.zeros((batch, spec.num_draft_nodes), jnp.int32)
         return MTPState(cache=cache, hidden=jnp.take_along_axis(final, window[..., None], axis=1),
-                        parents=draft_tree.chain_parents(batch, spec.num_draft_nodes) if tree else None,
+                        parents=structure.chain_parents(batch, spec.num_draft_nodes) if tree else None,
                         tree_log_probs=nodes.astype(jnp.float32) if tree else None)
 
     def window(self, modules: MTPModules) -> int:
@@ -187,15 +211,15 @@ class MTPProposer(Proposer):
         return jnp.stack(drafts, axis=1), draft_probs, dataclasses.replace(state, cache=cache)
 
     def top_k_children(self, params: MTPParams, features: Float[Array, "... D"]):
-        return draft_tree.top_k_log_probs(self.logits(params, features), self.settings.spec.top_k)
+        return structure.top_k_log_probs(self.logits(params, features), self.settings.spec.tree_top_k)
 
     def draft_tree(self, params: MTPParams, root: Float[Array, "B D"], window_feeds: list, target_hidden, cache: KVCache,
                    n: Int[Array, " B"], start: Int[Array, " B"]):
-        """A dynamic tree (module docstring; draft_tree.grow) from module 0's output at slot n - 1 (root), with
+        """A dynamic tree (module docstring; structure.grow) from module 0's output at slot n - 1 (root), with
         the window's chained outputs of each module (window_feeds[m], [B, W, D], slot s at s - start) and the
         target's hidden states there: (node tokens [B, N], parents [B, N], path log-probabilities [B, N])."""
         modules, spec = params.modules, self.settings.spec
-        num_modules, top_k, last = modules.config.num_modules, spec.top_k, modules.config.num_modules - 1
+        num_modules, top_k, last = modules.config.num_modules, spec.tree_top_k, modules.config.num_modules - 1
         chained = self.hidden_state(modules) == "chained"
         batch = n.shape[0]
         rows = jnp.arange(batch)[:, None]
@@ -240,14 +264,14 @@ class MTPProposer(Proposer):
             out, chain_out, cache = modules(
                 module, entry_tokens.reshape(batch, -1), fed.reshape(batch, -1, fed.shape[-1]),
                 positions.reshape(batch, -1), cache.with_lengths(write_at), params.embed,
-                attention_mask=draft_tree.block_mask(mask, region, cache.max_length))
+                attention_mask=masks.block_mask(mask, region, cache.max_length))
             out = out.reshape(batch, top_k, entries, -1)
             carry = (cache, paths, chain_out.reshape(batch, top_k, entries, -1))
             return carry, *self.top_k_children(params, out[:, :, -1])
 
         root_feed = at_slots(window_feeds[0], (n - 1)[:, None])[:, 0]  # module 0's chained output at slot n - 1
         carry = (cache, jnp.zeros((batch, 1, 0), jnp.int32), jnp.zeros((batch, 1, 0, root.shape[-1]), root.dtype))
-        tokens, parents, _, log_probs, _ = draft_tree.grow(*self.top_k_children(params, root), expand, carry,
+        tokens, parents, _, log_probs, _ = structure.grow(*self.top_k_children(params, root), expand, carry,
                                                            depth=spec.num_speculative_tokens,
                                                            total_tokens=spec.total_tokens)
         return tokens, parents, log_probs

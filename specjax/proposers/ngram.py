@@ -17,11 +17,13 @@ jitted loop with static shapes, vectorised over the batch.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
-from specjax.proposers.base import Context, TargetOutput, WeightlessProposer, register
+from specjax.config import SpecConfig, require, require_positive_ints
+from specjax.proposers.base import OPTION_IGNORED, Context, TargetOutput, WeightlessProposer, register
 
 NO_MATCH = -1
 
@@ -56,6 +58,16 @@ def ngram_draft(tokens: Int[Array, "B S"], lengths: Int[Array, " B"], num_draft:
 @register("ngram")
 @dataclasses.dataclass(frozen=True)
 class NgramProposer(WeightlessProposer):
+    # prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first.
+    options: ClassVar[dict[str, Any]] = {"prompt_lookup_min": OPTION_IGNORED, "prompt_lookup_max": OPTION_IGNORED}
+
+    @classmethod
+    def check_options(cls, spec: SpecConfig) -> None:
+        require_positive_ints(spec, "prompt_lookup_min")
+        require(isinstance(spec.prompt_lookup_max, int) and spec.prompt_lookup_max >= spec.prompt_lookup_min,
+                "SpecConfig", "prompt_lookup_max", spec.prompt_lookup_max,
+                f"an integer >= prompt_lookup_min ({spec.prompt_lookup_min})")
+
     def init(self, params, prompt, lengths, target_out) -> tuple:
         return ()
 

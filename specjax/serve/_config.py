@@ -20,7 +20,7 @@ class ServeConfig:
     # The drafter's folder (--draft); None with the bundled target: the method's bundled drafter.
     drafter: str | None = None
     # Speculative decoding, vLLM's names (--method, --num-speculative-tokens, --rejection-sample-method; trees
-    # with spec.total_tokens / spec.top_k or spec.speculative_token_tree); None serves autoregressively.
+    # with spec.total_tokens / spec.tree_top_k or spec.speculative_token_tree); None serves autoregressively.
     spec: SpecConfig | None = None
     # The name clients give as `model` and /v1/models lists (None: `model` as given).
     served_model_name: str | None = None

@@ -37,20 +37,13 @@ from specjax import default_models
 from specjax.models import hf
 from specjax.models.eagle import EagleConfig, EagleHead, default_fuse_layers, init_eagle, save_eagle
 from specjax.models.transformer import Hidden, Transformer, num_parameters, unembed
-from specjax.models.vocabulary import restricted_unembedding
+from specjax.models.vocabulary import draft_vocabulary, restricted_unembedding
 from specjax.training import loop
 from specjax.training.evaluation import held_out_prompts, mean_acceptance_length
 from specjax.training.lm import execution_config, fit
 
 EAGLE_KINDS = {"eagle1": (1, "eagle"), "eagle3": (3, "eagle3")}
 CE_WEIGHT = 0.1  # EAGLE-1's weight of the distribution loss against the feature regression
-
-
-def draft_vocabulary(train_tokens: np.ndarray, vocab_size: int, draft_vocab_size: int) -> np.ndarray:
-    """The draft_vocab_size most frequent ids of train_tokens (ties to the lower id), sorted."""
-    counts = np.bincount(np.asarray(train_tokens, np.int64), minlength=vocab_size)[:vocab_size]
-    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id ascending
-    return np.sort(order[:draft_vocab_size]).astype(np.int32)
 
 
 def build_head(config: HeadTrainConfig, target_config, train_tokens: np.ndarray) -> EagleHead:

@@ -71,7 +71,7 @@ def method_index(spec: SpecConfig) -> int:
     return 0 if spec.rejection_sample_method == SYNTHETIC else list(VERIFIERS).index(spec.rejection_sample_method)
 
 
-# Backends where verify_impl 'auto' takes the Pallas kernel. None: on the H200 XLA's fusion of the jnp
+# Backends where verify_impl 'auto' takes the Pallas kernel. None: on the GPU measured XLA's fusion of the jnp
 # block verifier is at least as fast, and TPU is unmeasured (figures in docs/performance.md).
 AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
 

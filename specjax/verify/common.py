@@ -1,6 +1,6 @@
 """What the verifiers share: their random draws, and sampling by an exponential race.
 
-Every verifier has the signature of DESIGN.md, `verify(target_probs[B,K+1,V], draft_tokens[B,K],
+Every verifier has one signature, `verify(target_probs[B,K+1,V], draft_tokens[B,K],
 draft_probs[B,K,V] | None, keys[B]) -> (num_accepted[B], next_token[B])`, and is built from a
 `verify_with_draws` that takes the draws explicitly: the Pallas kernel consumes the same draws, so
 the jnp verifiers reproduce its output exactly. draft_probs None means one-hot drafts (q = 1 for

@@ -1,4 +1,4 @@
-"""Verification of draft trees (DESIGN.md, wave 2): one pass over the nodes, parents before children.
+"""Verification of draft trees: one pass over the nodes, parents before children.
 
 A row's tree is `tokens[N]` with `parents[N]` (-1: a child of the last committed token, the root) and,
 for probabilistic drafting, `draft_probs[N, V]`: the distribution node i was drawn from given its
@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from specjax import draft_tree
+from specjax.trees import structure
 from specjax.verify.common import leading_true, race_sample, token_probs
 from specjax.verify.synthetic import conditional_rates
 
@@ -175,7 +175,7 @@ def one_hot_traversal_weights(target_probs: Float[Array, "B N1 V"], tokens: Int[
     log(k_j - a_j) + L_parent(j), with L the path's summed log a. Once its children are all rejected,
     node i's odds are its entry odds times K_i = 1 - the sum of its children's a."""
     a, k = one_hot_sibling_probs(target_probs, tokens, parents)
-    lineage = draft_tree.ancestors(parents)  # [B, i, j]: j is i or an ancestor of i
+    lineage = structure.ancestors(parents)  # [B, i, j]: j is i or an ancestor of i
     log_a = jnp.log(jnp.maximum(a, TINY))
     path_log_a = jnp.einsum("bij,bj->bi", lineage.astype(jnp.float32), log_a, precision=HIGHEST)
     terms = jnp.log(jnp.maximum(k - a, 0.0)) + path_log_a - log_a
@@ -207,7 +207,7 @@ def verify_tree_traversal_with_draws(target_probs: Float[Array, "B N1 V"], token
     weights, residuals = traversal_weights(target_probs, tokens, parents, draft_probs)
     passes = uniforms < weights[:, 1:]
     # The first passing node in post-order: from the root, into the first child whose subtree has one.
-    subtree_passes = jnp.any(draft_tree.ancestors(parents) & passes[:, :, None], axis=1)  # [B, N]
+    subtree_passes = jnp.any(structure.ancestors(parents) & passes[:, :, None], axis=1)  # [B, N]
     path, length, node = deepest_path(parents, first_among_siblings(parents, subtree_passes))
     bonus = bonus_weights(target_probs, tokens, parents, residuals, node)
     return path, length, race_sample(bonus, exponentials)
@@ -242,7 +242,7 @@ def deepest_path(parents: Int[Array, "B N"], allowed: Bool[Array, "B N"]):
     ones; with at most one allowed child a node, the path is the only one), as (path[B, N]: its path's
     nodes by depth, -1 past its length; length[B]; node[B], -1 for none)."""
     batch, num_nodes = parents.shape
-    lineage = draft_tree.ancestors(parents)  # [B, N, N]
+    lineage = structure.ancestors(parents)  # [B, N, N]
     depth = lineage.sum(-1)
     reachable = ~jnp.any(lineage & ~allowed[:, None, :], axis=-1)
     rank = jnp.where(reachable, depth * (num_nodes + 1) + num_nodes - jnp.arange(num_nodes), -1)

@@ -28,9 +28,9 @@ def drafter_for(name: str):
 SPECS = {
     "autoregressive": None,
     "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=3),
-    "draft_model_tree": SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=6, top_k=2),
+    "draft_model_tree": SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=6, tree_top_k=2),
     "eagle": SpecConfig(method="eagle", num_speculative_tokens=3),
-    "eagle_tree": SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=6, top_k=2),
+    "eagle_tree": SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=6, tree_top_k=2),
     "eagle3": SpecConfig(method="eagle3", num_speculative_tokens=3),
     "medusa": SpecConfig(method="medusa", num_speculative_tokens=3),
     "medusa_tree": SpecConfig(method="medusa", num_speculative_tokens=3,

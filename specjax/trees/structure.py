@@ -1,4 +1,5 @@
-"""The structure of a draft tree, shared by the target's tree forward and the verifiers (DESIGN.md, wave 2).
+"""A draft tree's structure and growth, pure jnp (the verifiers read it; specjax.trees.masks runs it through a
+forward).
 
 A row's tree is `parents[N]`: node i's parent index, -1 for a child of the root (the last committed
 token), parents before children. The target scores [root, nodes] as one block written at the row's
@@ -15,9 +16,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import NewTokenMask
-
 
 def chain_parents(batch: int, num_nodes: int) -> Int[Array, "B N"]:
     return jnp.broadcast_to(jnp.arange(-1, num_nodes - 1, dtype=jnp.int32), (batch, num_nodes))
@@ -25,8 +23,8 @@ def chain_parents(batch: int, num_nodes: int) -> Int[Array, "B N"]:
 
 def ancestors(parents: Int[Array, "B N"]) -> Bool[Array, "B N N"]:
     """[b, i, a]: node a is node i or one of its ancestors. The closure of "is the parent of" by repeated
-    squaring: log2(N) small products, not a sequential pass over the nodes (which, a few microseconds a
-    node, cost a 60-node tree about 0.3 ms a step on the H200)."""
+    squaring: log2(N) small products, not a sequential pass over the nodes (a few microseconds a node on a
+    GPU: docs/performance.md has the figures)."""
     num_nodes = parents.shape[1]
     nodes = jnp.arange(num_nodes)
     reach = (parents[:, :, None] == nodes[None, None, :]) | (nodes[:, None] == nodes[None, :])[None]
@@ -39,44 +37,6 @@ def ancestors(parents: Int[Array, "B N"]) -> Bool[Array, "B N N"]:
 def depths(parents: Int[Array, "B N"]) -> Int[Array, "B N"]:
     """Node i's depth: 1 for a child of the root."""
     return ancestors(parents).sum(-1).astype(jnp.int32)
-
-
-def block_positions(parents: Int[Array, "B N"], root_positions: Int[Array, " B"]) -> Int[Array, "B N1"]:
-    """Positions of [root, nodes]: the root's position plus each node's depth."""
-    offsets = jnp.concatenate([jnp.zeros_like(parents[:, :1]), depths(parents)], axis=1)
-    return root_positions[:, None] + offsets
-
-
-def tree_mask(parents: Int[Array, "B N"]) -> NewTokenMask:
-    """What each of [root, nodes] sees of the block: every committed slot, the root, and its own ancestors
-    and itself (the target's verification forward; the decoding layout's attention kernel takes it)."""
-    batch, num_nodes = parents.shape
-    in_block = jnp.concatenate([jnp.zeros((batch, num_nodes, 1), bool), ancestors(parents)], axis=2)  # [B, N, N1]
-    in_block = jnp.concatenate([jnp.eye(1, num_nodes + 1, dtype=bool)[None].repeat(batch, 0), in_block], axis=1)
-    return NewTokenMask(in_block.at[:, :, 0].set(True))  # every query sees the root
-
-
-def attention_mask(parents: Int[Array, "B N"], fill_levels: Int[Array, " B"], cache_size: int) -> Bool[Array, "B N1 S"]:
-    """tree_mask as the dense mask over the cache, the block written at slot fill_levels[b]."""
-    return tree_mask(parents).dense(fill_levels, cache_size)
-
-
-def block_mask(in_block: Bool[Array, "B T M"], starts: Int[Array, " B"], cache_size: int) -> Bool[Array, "B T S"]:
-    """Cache slots visible to T queries whose block of M slots starts at slot starts[b]: every slot before
-    it (committed), and block slot j where in_block[b, t, j]."""
-    return NewTokenMask(in_block).dense(starts, cache_size)
-
-
-def move_path(cache: KVCache, fill_levels: Int[Array, " B"], path: Int[Array, "B N"], length: Int[Array, " B"]):
-    """The accepted path's entries (node path[b, j] at slot fill_levels[b] + 1 + path[b, j]) moved to slots
-    fill_levels[b] + 1 + j; the root stays at fill_levels[b]. Lengths unchanged. Skipped when every row's
-    path is already in place (nodes 0, 1, ...: a preorder tree's first-ranked path), which saves a gather
-    and a scatter per cache array (two per layer and per k / v)."""
-    index = jnp.arange(path.shape[1])[None, :]
-    in_place = jnp.all((path == index) | (index >= length[:, None]))
-    return jax.lax.cond(in_place, lambda cache: cache,
-                        lambda cache: cache.move(fill_levels + 1, fill_levels[:, None] + 1 + jnp.maximum(path, 0),
-                                                 length), cache)
 
 
 def preorder(parents: Int[Array, "B N"], ranks: Int[Array, "B N"], max_depth: int) -> Int[Array, "B N"]:
@@ -144,7 +104,7 @@ def grow(root_scores: Float[Array, "B K"], root_tokens: Int[Array, "B K"], expan
     Returns (tokens[B, N], parents[B, N], slots[B, N], log_probs[B, N], carry): the first three in depth-first
     preorder, children by rank (the most likely path at nodes 0, 1, ...), slots[b, i] node i's draft slot (-1
     for a node never run); log_probs the kept nodes' path log-probabilities, highest first, so that
-    log_probs[:, :n] are those of the tree of n nodes (specjax.tree_size estimates acceptance from them)."""
+    log_probs[:, :n] are those of the tree of n nodes (specjax.trees.sizing estimates acceptance from them)."""
     batch, top_k = root_tokens.shape
     rows = jnp.arange(batch)[:, None]
     frontier_slots = jnp.arange(top_k, dtype=jnp.int32)
