@@ -34,12 +34,14 @@ $(VENV)/.created:
 	$(PY) -m pip install -q --upgrade pip
 	touch $@
 
+# PYTHONWARNINGS: setuptools warns at every editable install whatever its mode (lenient: "folders named like
+# your package"; strict and compat their own boxes), nothing a user of this checkout can act on.
 $(VENV)/.installed: $(VENV)/.created pyproject.toml
-	$(PY) -m pip install -q -e .
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.created pyproject.toml
-	$(PY) -m pip install -q -e ".[test]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e ".[test]"
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
