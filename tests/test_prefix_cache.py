@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.engine import load_config
 from support.models import EOS, dflash_config, head_for, medusa_for, target_and_drafts
 
 from specjax import decoding
@@ -153,10 +152,11 @@ def autoregressive(requests: list[Request]) -> dict:
 
 
 def serve(name: str | None, requests: list[Request], **config) -> tuple[dict, Engine]:
-    """Outputs by id of an engine with the drafter of `name` (None: autoregressive) and these config fields (the
-    load tests' engine otherwise: the same programs), blocks of 8."""
-    spec, drafter = (None, None) if name is None else (SPECS[name], drafter_for(name))
-    engine = Engine(target_and_drafts()[0], load_config(spec, **(dict(block_size=8) | config)), drafter=drafter)
+    """Outputs by id of an engine with the drafter of `name` (None: autoregressive) and these config fields."""
+    fields = dict(max_num_seqs=4, max_model_len=80, eos_token_ids=(EOS,), steps_per_visit=4, max_prefill_batch=2,
+                  block_size=8) | config
+    engine = Engine(target_and_drafts()[0], EngineConfig(spec=None if name is None else SPECS[name], **fields),
+                    drafter=None if name is None else drafter_for(name))
     return {o.request_id: o for o in engine.run(requests)}, engine
 
 

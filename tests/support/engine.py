@@ -76,9 +76,7 @@ def truncated_at_stop(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
 
 
 def load_config(spec: SpecConfig | None, **fields) -> EngineConfig:
-    """The engine of the load tests (4 slots, 3 steps a visit, up to 4 rows prefilled together), fields overridden.
-    Its shapes are the other engine tests' too, so that their programs are the same (compiled once: the
-    persistent compilation cache)."""
+    """The engine of the load tests (4 slots, 3 steps a visit, up to 4 rows prefilled together), fields overridden."""
     return EngineConfig(**(dict(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,), steps_per_visit=3,
                                 max_prefill_batch=4) | fields))
 
