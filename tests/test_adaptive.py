@@ -5,6 +5,7 @@ greedy output identical to autoregressive for a chain drafter, DFlash and DSpark
 while the width changes from step to step, one while loop, and losslessness by chi-square with the negative
 control of a width chosen from the row's own sampled draft."""
 
+import dataclasses
 import functools
 
 import jax
@@ -235,26 +236,33 @@ def test_greedy_output_is_identical_to_autoregressive(method):
 @pytest.mark.loop
 @pytest.mark.parametrize("method", list(METHODS))
 def test_the_engine_serves_each_request_its_autoregressive_output(method):
-    """32 requests arriving at random steps, 4 slots; per-request detailed metrics carry the chosen widths."""
-    from support.engine import random_requests, serve_arriving, truncated_at_stop
+    """32 requests arriving at random steps, 4 slots; per-request detailed metrics carry the chosen widths. The
+    draft model's requests are served again with the draft KV cache offloaded between visits (both features at
+    once, tests/test_offload.py's property): the same tokens, finish reasons and acceptance counts."""
+    from support.engine import (autoregressive_under_load, load_config, random_requests, serve_arriving,
+                                truncated_at_stop)
 
-    from specjax.engine import Engine, EngineConfig
+    from specjax.engine import Engine
 
     target, _ = target_and_drafts()
     requests = random_requests(32)
     spec = SpecConfig(method=method, num_speculative_tokens=3, enable_adaptive_verification=True)
-    config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,), steps_per_visit=3,
-                          max_prefill_batch=4, cost_curve=STEEPER)
+    config = load_config(spec, cost_curve=STEEPER)
     outputs = serve_arriving(Engine(target, config, drafter=drafter_for(method)), requests)
-    expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
-                        eos_token_ids=(EOS,)).sequences()
     widths = set()
-    for request, want in zip(requests, expected):
+    for request, want in zip(requests, autoregressive_under_load()):
         got = outputs[request.request_id]
         assert list(got.tokens) == truncated_at_stop(want, request.stop_token_ids), request.request_id
         assert sum(got.metrics["per_step_drafted"]) == got.metrics["drafted"]
         widths |= set(got.metrics["per_step_drafted"])
     assert len(widths) > 1 and widths <= set(spec.verify_widths), widths
+    if method == "draft_model":
+        offloaded = Engine(target, dataclasses.replace(config, draft_kv_offload=True), drafter=drafter_for(method))
+        for request_id, got in serve_arriving(offloaded, requests).items():
+            want = outputs[request_id]
+            assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason), request_id
+            assert repr(got.metrics) == repr(want.metrics), request_id  # repr: a row without steps has NaN rates
+        assert offloaded.stats()["draft_kv_offload"]["bytes_to_device"] > 0
 
 
 @pytest.mark.loop

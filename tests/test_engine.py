@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 from support.distributions import NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, tiny_pair
-from support.engine import SPECS, drafter_for, random_requests, serve_arriving, truncated_at_stop
+from support.engine import (SPECS, autoregressive_under_load, load_group, random_requests, served_under_load,
+                            truncated_at_stop)
 from support.models import EOS, target_and_drafts
 
 from specjax import verify as verify_registry
@@ -19,18 +20,13 @@ from specjax.verify import standard
 
 
 @pytest.mark.loop
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", [load_group(name) for name in SPECS])
 def test_every_request_gets_its_autoregressive_output_under_load(name):
     """32 requests arriving at random steps in a random order, 4 slots: greedy output equal to generate's
     autoregressive output for each prompt alone, EOS and stop ids inside draft blocks."""
-    target, _ = target_and_drafts()
     requests = random_requests(32)
-    config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=SPECS[name], eos_token_ids=(EOS,),
-                          steps_per_visit=3, max_prefill_batch=4)
-    outputs = serve_arriving(Engine(target, config, drafter=drafter_for(name)), requests)
-    expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests],
-                        eos_token_ids=(EOS,)).sequences()
-    for request, want in zip(requests, expected):
+    _, outputs = served_under_load(name)
+    for request, want in zip(requests, autoregressive_under_load()):
         got = outputs[request.request_id]
         assert list(got.tokens) == truncated_at_stop(want, request.stop_token_ids), request.request_id
         assert got.finish_reason == ("stop" if got.tokens[-1] in (EOS, *request.stop_token_ids) else "length")
@@ -120,6 +116,14 @@ def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
 
 # ------------------------------------------------------------------------------------------ refusals
 
+@pytest.fixture(scope="module")
+def refusing_engine():
+    """One engine for the refusal cases: a refused request leaves it serving the others, case after case."""
+    target, drafts = target_and_drafts()
+    return Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, spec=SPECS["draft_model"]),
+                  drafter=drafts["perturbed"])
+
+
 @pytest.mark.loop
 @pytest.mark.parametrize("request_kwargs, message", [
     (dict(prompt=[]), r"request bad: prompt is empty: allowed at least one token id"),
@@ -128,10 +132,8 @@ def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
     (dict(stop_token_ids=[999]), r"request bad: stop_token_ids has 999: allowed ids 0..127"),
     (dict(prompt=[1, 500]), r"request bad: prompt has token id 500: allowed 0..127"),
 ])
-def test_a_bad_request_is_refused_alone_naming_the_field(request_kwargs, message):
-    target, drafts = target_and_drafts()
-    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, spec=SPECS["draft_model"]),
-                    drafter=drafts["perturbed"])
+def test_a_bad_request_is_refused_alone_naming_the_field(request_kwargs, message, refusing_engine):
+    engine = refusing_engine
     kwargs = dict(prompt=[1, 2, 3], max_tokens=4) | request_kwargs
     outputs = {o.request_id: o for o in engine.run([Request.make("good", [1, 2, 3], 4),
                                                     Request.make("bad", kwargs.pop("prompt"), **kwargs),

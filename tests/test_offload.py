@@ -1,6 +1,7 @@
 """Draft KV offload (EngineConfig.draft_kv_offload, docs/serving.md "Draft KV offload"): the drafter's KV cache in
 pinned host memory between visits. Outputs identical with it on and off for every drafter that keeps a cache,
-under arriving requests; the state holds no draft K or V on the device; bad settings refused naming the field."""
+under arriving requests (and under adaptive verification: tests/test_adaptive.py's engine test); the state holds no
+draft K or V on the device; bad settings refused naming the field."""
 
 import dataclasses
 import types
@@ -8,10 +9,10 @@ import types
 import jax
 import numpy as np
 import pytest
-from support.engine import SPECS, drafter_for, random_requests, serve_arriving
-from support.models import EOS, target_and_drafts
+from support.engine import (SPECS, drafter_for, load_config, load_group, random_requests, serve_arriving,
+                            served_under_load)
+from support.models import target_and_drafts
 
-from specjax import adaptive
 from specjax.config import SpecConfig
 from specjax.engine import Engine, EngineConfig
 from specjax.models.kv_cache import KVCache
@@ -19,23 +20,21 @@ from specjax.models.kv_cache import KVCache
 OFFLOADED = ("eagle", "dflash", "draft_model", "eagle_tree")
 
 
-def offload_engines(name: str, **config):
-    """The same engine with draft KV offload off and on."""
-    target, _ = target_and_drafts()
-    base = EngineConfig(max_num_seqs=4, max_model_len=64, spec=SPECS[name], eos_token_ids=(EOS,), steps_per_visit=3,
-                        max_prefill_batch=4, **config)
-    return [Engine(target, dataclasses.replace(base, draft_kv_offload=on), drafter=drafter_for(name))
-            for on in (False, True)]
+def offloaded(name: str, config: EngineConfig) -> Engine:
+    """The engine of `config` with the draft KV cache offloaded."""
+    return Engine(target_and_drafts()[0], dataclasses.replace(config, draft_kv_offload=True), drafter=drafter_for(name))
 
 
 @pytest.mark.loop
-@pytest.mark.parametrize("name", OFFLOADED)
+@pytest.mark.parametrize("name", [load_group(name) for name in OFFLOADED])
 def test_outputs_are_identical_with_draft_kv_offload_on_and_off(name):
     """32 requests arriving at random steps in a random order into 4 slots (rows admitted, compacted, stepped in
-    buckets of 1, 2 and 4): the same tokens, finish reasons and acceptance counts with offload on and off."""
+    buckets of 1, 2 and 4): the same tokens, finish reasons and acceptance counts with offload on and off (off:
+    tests/test_engine.py's load run, the same engine)."""
     requests = random_requests(32)
-    off, on = offload_engines(name)
-    want, got = serve_arriving(off, requests), serve_arriving(on, requests)
+    off, want = served_under_load(name)
+    on = offloaded(name, off.config)
+    got = serve_arriving(on, requests)
     for request in requests:
         a, b = want[request.request_id], got[request.request_id]
         assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), request.request_id
@@ -64,7 +63,8 @@ def test_offload_with_prefix_caching_and_chunked_prefill_keeps_outputs():
     rng = np.random.default_rng(1)
     system = rng.integers(1, 100, 24).tolist()
     requests = [dataclasses.replace(r, prompt=tuple(system + list(r.prompt))) for r in random_requests(12)]
-    off, on = offload_engines("eagle", enable_prefix_caching=True, block_size=8, max_num_batched_tokens=16)
+    config = load_config(SPECS["eagle"], enable_prefix_caching=True, block_size=8, max_num_batched_tokens=16)
+    off, on = Engine(target_and_drafts()[0], config, drafter=drafter_for("eagle")), offloaded("eagle", config)
     want, got = serve_arriving(off, requests), serve_arriving(on, requests)
     assert {k: v.tokens for k, v in got.items()} == {k: v.tokens for k, v in want.items()}
     assert on.stats()["prefix_cache"]["hit_tokens"] > 0
@@ -92,26 +92,3 @@ def test_a_device_without_pinned_host_memory_is_refused_naming_the_field(monkeyp
                                          r"kinds are \['device'\]; allowed only where 'pinned_host' is one of them"):
         Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, spec=SPECS["eagle"], draft_kv_offload=True),
                drafter=drafter_for("eagle"))
-
-
-@pytest.mark.loop
-def test_outputs_are_identical_with_draft_kv_offload_under_adaptive_verification():
-    """Both features at once (adaptive verification's width chosen per step, the draft cache offloaded between
-    visits): the same tokens and acceptance counts with offload on and off, and widths below K chosen."""
-    target, _ = target_and_drafts()
-    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, enable_adaptive_verification=True)
-    curve = adaptive.CostCurve(batches=(1,), widths=(0, 4), seconds=((1.0, 4.0),))  # steep: widths change
-    base = EngineConfig(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,), steps_per_visit=3,
-                        max_prefill_batch=4, cost_curve=curve)
-    off, on = [Engine(target, dataclasses.replace(base, draft_kv_offload=flag), drafter=drafter_for("draft_model"))
-               for flag in (False, True)]
-    requests = random_requests(32)
-    want, got = serve_arriving(off, requests), serve_arriving(on, requests)
-    widths = set()
-    for request in requests:
-        a, b = want[request.request_id], got[request.request_id]
-        assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), request.request_id
-        assert repr(b.metrics) == repr(a.metrics), request.request_id
-        widths |= set(b.metrics["per_step_drafted"])
-    assert len(widths) > 1 and widths <= set(spec.verify_widths), widths
-    assert on.stats()["draft_kv_offload"]["bytes_to_device"] > 0

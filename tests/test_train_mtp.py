@@ -53,14 +53,12 @@ def test_the_modules_train_load_draft_losslessly_and_beat_untrained_ones(trained
     assert evaluation["mean_acceptance_length"] > baseline
 
 
-def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, tmp_path, monkeypatch):
+def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, mtp_run, tmp_path, monkeypatch):
     """Stopped at step 27 (an exception in the batch pipeline), the run restarts from its step-20
-    checkpoint and ends where an uninterrupted one in this process did (the CLI's subprocess differs in the
-    last bits from step 4 on): the same losses step by step, the same weights."""
-    uninterrupted = tmp_path / "uninterrupted"
-    mtp_training.train_mtp(run_config(trained_tiny_target, uninterrupted))
+    checkpoint and ends where the uninterrupted one (the CLI's) did: the same losses step by step, the same
+    weights."""
     target_config = hf.load_config(trained_tiny_target)
-    stopped_run_resumes(monkeypatch, run_config(trained_tiny_target, tmp_path / "stopped"), uninterrupted,
+    stopped_run_resumes(monkeypatch, run_config(trained_tiny_target, tmp_path / "stopped"), mtp_run,
                         lambda folder: load_mtp(folder, target_config), TOTAL_STEPS, trainer=mtp_training,
                         draw_name="batch_rows", train_name="train_mtp", folder="mtp")
 

@@ -1,13 +1,18 @@
 """The engine tests' shared pieces: the spec of each drafter the engine serves (SPECS) and its drafter, random
-requests (some with a stop id), and serving them as they arrive a few at a time between engine steps."""
+requests (some with a stop id), serving them as they arrive a few at a time between engine steps, and the load
+run several files check (one engine per drafter, served once per worker)."""
+
+import functools
 
 import numpy as np
+import pytest
 
 from specjax.config import SpecConfig
-from specjax.engine import Engine, Request
+from specjax.decoding import generate
+from specjax.engine import Engine, EngineConfig, Request
 from specjax.models.dflash import init_dflash
 
-from support.models import dflash_config, head_for, medusa_for, target_and_drafts
+from support.models import EOS, dflash_config, head_for, medusa_for, target_and_drafts
 
 STOP = 5  # a stop id some requests add to the EOS
 
@@ -68,3 +73,31 @@ def serve_arriving(engine: Engine, requests: list[Request], seed: int = 0) -> di
 def truncated_at_stop(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
     hits = [i for i, t in enumerate(tokens) if t in stop]
     return tokens[:hits[0] + 1] if hits else tokens
+
+
+def load_config(spec: SpecConfig | None, **fields) -> EngineConfig:
+    """The engine of the load tests (4 slots, 3 steps a visit, up to 4 rows prefilled together), fields overridden."""
+    return EngineConfig(**(dict(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,), steps_per_visit=3,
+                                max_prefill_batch=4) | fields))
+
+
+@functools.cache
+def served_under_load(name: str) -> tuple[Engine, dict]:
+    """The engine of SPECS[name] after serving random_requests(32) as they arrive, and its outputs by id: checked
+    against autoregressive decoding (tests/test_engine.py) and against the same engine with the draft KV cache
+    offloaded (tests/test_offload.py). Both files mark these cases xdist_group("load-NAME"): one worker, one run."""
+    engine = Engine(target_and_drafts()[0], load_config(SPECS[name]), drafter=drafter_for(name))
+    return engine, serve_arriving(engine, random_requests(32))
+
+
+def load_group(name: str):
+    """The case of `name` in the xdist group of served_under_load(name)."""
+    return pytest.param(name, marks=pytest.mark.xdist_group(f"load-{name}"))
+
+
+@functools.cache
+def autoregressive_under_load() -> list[list[int]]:
+    """The target's greedy output for random_requests(32) (each prompt alone), stopping at EOS only."""
+    requests = random_requests(32)
+    return generate(target_and_drafts()[0], [list(r.prompt) for r in requests],
+                    max_new_tokens=[r.max_tokens for r in requests], eos_token_ids=(EOS,)).sequences()
