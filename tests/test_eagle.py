@@ -197,9 +197,11 @@ def test_with_draft_vocabulary_refuses_an_eagle3_head():
         with_draft_vocabulary(head_for("eagle3"), FR_IDS)
 
 
-def test_default_fuse_layers_are_distinct_and_the_bundled_head_keeps_its_own():
-    """2, L//2, L-3 where distinct (L >= 7), else 1, L//2, L-1; the bundled head was trained on 2, 3, 3 before
-    that rule and loads with them (its config.json records them)."""
+def test_default_fuse_layers_are_distinct_and_a_head_loads_the_layers_it_records(tmp_path):
+    """2, L//2, L-3 where distinct (L >= 7), else 1, L//2, L-1; the bundled head fuses 1, 3, 5, and a head whose
+    config.json records a repeated layer (trained before that rule) loads with the layers it records."""
+    import shutil
+
     from specjax import default_models
     from specjax.config import ConfigError
     from specjax.experiments import load_models
@@ -209,5 +211,10 @@ def test_default_fuse_layers_are_distinct_and_the_bundled_head_keeps_its_own():
     assert all(len(set(default_fuse_layers(n))) == 3 for n in range(4, 64))
     with pytest.raises(ConfigError, match=r"default EAGLE-3 fuse layers need a target of >= 4 layers .* got 3"):
         default_fuse_layers(3)
-    _, _, head = load_models(default_models.TARGET, "eagle3")
-    assert head.config.fuse_layers == (2, 3, 3)
+    target, _, head = load_models(default_models.TARGET, "eagle3")
+    assert head.config.fuse_layers == (1, 3, 5)
+    old = shutil.copytree(default_models.path("eagle3"), tmp_path / "old")
+    config = json.loads((old / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 3]
+    (old / "config.json").write_text(json.dumps(config))
+    assert load_eagle(old, target.config).config.fuse_layers == (2, 3, 3)
