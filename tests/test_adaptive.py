@@ -202,7 +202,7 @@ def drafter_for(method: str):
         return drafts["perturbed"]
     if method == "dflash":
         return trained_dflash()
-    from test_dspark import drafter_for as dspark_drafter  # random heads: drafts accepted now and then
+    from support.models import dspark_drafter  # random heads: drafts accepted now and then
 
     return dspark_drafter(target.config, block_size=8, rank=8)
 

@@ -15,14 +15,14 @@ import pytest
 from support.block_training import drafts_losslessly, stopped_run_resumes
 from support.checkpoints import REPO, drafter_run_config, train_through_cli
 from support.distributions import TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
-from support.models import EOS, dflash_config, target_and_drafts
+from support.models import EOS, dflash_config, dspark_drafter, target_and_drafts
 from support.requests import autoregressive_outputs, ragged_requests
 from safetensors.numpy import load_file, save_file
 
 from specjax.config import ConfigError, DSparkTrainConfig, SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.models import hf
-from specjax.models.dspark import dspark_config, init_dspark, load_dspark, save_dspark, with_random_heads
+from specjax.models.dspark import load_dspark, save_dspark
 from specjax.proposers import Context, TargetOutput, UnsupportedSpeculation, build_proposer, check_spec
 from specjax.training import dflash as block_training
 from specjax.training.confidence import confidence_against_margin, held_out_steps
@@ -32,19 +32,11 @@ from specjax.training.loop import read_metrics
 T1 = SamplingConfig(temperature=1.0)
 
 
-def drafter_for(target_config, block_size: int, rank: int, sample_from_anchor: bool = True, scale: float = 0.5,
-                layer_ids=(0, 1), seed: int = 3, head: str = "vanilla"):
-    """An untrained DSpark drafter with random (not zero) Markov and confidence weights."""
-    config = dspark_config(dflash_config(target_config, layer_ids, block_size=block_size), markov_rank=rank,
-                           sample_from_anchor=sample_from_anchor, markov_head_type=head)
-    return with_random_heads(init_dspark(config, seed=seed), scale, seed=seed)
-
-
 # ---------------------------------------------------------------------------------- DeepSpec's layout
 
 def test_the_checkpoint_has_deepspecs_names_and_round_trips(tmp_path):
     target, _ = target_and_drafts()
-    drafter = drafter_for(target.config, block_size=8, rank=4, head="gated")
+    drafter = dspark_drafter(target.config, block_size=8, rank=4, head="gated")
     save_dspark(drafter, tmp_path / "d")
     tensors = load_file(tmp_path / "d/model.safetensors")
     vocab, hidden = target.config.vocab_size, target.config.hidden_size
@@ -100,7 +92,7 @@ def test_each_draft_probability_is_dflashs_with_the_markov_bias_of_the_draft_bef
     are softmax(log q_k + W2 . W1[x_(k-1)]) over DFlash's q_k, restricted to q_k's top-k ids, x_0 the anchor and
     x_(k-1) the draft drawn before it; its confidence is the head's sigmoid on [h_k, W1[x_(k-1)]]."""
     target, _ = target_and_drafts()
-    drafter = drafter_for(target.config, block_size=8, rank=4, sample_from_anchor=False, scale=1.0)
+    drafter = dspark_drafter(target.config, block_size=8, rank=4, sample_from_anchor=False, scale=1.0)
     prompt = [5, 17, 3, 99, 42]
     spec = SpecConfig(method="dspark", num_speculative_tokens=5, draft_sample_method="probabilistic",
                       dspark_draft_topk=topk)
@@ -141,7 +133,7 @@ def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, hea
     anchor's slot drafting, part of the block (K 4) and all of it (K 15 of its 16, the gated head drafting from
     its top 6), random heads: drafts are accepted now and then. (K is a shape: each case is its own program.)"""
     target, _ = target_and_drafts()
-    drafter = drafter_for(target.config, block_size=16, rank=8, head=head)
+    drafter = dspark_drafter(target.config, block_size=16, rank=8, head=head)
     expected = autoregressive_outputs()
     prompts, budgets = ragged_requests()
     spec = SpecConfig(method="dspark", num_speculative_tokens=num_draft, **options)
@@ -163,7 +155,7 @@ def test_the_engine_serves_dspark_requests_with_their_autoregressive_output():
     target, _ = target_and_drafts()
     requests = random_requests(32)
     config = load_config(SpecConfig(method="dspark", num_speculative_tokens=3))
-    outputs = serve_arriving(Engine(target, config, drafter=drafter_for(target.config, block_size=8, rank=8)), requests)
+    outputs = serve_arriving(Engine(target, config, drafter=dspark_drafter(target.config, block_size=8, rank=8)), requests)
     for request, want in zip(requests, autoregressive_under_load()):
         assert list(outputs[request.request_id].tokens) == truncated_at_stop(want, request.stop_token_ids)
 
@@ -178,7 +170,7 @@ SAMPLINGS = (T1, SamplingConfig(temperature=1.0, top_k=5))
 def tiny_dspark():
     """A gated DSpark drafter for tiny_pair()'s target (8 ids, one layer), Markov bias large enough to matter
     (the vanilla head's draft probabilities are checked exactly above)."""
-    return drafter_for(TINY, block_size=4, rank=4, scale=1.0, layer_ids=(0,), seed=6, head="gated")
+    return dspark_drafter(TINY, block_size=4, rank=4, scale=1.0, layer_ids=(0,), seed=6, head="gated")
 
 
 def tiny_spec(verifier: str) -> SpecConfig:
@@ -294,7 +286,7 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_result(trained_tiny_target, 
 
 def test_bad_settings_are_refused(tmp_path):
     target, _ = target_and_drafts()
-    drafter = drafter_for(target.config, block_size=8, rank=4)
+    drafter = dspark_drafter(target.config, block_size=8, rank=4)
     with pytest.raises(ConfigError, match=r"DSparkConfig.markov_rank = -1 is invalid: allowed an integer >= 0"):
         dataclasses.replace(drafter.config, markov_rank=-1)
     with pytest.raises(ConfigError, match=r"DSparkConfig.markov_head_type = 'rnn' is invalid: allowed one of "
@@ -313,7 +305,7 @@ def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(UnsupportedSpeculation, match=r"num_speculative_tokens = 9 .*allowed 1..8 \(block_size\)"):
         generate(target, [[3, 4]], max_new_tokens=2, drafter=drafter,
                  spec=SpecConfig(method="dspark", num_speculative_tokens=9))
-    dflash_layout = drafter_for(target.config, block_size=8, rank=4, sample_from_anchor=False)
+    dflash_layout = dspark_drafter(target.config, block_size=8, rank=4, sample_from_anchor=False)
     with pytest.raises(UnsupportedSpeculation, match=r"num_speculative_tokens = 8 .*allowed 1..7 \(block_size - 1\)"):
         generate(target, [[3, 4]], max_new_tokens=2, drafter=dflash_layout,
                  spec=SpecConfig(method="dspark", num_speculative_tokens=8))

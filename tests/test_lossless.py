@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import pytest
 from support.distributions import (NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling,
                                    speculative_joint_counts, tiny_pair)
-from support.models import (EOS, FR_IDS, HEADS, METHOD, dflash_config, eagle_config, head_for, medusa_for,
-                            target_and_drafts, trained_dflash)
+from support.models import (EOS, FR_IDS, HEADS, METHOD, dflash_config, dspark_drafter, eagle_config, head_for,
+                            medusa_for, mtp_modules, target_and_drafts, trained_dflash)
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
@@ -88,7 +88,7 @@ def nothing_more(result, expected, drafter):
 def greedy_case(drafter: str, num_draft: int, check=nothing_more, requests: str = "ragged",
                 attention_kernel: bool = False, tag: str = "", **options):
     """A parameter set, named e.g. "draft_model-perturbed-K4-float8_cache" or "eagle_fr-K1"."""
-    spec = SpecConfig(method=METHODS[drafter], num_speculative_tokens=num_draft, **options)
+    spec = SpecConfig(method=METHODS.get(drafter, drafter), num_speculative_tokens=num_draft, **options)
     name = f"{spec.method}-{drafter}" if spec.method == "draft_model" else drafter
     return pytest.param(drafter, spec, requests, attention_kernel, check,
                         id="-".join([name, f"K{num_draft}", *([tag] if tag else [])]))
@@ -273,7 +273,7 @@ def test_negative_control_draft_probabilities_not_zero_outside_the_draft_vocabul
 
 # ------------------------------------------------------------------------------- the cache's edge
 
-@pytest.mark.parametrize("drafter", ["perturbed", "eagle", "eagle3", "medusa", "ngram", "dflash"])
+@pytest.mark.parametrize("drafter", ["perturbed", "eagle", "eagle3", "medusa", "ngram", "dflash", "dspark", "mtp"])
 def test_greedy_output_at_the_edge_of_the_cache_equals_autoregressive(drafter):
     """cache_size exactly prompt + budget + K + 1: the prompt's bucket (32) is then wider than the cache, so the
     prefill pads the prompt only to the cache's width and every drafter's init sees one column fewer than
@@ -281,12 +281,16 @@ def test_greedy_output_at_the_edge_of_the_cache_equals_autoregressive(drafter):
     target = target_and_drafts()[0]
     if drafter == "dflash":  # untrained: lossless whatever it drafts, and no 300-step training
         weights = init_dflash(dflash_config(target.config, (0, 1), block_size=8), seed=1)
+    elif drafter == "dspark":
+        weights = dspark_drafter(target.config, block_size=8, rank=4)
+    elif drafter == "mtp":  # two modules: K 3 runs both, then the last again
+        weights = mtp_modules(target.config, 2)
     else:
         weights = greedy_drafter(drafter)
     num_draft, budgets = 3, [6, 4]
     prompts = [[(5 * i + 3) % 100 + 1 for i in range(20)], [9, 8, 7 + 3, 6]]
     cache_size = len(prompts[0]) + budgets[0] + num_draft + 1
-    spec = SpecConfig(method=METHODS[drafter], num_speculative_tokens=num_draft,
+    spec = SpecConfig(method=METHODS.get(drafter, drafter), num_speculative_tokens=num_draft,
                       **({"prompt_lookup_min": 1, "prompt_lookup_max": 2} if drafter == "ngram" else {}))
     result = generate(target, prompts, max_new_tokens=budgets, spec=spec, drafter=weights, cache_size=cache_size)
     expected = generate(target, prompts, max_new_tokens=budgets, cache_size=cache_size)

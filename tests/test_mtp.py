@@ -12,7 +12,7 @@ import pytest
 from support.checkpoints import FIXTURES, fixture_dir, golden
 from support.distributions import PROMPT, TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
-from support.models import EOS, target_and_drafts
+from support.models import EOS, mtp_modules, target_and_drafts
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
@@ -21,7 +21,7 @@ from specjax.decoding import generate, speculative_loop
 from specjax.engine import Engine, EngineConfig, Request
 from specjax.experiments import recognized_method
 from specjax.models import hf
-from specjax.models.mtp import MTPConfig, init_mtp, load_mtp, save_mtp
+from specjax.models.mtp import load_mtp, save_mtp
 from specjax.models.transformer import Hidden
 from specjax.proposers import Context, TargetOutput, build_proposer, check_spec, proposer_class
 from specjax.verify import standard
@@ -34,13 +34,6 @@ def mimo(num_modules: int):
     folder = FIXTURES / "mtp" / f"mimo{num_modules}"
     target = hf.load(folder)
     return target, load_mtp(folder, target.config)
-
-
-def modules_for(target_config, num_modules: int, hidden_state: str = "chained", init_std: float = 0.3, seed: int = 0):
-    """Random MTP modules (Qwen2 layers as wide as the target's) for a target."""
-    layer = dataclasses.replace(target_config, num_layers=num_modules, architecture="Qwen2ForCausalLM", qkv_bias=True,
-                                qk_norm=False, out_bias=False, init_std=init_std)
-    return init_mtp(MTPConfig(layer=layer, hidden_state=hidden_state), seed=seed)
 
 
 # --------------------------------------------------------------------------- parity with MiMo's code
@@ -78,7 +71,7 @@ def test_greedy_speculative_output_equals_mimos_greedy_output(num_modules, num_d
 
 @functools.cache
 def greedy_modules():
-    return modules_for(target_and_drafts()[0].config, num_modules=3)
+    return mtp_modules(target_and_drafts()[0].config, num_modules=3)
 
 
 @pytest.mark.loop
@@ -98,7 +91,7 @@ def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, hid
 
 @functools.cache
 def tiny_modules():
-    return modules_for(TINY, num_modules=2, init_std=0.6, seed=3)
+    return mtp_modules(TINY, num_modules=2, init_std=0.6, seed=3)
 
 
 def accept_all(target_probs, draft_tokens, draft_probs, keys):
@@ -224,7 +217,7 @@ def test_bad_input_is_refused_naming_the_field():
     with pytest.raises(hf.CheckpointError, match=r"num_nextn_predict_layers = 0: a checkpoint for method 'mtp' needs "
                                                  r"MTP modules"):
         proposer_class("mtp").load(fixture_dir("qwen2"), target, None, 1)
-    wide = modules_for(dataclasses.replace(target.config, hidden_size=32, head_dim=8), num_modules=1)
+    wide = mtp_modules(dataclasses.replace(target.config, hidden_size=32, head_dim=8), num_modules=1)
     with pytest.raises(ValueError, match=r"MTP modules hidden_size 32 differs from the target's 64"):
         generate(target, [[1, 2]], max_new_tokens=2, spec=SpecConfig(method="mtp"), drafter=wide)
 

@@ -13,7 +13,9 @@ from specjax.config import ModelConfig
 from specjax.models import hf
 from specjax.models.dflash import DFlashConfig, DFlashDrafter, load_dflash
 from specjax.models.eagle import EagleConfig, init_eagle, with_draft_vocabulary
+from specjax.models.dspark import dspark_config, init_dspark, with_random_heads
 from specjax.models.medusa import MedusaConfig, init_medusa
+from specjax.models.mtp import MTPConfig, init_mtp
 
 from support.checkpoints import TRAINED_DFLASH, fixture_dir
 
@@ -106,3 +108,18 @@ def medusa_for(model, num_heads: int, num_layers: int = 1, scale: float = 0.0, s
                           vocab_size=model.config.vocab_size, shared_lm_head=shared)
     return with_random_blocks(init_medusa(config, model), scale)
 
+
+
+def dspark_drafter(target_config, block_size: int, rank: int, sample_from_anchor: bool = True, scale: float = 0.5,
+                   layer_ids=(0, 1), seed: int = 3, head: str = "vanilla"):
+    """An untrained DSpark drafter with random (not zero) Markov and confidence weights."""
+    config = dspark_config(dflash_config(target_config, layer_ids, block_size=block_size), markov_rank=rank,
+                           sample_from_anchor=sample_from_anchor, markov_head_type=head)
+    return with_random_heads(init_dspark(config, seed=seed), scale, seed=seed)
+
+
+def mtp_modules(target_config, num_modules: int, hidden_state: str = "chained", init_std: float = 0.3, seed: int = 0):
+    """Random MTP modules (Qwen2 layers as wide as the target's) for a target."""
+    layer = dataclasses.replace(target_config, num_layers=num_modules, architecture="Qwen2ForCausalLM", qkv_bias=True,
+                                qk_norm=False, out_bias=False, init_std=init_std)
+    return init_mtp(MTPConfig(layer=layer, hidden_state=hidden_state), seed=seed)
