@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.checkpoints import FIXTURES, fixture_dir, golden
-from support.distributions import PROMPT, TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
+from support.distributions import PROMPT, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
-from support.models import EOS, mtp_modules, target_and_drafts
+from support.models import EOS, mtp_modules, target_and_drafts, tiny_mtp_modules
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
@@ -89,11 +89,6 @@ def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, hid
     assert 0 < result.metrics.summary()["acceptance_rate"] < 1
 
 
-@functools.cache
-def tiny_modules():
-    return mtp_modules(TINY, num_modules=2, init_std=0.6, seed=3)
-
-
 def accept_all(target_probs, draft_tokens, draft_probs, keys):
     """Deliberately wrong: accepts every draft (then samples the bonus token from the target)."""
     n = jnp.full(draft_tokens.shape[:1], draft_tokens.shape[1], jnp.int32)
@@ -109,7 +104,7 @@ def test_sampled_output_follows_the_target_distribution(verifier, monkeypatch):
     monkeypatch.setitem(verify_registry.VERIFIERS, "accept_all", verify_registry.Verifier(chain=accept_all, tree=None))
     spec = SpecConfig(method="mtp", num_speculative_tokens=2, rejection_sample_method=verifier,
                       draft_sample_method="probabilistic")
-    counts, metrics, _ = joint_counts_by_sampling(spec, [T1], tiny_modules())
+    counts, metrics, _ = joint_counts_by_sampling(spec, [T1], tiny_mtp_modules())
     p_value = chi_square_pvalue(counts[0], exact_joint(tiny_pair()[0], T1, PROMPT))
     if verifier == "accept_all":
         assert p_value < 1e-6

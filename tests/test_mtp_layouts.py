@@ -14,24 +14,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 from support.checkpoints import FIXTURES
-from support.distributions import TINY, check_lossless, first_ranked_pvalue, tree_joint_counts
-from support.models import EOS, target_and_drafts
+from support.distributions import check_lossless, first_ranked_pvalue, tree_joint_counts
+from support.models import EOS, mtp_modules, target_and_drafts, tiny_mtp_modules
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax.config import SamplingConfig, SpecConfig
 from specjax.decoding import generate
 from specjax.experiments import recognized_method
 from specjax.models import hf
-from specjax.models.mtp import MTPConfig, init_mtp, load_mtp, save_mtp
+from specjax.models.mtp import load_mtp, save_mtp
 from specjax.models.transformer import Hidden, init_model
 from specjax.proposers import Context, TargetOutput, build_proposer, proposer_class
-
-
-def mtp_modules(target_config, num_modules: int, init_std: float = 0.3, seed: int = 0, **options):
-    """Random MTP modules with Qwen2 layers as wide as the target's (options: MTPConfig's)."""
-    layer = dataclasses.replace(target_config, num_layers=num_modules, architecture="Qwen2ForCausalLM", qkv_bias=True,
-                                qk_norm=False, out_bias=False, init_std=init_std)
-    return init_mtp(MTPConfig(layer=layer, **options), seed=seed)
 
 
 def shared_of(target):
@@ -361,11 +354,6 @@ def test_greedy_tree_output_is_identical_to_autoregressive():
     assert 0 < result.metrics.summary()["acceptance_rate"] < 1
 
 
-@functools.cache
-def tiny_modules():
-    return mtp_modules(TINY, num_modules=2, init_std=0.6, seed=3)
-
-
 TREE = SpecConfig(method="mtp", num_speculative_tokens=3, total_tokens=6, tree_top_k=2)  # module 1, then it repeated
 SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5))
 
@@ -375,10 +363,10 @@ SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, to
 def test_tree_sampling_is_lossless_with_either_verifier():
     """Recursive rejection sampling ('standard') and traversal verification ('block'), both settings in one batch,
     one compiled loop for both verifiers: the first three tokens follow the target (chi-square)."""
-    check_lossless(tree_joint_counts(TREE, SAMPLINGS, tiny_modules()), SAMPLINGS)
+    check_lossless(tree_joint_counts(TREE, SAMPLINGS, tiny_mtp_modules()), SAMPLINGS)
 
 
 @pytest.mark.loop
 @pytest.mark.slow
 def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
-    assert first_ranked_pvalue(monkeypatch, TREE, tiny_modules()) < 1e-6
+    assert first_ranked_pvalue(monkeypatch, TREE, tiny_mtp_modules()) < 1e-6

@@ -18,6 +18,7 @@ from specjax.models.medusa import MedusaConfig, init_medusa
 from specjax.models.mtp import MTPConfig, init_mtp
 
 from support.checkpoints import TRAINED_DFLASH, fixture_dir
+from support.distributions import TINY
 
 EOS = 7
 
@@ -118,8 +119,15 @@ def dspark_drafter(target_config, block_size: int, rank: int, sample_from_anchor
     return with_random_heads(init_dspark(config, seed=seed), scale, seed=seed)
 
 
-def mtp_modules(target_config, num_modules: int, hidden_state: str = "chained", init_std: float = 0.3, seed: int = 0):
-    """Random MTP modules (Qwen2 layers as wide as the target's) for a target."""
+def mtp_modules(target_config, num_modules: int, init_std: float = 0.3, seed: int = 0, **options):
+    """Random MTP modules with Qwen2 layers as wide as the target's (options: MTPConfig's)."""
     layer = dataclasses.replace(target_config, num_layers=num_modules, architecture="Qwen2ForCausalLM", qkv_bias=True,
                                 qk_norm=False, out_bias=False, init_std=init_std)
-    return init_mtp(MTPConfig(layer=layer, hidden_state=hidden_state), seed=seed)
+    return init_mtp(MTPConfig(layer=layer, **options), seed=seed)
+
+
+@functools.cache
+def tiny_mtp_modules():
+    """Two random modules for the tiny pair's target (support.distributions.TINY), wide enough apart (init 0.6)
+    that the chi-square cases see drafts accepted and rejected."""
+    return mtp_modules(TINY, num_modules=2, init_std=0.6, seed=3)
