@@ -126,12 +126,14 @@ def dflash_of(drafter):
 # ---------------------------------------------------------------------------- greedy = autoregressive
 
 @pytest.mark.loop
-@pytest.mark.parametrize("num_draft, head, options", [(4, "vanilla", {}), (15, "gated", {"dspark_draft_topk": 6})],
-                         ids=["K4", "K15-gated-top6"])
+@pytest.mark.parametrize("num_draft, head, options", [(4, "vanilla", {}), (8, "vanilla", {}),
+                                                     (15, "gated", {"dspark_draft_topk": 6})],
+                         ids=["K4", "K8", "K15-gated-top6"])
 def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, head, options):
     """56 ragged prompts, budgets of 1-24 tokens, some rows ending at an EOS inside a block; block 16 with the
-    anchor's slot drafting, part of the block (K 4) and all of it (K 15 of its 16, the gated head drafting from
-    its top 6), random heads: drafts are accepted now and then. (K is a shape: each case is its own program.)"""
+    anchor's slot drafting, part of the block (K 4, 8) and all of it (K 15 of its 16, the gated head drafting
+    from its top 6), random heads: drafts are accepted now and then. (K is a shape: each case is its own
+    program; issue 39 names K 4, 8 and 15.)"""
     target, _ = target_and_drafts()
     drafter = dspark_drafter(target.config, block_size=16, rank=8, head=head)
     expected = autoregressive_outputs()
