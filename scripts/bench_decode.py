@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/bench_decode.py [--batches 1,4,16,64] [--prompt-lens 128,1024]
         [--new-tokens 256] [--acceptance-lengths 4.0] [--num-speculative-tokens 5]
         [--methods eagle,eagle_fr,eagle3,draft_model] [--shape 8b|tiny] [--dtype bfloat16|float32] [--model-parallel N]
-        [--tree-nodes 60 --tree-top-k 8 --draft-logit-scale 10] [--acceptance-rates 0.8,0.6,...] [--adaptive]
+        [--tree-nodes 60 --tree-top-k 8 --draft-logit-scale 10] [--acceptance-rates 0.8,0.6,...] [--adaptive] [--fixed-k 1,2,4,8]
     PYTHONPATH=. python scripts/bench_decode.py --plot benchmarks/results/bench_decode.json [more.json ...]
 
 Random bfloat16 weights (speed does not depend on their values): a Llama-3.1-8B-shaped target and the
@@ -45,6 +45,8 @@ float32 for an identity check). Writes benchmarks/results/bench_decode.{json,md}
 the unconditional rate r_i; the first K of them; its tau is 1 + their sum). --adaptive also runs each case with
 adaptive verification (specjax.adaptive: the widths 0, powers of two and K, the cost curve profiled on the
 device once per shape, batch and cache and kept on disk), its tokens/s and mean verified width beside fixed K's.
+--fixed-k k1,k2,... also times each drafter at those fixed K (with --acceptance-rates each K's tau is 1 + the sum
+of the profile's first K rates): the envelope adaptive verification is compared with, best K named per row.
 """
 
 from __future__ import annotations
@@ -292,6 +294,8 @@ def main():
                              "--acceptance-lengths")
     parser.add_argument("--adaptive", action="store_true",
                         help="also run every case with adaptive verification (enable_adaptive_verification)")
+    parser.add_argument("--fixed-k", default=None,
+                        help="also time every drafter at each of these fixed K (the envelope adaptive is held to)")
     parser.add_argument("--model-parallel", type=int, default=1,
                         help="split the models over this many GPUs (specjax.sharding, model axis); above 1, "
                              "greedy outputs are also compared with one GPU's")
@@ -314,6 +318,9 @@ def main():
             else [float(t) for t in args.acceptance_lengths.split(",")])
     tree = dict(total_tokens=args.tree_nodes, tree_top_k=args.tree_top_k) if args.tree_nodes else {}
     lookahead = (args.tree_nodes or num_draft) + 1
+    envelope = [int(k) for k in args.fixed_k.split(",")] if args.fixed_k else []
+    if envelope and (rates is None or max(envelope) > len(rates)):
+        raise SystemExit(f"--fixed-k {args.fixed_k!r}: needs --acceptance-rates with at least max(K) rates")
     if args.adaptive and tree:
         raise SystemExit("--adaptive: adaptive verification cuts chains, not the trees of --tree-nodes")
     if tree and set(methods) - {"eagle", "eagle_fr", "eagle3"}:
@@ -360,7 +367,10 @@ def main():
                            (f"{method}_tau{tau}_adaptive_vs_fixed", "adaptive / fixed K"),
                            (f"{method}_tau{tau}_adaptive_step_predicted_ms", "step ms predicted"),
                            (f"{method}_tau{tau}_adaptive_step_measured_ms", "step ms measured")]
-                          if args.adaptive else [])]
+                          if args.adaptive else []),
+                        *((f"{method}_K{k}_tok_s", f"K={k} tok/s") for k in envelope),
+                        *([(f"{method}_best_fixed_K", "best fixed K"), (f"{method}_adaptive_vs_best", "adaptive / best")]
+                          if envelope else [])]
     if parallel > 1:
         columns += [("ar_step_collectives", "AR collectives/step"),
                     *((f"{method}_step_collectives", f"{method} collectives/step") for method in methods),
@@ -370,7 +380,8 @@ def main():
             "target": dataclasses.asdict(target_config),
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft,
             "tree_nodes": args.tree_nodes or None, "tree_top_k": args.tree_top_k if tree else None,
-            "draft_logit_scale": args.draft_logit_scale, "acceptance_rates": rates, "adaptive": args.adaptive}
+            "draft_logit_scale": args.draft_logit_scale, "acceptance_rates": rates, "adaptive": args.adaptive,
+            "fixed_k": envelope}
     rows = []
     with jax.set_mesh(mesh):
         for prompt_len, batch, cache_size in cases:
@@ -431,6 +442,16 @@ def main():
                         row.update(adaptive_case(target, drafters[method], dataclasses.replace(
                             spec, enable_adaptive_verification=True), batch, cache_size, run_args, one_args,
                             f"{method}_tau{tau}", spec_tok_s))
+                if envelope:  # the envelope: no speculation, K itself, and every fixed K asked for
+                    fixed = {0: row["ar_tok_s"], num_draft: row[f"{method}_tau{taus[0]}_tok_s"]}
+                    for k in envelope:
+                        spec = synthetic_spec(method, 1 + sum(rates[:k]), k, rates=rates)
+                        fixed[k] = row[f"{method}_K{k}_tok_s"] = tokens_per_s(
+                            speculative_run(target, drafters[method], spec, cache_size), run_args, one_args)[0]
+                    best = max(fixed, key=fixed.get)
+                    row[f"{method}_best_fixed_K"] = best
+                    if args.adaptive:
+                        row[f"{method}_adaptive_vs_best"] = row[f"{method}_tau{taus[0]}_adaptive_tok_s"] / fixed[best]
             rows.append(row)
             bandwidths.append(benchmarking.copy_bandwidth())
             bandwidth = max(bandwidths)  # every row's floor against the highest so far
