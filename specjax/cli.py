@@ -344,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens prefilled per engine visit; longer prompts in chunks (default: whole)")
     srv.add_argument("--warmup-prompt-len", type=int, default=None,
                      help="compile every program prompts of up to this length run before listening (default: short only)")
+    srv.add_argument("--admit-wait-ms", type=float, default=None,
+                     help="ms to gather arriving requests before a visit, after requests ended (default: 20; 0: off)")
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoints')")
     srv.add_argument("--host", default=None, help="default: 127.0.0.1")
     srv.add_argument("--port", type=int, default=None, help="default: 8000")

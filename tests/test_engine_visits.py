@@ -2,15 +2,17 @@
 request's tokens reach its stream at the visit that emitted them, the stream is its output, cut at its own
 stop ids, and its acceptance counts are the ones `generate` counts for its prompt alone."""
 
+import asyncio
 import dataclasses
 import math
 
 import pytest
-from support.engine import SPECS, drafter_for, random_requests, serve_arriving
+from support.engine import SPECS, drafter_for, load_config, random_requests, serve_arriving
 from support.models import EOS, target_and_drafts
 
 from specjax.decoding import generate
 from specjax.engine import Engine, EngineConfig, Request
+from specjax.serve import EngineRunner
 
 STEPS_PER_VISIT = 2
 
@@ -61,3 +63,35 @@ def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
     for row, request in enumerate(plain):
         want = result.metrics.per_request()[row] | result.metrics.per_step(row)
         assert without_nan(outputs[request.request_id].metrics) == without_nan(want), request.request_id
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("admit_wait_s, together", [(2.0, True), (0.0, False)], ids=["gathering", "not_gathering"])
+def test_the_servers_engine_thread_admits_a_request_arriving_just_after_another_into_the_same_visit(admit_wait_s,
+                                                                                                  together):
+    """A visit admits nothing while it runs, so a request arriving 100 ms after another at an idle engine waits a
+    visit or more, unless the server's thread first gathers arrivals (serve/_runner.py; a gap of 0.5 s here): the
+    HTTP clients' refills of issue 38. Without gathering (the control) the second lands in a later visit."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=admit_wait_s, admit_gap_s=0.5)
+    admitted_at, add = {}, runner.engine.add_request
+
+    def recording(request):
+        admitted_at[request.request_id] = runner.engine.visits
+        add(request)
+
+    runner.engine.add_request = recording
+
+    async def two_requests():
+        queues = [runner.submit(Request.make("first", [1, 2, 3], 24))]
+        await asyncio.sleep(0.1)
+        queues.append(runner.submit(Request.make("second", [4, 5, 6], 24)))
+        for queue in queues:
+            while (await queue.get())[0] != "done":
+                pass
+
+    runner.start()
+    try:
+        asyncio.run(two_requests())
+    finally:
+        runner.stop()
+    assert (admitted_at["first"] == admitted_at["second"]) == together, admitted_at

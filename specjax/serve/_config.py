@@ -45,6 +45,10 @@ class ServeConfig:
     per_request_spec_decode_metrics: str = "none"
     # Seconds in-flight requests get to finish after SIGTERM / SIGINT; then they end with an error.
     shutdown_timeout_s: float = 30.0
+    # Milliseconds the engine's thread may gather arriving requests before a visit, after requests ended or
+    # when idle (it stops at a 2 ms gap between arrivals or when the free slots are spoken for): a visit admits
+    # nothing while it runs (serve/_runner.py). 0: start each visit at once (--admit-wait-ms).
+    admit_wait_ms: float = 20.0
 
     def __post_init__(self):
         from specjax.proposers import PROPOSERS
@@ -59,6 +63,8 @@ class ServeConfig:
                                                     and 1 <= self.warmup_prompt_len < self.max_model_len),
                 "ServeConfig", "warmup_prompt_len", self.warmup_prompt_len,
                 f"null or an integer in 1..{self.max_model_len - 1} (below max_model_len)")
+        require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
+                "admit_wait_ms", self.admit_wait_ms, "milliseconds >= 0")
         require(self.shutdown_timeout_s >= 0, "ServeConfig", "shutdown_timeout_s", self.shutdown_timeout_s,
                 "seconds >= 0")
         require(self.per_request_spec_decode_metrics in METRICS_LEVELS, "ServeConfig",
@@ -88,7 +94,7 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "per_request_spec_decode_metrics": "per_request_spec_decode_metrics",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
-         "warmup_prompt_len": "warmup_prompt_len"}
+         "warmup_prompt_len": "warmup_prompt_len", "admit_wait_ms": "admit_wait_ms"}
 
 
 def load_serve_config(path=None, flags: dict | None = None, overrides=()) -> ServeConfig:

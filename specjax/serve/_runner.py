@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 
 from specjax.config import SamplingConfig
 from specjax.engine import Engine, EngineConfig, Request
@@ -30,9 +31,17 @@ class _Stream:
 
 
 class EngineRunner:
-    """Engine(model, config, drafter) run by one background thread; `submit` and `abort` from the event loop."""
+    """Engine(model, config, drafter) run by one background thread; `submit` and `abort` from the event loop.
 
-    def __init__(self, model, config: EngineConfig, drafter=None, metrics=None):
+    A visit runs up to steps_per_visit steps and admits nothing during them, and over HTTP the requests that
+    replace those a visit ended arrive over the next milliseconds, one client round trip each: a visit started
+    at the first arrival runs with the others' slots empty. So when requests have just ended, or work arrives
+    at an idle engine, the thread first gathers arrivals: until none came for `admit_gap_s`, the free slots are
+    spoken for, or `admit_wait_s` has passed (0 turns it off)."""
+
+    def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.02,
+                 admit_gap_s: float = 0.002):
+        self.admit_wait_s, self.admit_gap_s = admit_wait_s, admit_gap_s
         self.engine = Engine(model, config, drafter, on_tokens=self._on_tokens)
         self.metrics = metrics  # a ServerMetrics that counts every ended request, or None
         self.failure: str | None = None  # why the engine thread stopped, if it broke
@@ -105,12 +114,16 @@ class EngineRunner:
 
     def _loop(self) -> None:
         engine = self.engine
+        gather = False  # requests just ended, or the engine was idle: replacements are on their way
         while True:
             with self._wake:
                 while not self._inbox and not engine.has_work() and not self._stopping:
                     self._wake.wait()
+                    gather = True
                 if self._stopping and not self._inbox and not engine.has_work():
                     return
+                if gather:
+                    self._gather_arrivals()
                 inbox, self._inbox = self._inbox, []
             for kind, item in inbox:
                 if kind == "add":
@@ -123,11 +136,23 @@ class EngineRunner:
                 log.exception("the engine failed")
                 self._fail(f"the engine failed: {type(error).__name__}: {error}")
                 return
+            gather = bool(outputs)
             for output in outputs:
                 stream = self._send(output.request_id, (DONE, output), last=True)
                 if stream is not None and self.metrics is not None:
                     self.metrics.running.labels(self.metrics.model_name).dec()
                     self.metrics.observe(output, stream.prompt_tokens)
+
+    def _gather_arrivals(self) -> None:
+        """Waits (holding self._wake) while arrivals keep coming into free slots: see the class docstring."""
+        engine, deadline = self.engine, time.monotonic() + self.admit_wait_s
+        free = engine.config.max_num_seqs - len(engine.running) - len(engine.waiting)
+        seen = len(self._inbox)
+        while not self._stopping and seen < free and (now := time.monotonic()) < deadline:
+            self._wake.wait(min(self.admit_gap_s, deadline - now))
+            if len(self._inbox) == seen:  # quiet for a gap: no more are coming now
+                return
+            seen = len(self._inbox)
 
     def _on_tokens(self, request_id: str, new_ids: list[int]) -> None:
         self._send(request_id, (TOKENS, new_ids))

@@ -63,7 +63,7 @@ def serve(config: ServeConfig) -> int:
                                  max_num_batched_tokens=config.max_num_batched_tokens)
     prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
     metrics = ServerMetrics(config.model_name)
-    runner = EngineRunner(model, engine_config, drafter, metrics)
+    runner = EngineRunner(model, engine_config, drafter, metrics, admit_wait_s=config.admit_wait_ms / 1e3)
     served = Served(config, runner, tokenizer, metrics, engine_config.lookahead)
     what = "autoregressive" if spec is None else (
         f"{spec.method} K={spec.num_speculative_tokens} ({spec.rejection_sample_method} verification"
