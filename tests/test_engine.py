@@ -5,11 +5,14 @@ refused alone."""
 
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.distributions import NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, tiny_pair
-from support.engine import (SPECS, autoregressive_under_load, load_group, random_requests, served_under_load,
-                            truncated_at_stop)
+from support.compiles import compiled_programs
+from support.engine import (SPECS, autoregressive_under_load, drafter_for, load_config, load_group, random_requests,
+                            serve_arriving, served_under_load, truncated_at_stop)
 from support.models import EOS, target_and_drafts
 
 from specjax import verify as verify_registry
@@ -92,11 +95,16 @@ def test_negative_control_the_engine_with_a_verifier_that_accepts_everything_fai
 
 # ------------------------------------------------------------------------------------ one program
 
+def without_eos(spec: SpecConfig) -> EngineConfig:
+    """The load tests' engine with no EOS id (its outputs run to their budgets): the refusal and mixed-sampling
+    cases share its programs."""
+    return load_config(spec, eos_token_ids=())
+
+
 @pytest.mark.loop
 def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
     target, drafts = target_and_drafts()
-    engine = Engine(target, EngineConfig(max_num_seqs=4, max_model_len=64, spec=SPECS["draft_model"],
-                                         steps_per_visit=4), drafter=drafts["perturbed"])
+    engine = Engine(target, without_eos(SPECS["draft_model"]), drafter=drafts["perturbed"])
     settings = [dict(), dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=5)]
     requests = [Request.make(f"r{i}", [3, 9, 27, i], 12, seed=i, **settings[i % 3]) for i in range(9)]
     for request in requests[:3]:  # the three kinds admitted together: the first program covers them all
@@ -107,11 +115,36 @@ def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
     outputs += engine.run()
     assert len(outputs) == 9
     programs = engine.step_programs()
-    # One compiled step program for each count of busy slots stepped, whatever the mix of settings in them.
-    assert set(programs.values()) == {1} and any(mode == engine.mode for mode, _ in programs)
+    # One compiled step program for each count of busy slots stepped, whatever the mix of settings in them (0: an
+    # engine of the same settings compiled it earlier in this process; engines share programs).
+    assert set(programs.values()) <= {0, 1} and any(mode == engine.mode for mode, _ in programs)
     by_id = {o.request_id: o.tokens for o in outputs}
     autoregressive = generate(target, [[3, 9, 27, 0]], max_new_tokens=12).sequences()[0]
     assert list(by_id["r0"]) == autoregressive
+
+
+@pytest.mark.loop
+def test_engines_of_equal_settings_share_their_programs_and_another_setting_compiles_its_own():
+    """The engine's programs take its settings as static arguments and the weights and state as traced ones: a second
+    engine of the same settings, over copies of the weights (a server restarted in one process), compiles nothing;
+    one whose visits are longer compiles its step programs and shares the rest, which do not depend on it."""
+    target, drafter = target_and_drafts()[0], drafter_for("eagle")
+    requests = random_requests(8, seed=2)
+
+    def warm_engine(target, drafter, **fields):  # warmup: every admission bucket and step program of 16-token prompts
+        engine = Engine(target, load_config(SPECS["eagle"], **fields), drafter=drafter)
+        engine.warmup(16)
+        return engine
+
+    want = serve_arriving(warm_engine(target, drafter), requests)
+    copies = jax.tree.map(jnp.copy, (target, drafter))
+    with compiled_programs() as compiled:
+        got = serve_arriving(warm_engine(*copies), requests)
+    assert compiled == []
+    assert {k: o.tokens for k, o in got.items()} == {k: o.tokens for k, o in want.items()}
+    with compiled_programs() as compiled:
+        warm_engine(*copies, steps_per_visit=5)
+    assert compiled and set(compiled) == {"run_steps"}, compiled
 
 
 # ------------------------------------------------------------------------------------------ refusals
@@ -120,8 +153,7 @@ def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
 def refusing_engine():
     """One engine for the refusal cases: a refused request leaves it serving the others, case after case."""
     target, drafts = target_and_drafts()
-    return Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, spec=SPECS["draft_model"]),
-                  drafter=drafts["perturbed"])
+    return Engine(target, without_eos(SPECS["draft_model"]), drafter=drafts["perturbed"])
 
 
 @pytest.mark.loop

@@ -11,10 +11,8 @@ from support.engine import SPECS, drafter_for, load_config, random_requests, ser
 from support.models import EOS, target_and_drafts
 
 from specjax.decoding import generate
-from specjax.engine import Engine, EngineConfig, Request
+from specjax.engine import Engine, Request
 from specjax.serve import EngineRunner
-
-STEPS_PER_VISIT = 2
 
 
 def with_stop_ids_inside(target, requests: list[Request]) -> list[Request]:
@@ -38,13 +36,12 @@ def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
     target, _ = target_and_drafts()
     spec = SPECS["eagle"]
     streamed = {}
-    config = EngineConfig(max_num_seqs=4, max_model_len=64, spec=spec, eos_token_ids=(EOS,),
-                          steps_per_visit=STEPS_PER_VISIT, max_prefill_batch=4)
+    config = load_config(spec)  # the load tests' engine: its programs
     engine = Engine(target, config, drafter=drafter_for("eagle"),
                     on_tokens=lambda request_id, ids: streamed.setdefault(request_id, []).append(list(ids)))
     requests = with_stop_ids_inside(target, random_requests(16, seed=1))
     outputs = serve_arriving(engine, requests)
-    most = STEPS_PER_VISIT * (spec.num_speculative_tokens + 1)  # what one visit can emit for a request
+    most = config.steps_per_visit * (spec.num_speculative_tokens + 1)  # what one visit can emit for a request
     for request in requests:
         output, chunks = outputs[request.request_id], streamed[request.request_id]
         assert [t for chunk in chunks for t in chunk] == list(output.tokens), request.request_id

@@ -11,40 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.models import EOS, dflash_config, head_for, medusa_for, target_and_drafts
+from support.engine import SPECS, drafter_for, load_config
+from support.models import EOS, target_and_drafts
 
 from specjax import decoding
-from specjax.config import SpecConfig
 from specjax.decoding import Prefix, generate, loop_arrays, pad_request
 from specjax.engine import Engine, EngineConfig, Request
-from specjax.models.dflash import init_dflash
 from specjax.proposers import Context, build_proposer
 from specjax.verify.sampling import GREEDY
 
-SPECS = {
-    "draft_model": SpecConfig(method="draft_model", num_speculative_tokens=3),
-    "eagle": SpecConfig(method="eagle", num_speculative_tokens=3),
-    "eagle3": SpecConfig(method="eagle3", num_speculative_tokens=3),
-    "eagle_tree": SpecConfig(method="eagle", num_speculative_tokens=3, total_tokens=6, tree_top_k=2),
-    "draft_model_tree": SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=6, tree_top_k=2),
-    "dflash": SpecConfig(method="dflash", num_speculative_tokens=3),
-    "medusa": SpecConfig(method="medusa", num_speculative_tokens=3),
-    "ngram": SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3),
-}
-
-
-@functools.cache
-def drafter_for(name: str):
-    target, drafts = target_and_drafts()
-    if name.startswith("draft_model"):
-        return drafts["perturbed"]
-    if name == "medusa":
-        return medusa_for(target, num_heads=3, scale=0.05)
-    if name == "dflash":
-        return init_dflash(dflash_config(target.config, (0, 1), 8))
-    if name == "ngram":
-        return None
-    return head_for(name.removesuffix("_tree"))
+# The drafters whose state a prefill from an offset builds (support.engine.SPECS names them).
+OFFSET_DRAFTERS = ("dflash", "draft_model", "draft_model_tree", "eagle", "eagle3", "eagle_tree", "medusa", "ngram")
 
 
 def filled(cache, stop: int):
@@ -56,7 +33,7 @@ def filled(cache, stop: int):
     return [part(x) for x in k + v]
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name", OFFSET_DRAFTERS)
 def test_a_state_built_from_a_prefix_plus_the_rest_equals_the_state_built_in_one_go(name):
     """Rows of ragged prompts split at ragged starts (0 included: a prefill from an empty cache)."""
     target, drafter, spec = target_and_drafts()[0], drafter_for(name), SPECS[name]
@@ -152,11 +129,10 @@ def autoregressive(requests: list[Request]) -> dict:
 
 
 def serve(name: str | None, requests: list[Request], **config) -> tuple[dict, Engine]:
-    """Outputs by id of an engine with the drafter of `name` (None: autoregressive) and these config fields."""
-    fields = dict(max_num_seqs=4, max_model_len=80, eos_token_ids=(EOS,), steps_per_visit=4, max_prefill_batch=2,
-                  block_size=8) | config
-    engine = Engine(target_and_drafts()[0], EngineConfig(spec=None if name is None else SPECS[name], **fields),
-                    drafter=None if name is None else drafter_for(name))
+    """Outputs by id of an engine with the drafter of `name` (None: autoregressive) and these config fields: the
+    load tests' engine (their programs), blocks of 8."""
+    config = load_config(None if name is None else SPECS[name], **({"block_size": 8} | config))
+    engine = Engine(target_and_drafts()[0], config, drafter=None if name is None else drafter_for(name))
     return {o.request_id: o for o in engine.run(requests)}, engine
 
 
@@ -248,8 +224,7 @@ def test_blocks_held_by_running_requests_are_never_evicted():
     other = Request.make("other", list(range(40, 53)), 2)
     again = Request.make("again", list(range(40, 53)), 2)
     target = target_and_drafts()[0]
-    engine = Engine(target, EngineConfig(max_num_seqs=2, max_model_len=64, steps_per_visit=2, block_size=4,
-                                         num_prefix_blocks=3, enable_prefix_caching=True, eos_token_ids=(EOS,)))
+    engine = Engine(target, load_config(None, block_size=4, num_prefix_blocks=3, enable_prefix_caching=True))
     engine.add_request(long)
     engine.step()
     held = dict(engine.prefix_cache.table.by_key)

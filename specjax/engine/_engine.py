@@ -31,11 +31,11 @@ from specjax.config import DTYPES, SamplingConfig, SpecConfig
 from specjax.engine._blocks import PrefixCache, block_keys
 from specjax.engine._offload import DraftKVLayout, DraftKVSlots, check_host_memory
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
-from specjax.engine._slots import NO_BATCH, batch_axes, insert_rows, move_rows, release_slots
+from specjax.engine._slots import NO_BATCH, batch_axes, insert_rows, move_rows, padded_slots, release_slots
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Transformer
-from specjax.proposers import build_proposer, proposer_class
-from specjax.verify import lossless_verifiers, method_index
+from specjax.proposers import Proposer, build_proposer, proposer_class
+from specjax.verify import Verifier, lossless_verifiers, method_index
 from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams
 
 log = logging.getLogger("specjax.engine")
@@ -159,6 +159,87 @@ class _Chunked:
     blocks: list
 
 
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What the engine's prefill and step compute, all static and hashable: the jitted functions below take it as
+    a static argument and the weights and the state as traced ones, so that engines of equal settings (a second
+    test's, a server restarted in one process) share one compiled program per mode and shape."""
+
+    proposer: Proposer | None  # None: autoregressive decoding
+    mode: SamplingMode  # what the rows' sampling settings need of the program
+    eos_token_ids: tuple[int, ...]
+    cache_size: int  # EngineConfig.max_model_len
+    cache_dtype: str | None  # the target's cache dtype (EngineConfig.kv_cache_dtype)
+    verifiers: tuple[Verifier, ...] | None  # the lossless rules a step switches among; None without speculation
+
+    def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
+        """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
+        model, draft_params = weights
+        if self.proposer is None:
+            offset = {} if prefix is None else dict(cache=prefix.target, start=prefix.start, width=prefix.width)
+            return decoding.prefill(model, tokens, lengths, budgets, _keys(seeds), sampling, mode=self.mode,
+                                    eos_token_ids=self.eos_token_ids, cache_size=self.cache_size,
+                                    cache_dtype=self.cache_dtype, **offset)[0]
+        return decoding.speculative_init(model, draft_params, tokens, lengths, budgets, _keys(seeds), sampling,
+                                         proposer=self.proposer, eos_token_ids=self.eos_token_ids,
+                                         cache_dtype=self.cache_dtype, prefix=prefix)
+
+    def step(self, weights: tuple, state, method, costs):
+        """One step of every row of the state (a done row is left as it is)."""
+        model, draft_params = weights
+        if self.proposer is None:
+            return decoding.decode_step(model, state, mode=self.mode, eos_token_ids=self.eos_token_ids)
+        return decoding.speculative_step(model, draft_params, state, method, proposer=self.proposer,
+                                         verifiers=self.verifiers, eos_token_ids=self.eos_token_ids,
+                                         verify_costs=costs)
+
+
+@functools.partial(jax.jit, static_argnames="program")
+def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None, *, program: _Program):
+    """program.init, compiled per program, batch and prompt width (and prefix width)."""
+    return program.init(weights, tokens, lengths, budgets, seeds, sampling, prefix)
+
+
+@functools.partial(jax.jit, static_argnames=("program", "rows", "width", "axes", "layout"), donate_argnums=1)
+def run_steps(weights, state, draft, method, max_steps, stop_at_done, costs, *, program: _Program, rows: int,
+              width: int, axes: tuple[int, ...], layout: DraftKVLayout | None):
+    """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
+    stop_at_done of them done (a free slot to fill); the other slots are left as they are. With draft KV
+    offload (layout), draft holds those slots' host buffers: in for the steps, back out after them. method: the
+    lossless rule of sampled rows; costs: adaptive verification's cost of a step of `rows` slots at each verify
+    width (None without it); axes: the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the
+    visit's summary of those slots, `width` tokens a row (what the host reads), the state, and the draft buffers."""
+    def cond(carry):
+        steps, state = carry
+        done = _decode(state).done
+        return (steps < max_steps) & ~jnp.all(done) & (jnp.sum(done) < stop_at_done)
+
+    leaves, treedef = jax.tree.flatten(state)
+    busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
+    if layout is not None:
+        busy = layout.unpack(layout.to_device(draft), busy)
+    busy = jax.tree.unflatten(treedef, busy)
+    before = _decode(busy).num_generated
+    steps, busy = jax.lax.while_loop(
+        cond, lambda carry: (carry[0] + 1, program.step(weights, carry[1], method, costs)), (jnp.int32(0), busy))
+    visit = _Visit.of(steps, _decode(busy), before, width)
+    busy = jax.tree.leaves(busy)
+    draft = None if layout is None else layout.to_host(layout.pack(busy))
+    leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
+              for x, part, a in zip(leaves, busy, axes)]
+    return visit, jax.tree.unflatten(treedef, leaves), draft
+
+
+@functools.partial(jax.jit, static_argnames=("program", "batch"))
+def empty_caches(weights, *, program: _Program, batch: int) -> tuple:
+    """Empty cache rows for a prefill from an offset: (the target's, the drafter's or None)."""
+    model, draft_params = weights
+    draft = None if program.proposer is None else program.proposer.new_cache(draft_params, batch)
+    dtype = program.cache_dtype and DTYPES[program.cache_dtype]
+    return model.create_cache(batch, program.cache_size, dtype), draft
+
+
+
 class Engine:
     """Continuous batching with speculative decoding over one model (and drafter) on one device.
 
@@ -182,17 +263,20 @@ class Engine:
         self.device_wait_s = 0.0
         self.step_s = 0.0
         spec = config.spec
-        self._method = None if spec is None else jnp.int32(method_index(spec))
+        self._method = None if spec is None else np.int32(method_index(spec))  # the rule for sampled rows: data
         self._verifiers = None if spec is None else lossless_verifiers(spec)
-        self._programs: dict[SamplingMode, tuple] = {}
+        self._programs: dict[SamplingMode, _Program] = {}
+        # (the target, the drafter's bound params): arguments of every program, not constants closed over (which XLA
+        # would fold into the program: slower to compile and, measured on the CPU, about 4x slower to run).
+        self._weights = None
+        self._step_compiles: dict[tuple[SamplingMode, int], int] = {}  # run_steps programs this engine compiled
+        self._axes: tuple[int, ...] | None = None  # the state leaves' batch axes (batch_axes), as the programs use them
         self.state = None
-        self._draft_params = None
         self.prefix_cache = None if not config.enable_prefix_caching else PrefixCache(
             config.block_size, config.num_prefix_blocks,
             drop_tail=not config.disable_eagle_block_drop and spec is not None
             and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
         self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
-        self._new_caches = {}  # batch -> jitted maker of empty (target, drafter) cache rows
         self._costs = {}  # slots stepped -> adaptive verification's cost at each verify width
         # Draft KV offload: the layout of the drafter's K and V in the state, and the slots' host buffers.
         self._draft_layout: DraftKVLayout | None = None
@@ -249,98 +333,52 @@ class Engine:
 
     # ------------------------------------------------------------------ programs
 
-    def _program(self, mode: SamplingMode):
-        """(proposer, prefill, run) compiled for rows that mode covers."""
+    def _program(self, mode: SamplingMode) -> _Program:
+        """The static description of the programs that run rows mode covers (built once per mode)."""
         if mode in self._programs:
             return self._programs[mode]
-        config, model = self.config, self.model
-        eos = tuple(config.eos_token_ids)
-        # The weights are arguments of the compiled programs, not constants closed over (which XLA would
-        # fold into the program: slower to compile and, measured on the CPU, about 4x slower to run).
-        if config.spec is None:
-            proposer = None
-            weights = (model, None)
-
-            def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None):
-                offset = {} if prefix is None else dict(cache=prefix.target, start=prefix.start, width=prefix.width)
-                return decoding.prefill(weights[0], tokens, lengths, budgets, _keys(seeds), sampling, mode=mode,
-                                        eos_token_ids=eos, cache_size=config.max_model_len,
-                                        cache_dtype=config.kv_cache_dtype, **offset)[0]
-
-            def step(weights, state, costs):
-                return decoding.decode_step(weights[0], state, mode=mode, eos_token_ids=eos)
-        else:
+        config = self.config
+        proposer = None
+        if config.spec is not None:
             proposer = build_proposer(decoding.static_spec(config.spec, mode), mode, config.max_model_len, self.drafter)
-            if self._draft_params is None:
-                proposer.check(self.drafter, model.config)
-                self._draft_params = proposer.bind(self.drafter, model)
-            weights = (model, self._draft_params)
-
-            def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None):
-                return decoding.speculative_init(*weights, tokens, lengths, budgets, _keys(seeds), sampling,
-                                                 proposer=proposer, eos_token_ids=eos,
-                                                 cache_dtype=config.kv_cache_dtype, prefix=prefix)
-
-            def step(weights, state, costs):
-                return decoding.speculative_step(*weights, state, self._method, proposer=proposer,
-                                                 verifiers=self._verifiers, eos_token_ids=eos, verify_costs=costs)
-
-        init = functools.partial(jax.jit(init_rows), weights)
-
-        def rows_at(batch):  # the initialiser's output at a batch size, for batch_axes
-            return init_rows(weights, *_free_rows(batch, 16))
-
-        axes = batch_axes(rows_at)
-        layout = None
-        if config.draft_kv_offload:
-            shapes = jax.eval_shape(functools.partial(rows_at, 1))
-            layout = DraftKVLayout.of(shapes, shapes.proposer, axes, self._device, config.spec.method)
-            self._draft_layout = layout
-            axes = layout.resident_axes  # the slot functions leave the offloaded leaves' placeholders alone
-
-        def run_steps(weights, state, draft, max_steps, stop_at_done, costs, *, rows: int):
-            """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
-            stop_at_done of them done (a free slot to fill); the other slots are left as they are. With draft KV
-            offload, draft holds those slots' host buffers: in for the steps, back out after them. costs: adaptive
-            verification's cost of a step of `rows` slots at each verify width (None without it). Returns the
-            visit's summary of those slots (what the host reads), the state, and the draft buffers."""
-            def cond(carry):
-                steps, state = carry
-                done = _decode(state).done
-                return (steps < max_steps) & ~jnp.all(done) & (jnp.sum(done) < stop_at_done)
-
-            leaves, treedef = jax.tree.flatten(state)
-            busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
-            if layout is not None:
-                busy = layout.unpack(layout.to_device(draft), busy)
-            busy = jax.tree.unflatten(treedef, busy)
-            before = _decode(busy).num_generated
-            steps, busy = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, step(weights, carry[1], costs)),
-                                             (jnp.int32(0), busy))
-            visit = _Visit.of(steps, _decode(busy), before, config.steps_per_visit * max(config.lookahead, 1))
-            busy = jax.tree.leaves(busy)
-            draft = None if layout is None else layout.to_host(layout.pack(busy))
-            leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
-                      for x, part, a in zip(leaves, busy, axes)]
-            return visit, jax.tree.unflatten(treedef, leaves), draft
-
-        runs = {}
-
-        def run(state, max_steps, stop_at_done, rows: int):
-            """run_steps over `rows` slots: one compiled program per power-of-two count (and the whole state)."""
-            if rows not in runs:
-                runs[rows] = jax.jit(functools.partial(run_steps, rows=rows), donate_argnums=1)
-            draft = None if layout is None else self.draft_kv.take(rows)
-            visit, state, draft = runs[rows](weights, state, draft, max_steps, stop_at_done,
-                                             self._verify_costs(rows, proposer))
-            if layout is not None:
-                self.draft_kv.put(draft)
-            return visit, state
-
-        run.programs = runs
-        program = (proposer, init, run, axes)
+        if self._weights is None:
+            if proposer is not None:
+                proposer.check(self.drafter, self.model.config)
+            self._weights = (self.model, None if proposer is None else proposer.bind(self.drafter, self.model))
+        program = _Program(proposer=proposer, mode=mode, eos_token_ids=tuple(config.eos_token_ids),
+                           cache_size=config.max_model_len, cache_dtype=config.kv_cache_dtype,
+                           verifiers=self._verifiers)
         self._programs[mode] = program
+        if self._axes is None:  # the state's layout, the same in every mode's
+            rows_at = functools.partial(init_rows, self._weights, program=program)
+            self._axes = batch_axes(lambda batch: rows_at(*_free_rows(batch, 16)))
+            if config.draft_kv_offload:
+                shapes = jax.eval_shape(lambda: rows_at(*_free_rows(1, 16)))
+                self._draft_layout = DraftKVLayout.of(shapes, shapes.proposer, self._axes, self._device,
+                                                      config.spec.method)
+                # The slot functions and the run leave the offloaded leaves' placeholders alone.
+                self._axes = self._draft_layout.resident_axes
         return program
+
+    def _init(self, mode: SamplingMode, arrays: tuple, prefix: decoding.Prefix | None = None):
+        """Prefilled rows of the loop state (_row_arrays' arrays; from prefix's caches where given)."""
+        program = self._program(mode)  # first: the first program binds the weights
+        return init_rows(self._weights, *arrays, prefix, program=program)
+
+    def _run(self, mode: SamplingMode, max_steps: int, stop_at_done: int, rows: int) -> _Visit:
+        """run_steps over the first `rows` slots of the state (one program per power-of-two count)."""
+        program, layout = self._program(mode), self._draft_layout
+        draft = None if layout is None else self.draft_kv.take(rows)
+        compiled = run_steps._cache_size()
+        visit, self.state, draft = run_steps(
+            self._weights, self.state, draft, self._method, np.int32(max_steps), np.int32(stop_at_done),
+            self._verify_costs(rows, program.proposer), program=program, rows=rows,
+            width=self.config.steps_per_visit * max(self.config.lookahead, 1), axes=self._axes, layout=layout)
+        key = (mode, rows)
+        self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
+        if layout is not None:
+            self.draft_kv.put(draft)
+        return visit
 
     def _verify_costs(self, rows: int, proposer):
         """Adaptive verification's costs for a step of `rows` slots (None without it), found once per count."""
@@ -350,22 +388,21 @@ class Engine:
         if rows not in self._costs:
             curve = self.config.cost_curve or adaptive.default_cost_curve(
                 self.model, rows, spec.verify_widths, self.config.max_model_len,
-                decoding.draft_timing(self.model, self._draft_params, proposer))
+                decoding.draft_timing(self.model, self._weights[1], proposer))
             self._costs[rows] = adaptive.verify_costs(spec, curve, rows)
         return self._costs[rows]
 
     def step_programs(self) -> dict[tuple[SamplingMode, int], int]:
-        """Compiled step programs by the sampling mode and the count of slots they step (a count > 1 would be
-        a recompile)."""
-        return {(mode, rows): jitted._cache_size() for mode, program in self._programs.items()
-                for rows, jitted in program[2].programs.items()}
+        """The step programs this engine's visits compiled, by the sampling mode and the count of slots they step:
+        0 where an engine of the same settings compiled it before in this process (engines share programs), more
+        than 1 a recompile."""
+        return dict(self._step_compiles)
 
     def _ensure_state(self, mode: SamplingMode) -> None:
         """The engine's state: every slot free (done), built by the initialiser over zero-budget rows."""
         if self.state is None:
-            _, init, _, _ = self._program(mode)
             rows = self.config.max_num_seqs
-            self.state = init(*_free_rows(rows, 16))
+            self.state = self._init(mode, _free_rows(rows, 16))
             if self._draft_layout is not None:  # every slot gets its host buffer (a free slot's is stepped too)
                 self.draft_kv = DraftKVSlots(self._draft_layout, rows)
                 self.draft_kv.store(self.state, list(range(rows)))
@@ -380,15 +417,14 @@ class Engine:
         mode = GREEDY if not mode.sampled else self.mode.union(mode)
         self.mode = self.mode.union(mode)
         self._ensure_state(mode)
-        _, init, run, axes = self._program(mode)
         width = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len)
         batch = 1
         while batch <= decoding.bucket(min(self.config.max_prefill_batch, self.config.max_num_seqs)):
-            rows = init(*_free_rows(batch, width))
-            self._insert(rows, [self.config.max_num_seqs] * batch, axes)  # every row dropped
+            rows = self._init(mode, _free_rows(batch, width))
+            self._insert(rows, [self.config.max_num_seqs] * batch)  # every row dropped
             batch *= 2
         for rows in self._row_buckets():
-            _, self.state = run(self.state, np.int32(0), np.int32(rows + 1), rows)
+            self._run(mode, 0, rows + 1, rows)
         self._warm_offsets(mode, prompt_len)
         jax.block_until_ready(self.state)
 
@@ -396,7 +432,7 @@ class Engine:
         """Compiles the prefills from an offset that prefix caching and chunked prefill run: each admission
         bucket at each width, the block copies; a long prompt's chunks (one row, power-of-two widths up to
         max_num_batched_tokens). Nothing changes in the pool (its copies go past it) or the slots."""
-        init, config = self._program(mode)[1], self.config
+        config = self.config
         top = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), config.max_model_len)
         # The admission widths: powers of two from the minimum bucket, and the cache's length where that is less.
         widths = sorted({w for w in (decoding.MIN_PROMPT_BUCKET << i for i in range(top.bit_length())) if w < top}
@@ -414,10 +450,10 @@ class Engine:
                 caches = self._empty_caches(mode, batch)
                 if self.prefix_cache is not None:
                     caches = self.prefix_cache.load(*caches, [[]] * batch)
-                rows = init(*_free_rows(batch, top), decoding.Prefix(target=caches[0], draft=caches[1],
-                                                                    start=np.zeros(batch, np.int32), width=width))
+                rows = self._init(mode, _free_rows(batch, top), decoding.Prefix(
+                    target=caches[0], draft=caches[1], start=np.zeros(batch, np.int32), width=width))
             if self.prefix_cache is not None:
-                proposer = self._program(mode)[0]
+                proposer = self._program(mode).proposer
                 self.prefix_cache.copy_in(_decode(rows).cache,
                                           None if proposer is None else proposer.prefix_cache(rows.proposer),
                                           [], [], [])
@@ -467,7 +503,6 @@ class Engine:
             self.mode = self.mode.union(mode)
         # All-greedy rows run the greedy program; sampled ones the one that covers every mode seen.
         mode = GREEDY if not mode.sampled else self.mode
-        _, _, run, _ = self._program(mode)
         rows = self._rows_to_step()
         done_now = rows - len(self.running)
         stop_at = done_now + 1 if self.waiting else rows + 1
@@ -475,7 +510,7 @@ class Engine:
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        visit, self.state = run(self.state, np.int32(self.config.steps_per_visit), np.int32(stop_at), rows)
+        visit = self._run(mode, self.config.steps_per_visit, stop_at, rows)
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
         self.steps_run += int(visit.steps)
@@ -537,17 +572,8 @@ class Engine:
 
     def _empty_caches(self, mode: SamplingMode, batch: int) -> tuple:
         """Empty cache rows for a prefill from an offset: (the target's, the drafter's or None)."""
-        if batch not in self._new_caches:
-            proposer = self._program(mode)[0]
-            config, model = self.config, self.model
-            dtype = config.kv_cache_dtype and DTYPES[config.kv_cache_dtype]
-
-            def make(draft_params):
-                draft = None if proposer is None else proposer.new_cache(draft_params, batch)
-                return model.create_cache(batch, config.max_model_len, dtype), draft
-
-            self._new_caches[batch] = jax.jit(make)
-        return self._new_caches[batch](self._draft_params)
+        program = self._program(mode)
+        return empty_caches(self._weights, program=program, batch=batch)
 
     def _row_arrays(self, admitted: list[tuple[Request, float]], batch: int) -> tuple:
         """The initialiser's arrays for the requests, padded to `batch` rows."""
@@ -565,12 +591,11 @@ class Engine:
         """Prefills the requests (from their prefix cache blocks, where prefix caching is on) into the slots."""
         count = len(admitted)
         mode = self._mode_of([request for request, _ in admitted])
-        _, init, _, axes = self._program(mode)
         batch = decoding.bucket(count)
         arrays = self._row_arrays(admitted, batch)
         looked = [self._lookup(request.prompt) for request, _ in admitted]
         if self.prefix_cache is None:
-            rows = init(*arrays)
+            rows = self._init(mode, arrays)
         else:
             starts = [len(blocks) * self.config.block_size for _, blocks in looked]
             todo = max(len(request.prompt) - start for (request, _), start in zip(admitted, starts))
@@ -578,20 +603,20 @@ class Engine:
             target, draft = self.prefix_cache.load(*self._empty_caches(mode, batch),
                                                    [blocks for _, blocks in looked] + [[]] * (batch - count))
             start = np.asarray(starts + [0] * (batch - count), np.int32)
-            rows = init(*arrays, decoding.Prefix(target=target, draft=draft, start=start, width=width))
+            rows = self._init(mode, arrays, decoding.Prefix(target=target, draft=draft, start=start, width=width))
         # Padding rows go to an index past the state's rows, which the scatter drops.
         targets = np.full(batch, self.config.max_num_seqs, np.int32)
         targets[:count] = slots
-        self._insert(rows, targets.tolist(), axes)
+        self._insert(rows, targets.tolist())
         stored = self._store(mode, rows, [(row, keys, len(blocks)) for row, (keys, blocks) in enumerate(looked)])
         for row, (slot, (request, arrival)) in enumerate(zip(slots, admitted)):
             self._start(slot, request, arrival, looked[row][1] + stored[row], len(looked[row][1]))
         return rows, slots
 
-    def _insert(self, rows, slots: list[int], axes: tuple[int, ...]) -> None:
+    def _insert(self, rows, slots: list[int]) -> None:
         """Writes prefilled rows into the slots (an index past the state's rows drops that row): into the
         engine's state and, with draft KV offload, the drafter's K and V into the slots' host buffers."""
-        self.state = insert_rows(self.state, rows, np.asarray(slots, np.int32), axes=axes)
+        self.state = insert_rows(self.state, rows, np.asarray(slots, np.int32), axes=self._axes)
         if self.draft_kv is not None:
             self.draft_kv.store(rows, slots)
 
@@ -599,7 +624,7 @@ class Engine:
         """The prefilled rows' new full blocks into the prefix cache; each row's newly held blocks."""
         if self.prefix_cache is None:
             return [[] for _ in keys]
-        proposer = self._program(mode)[0]
+        proposer = self._program(mode).proposer
         draft = None if proposer is None else proposer.prefix_cache(rows.proposer)
         return self.prefix_cache.store(_decode(rows).cache, draft, keys)
 
@@ -622,18 +647,17 @@ class Engine:
         width = (min(decoding.bucket(todo, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len) if last
                  else 1 << (int(budget).bit_length() - 1))
         mode = self._mode_of([request])
-        _, init, _, axes = self._program(mode)
         arrays = self._row_arrays([(request, chunked.arrival)], 1)
         prefix = decoding.Prefix(target=chunked.caches[0], draft=chunked.caches[1],
                                  start=np.asarray([chunked.start], np.int32), width=width)
-        rows = init(*arrays, prefix)
+        rows = self._init(mode, arrays, prefix)
         if not last:
-            proposer = self._program(mode)[0]
+            proposer = self._program(mode).proposer
             chunked.caches = (_decode(rows).cache, None if proposer is None else proposer.prefix_cache(rows.proposer))
             chunked.start += width
             return width
         slot = free[0]
-        self._insert(rows, [slot], axes)
+        self._insert(rows, [slot])
         stored = self._store(mode, rows, [(0, chunked.keys, chunked.matched)])
         self._start(slot, request, chunked.arrival, chunked.blocks + stored[0], chunked.matched)
         prefilled.append((rows, [slot]))
@@ -755,8 +779,8 @@ class Engine:
         sources = [slot for slot in reversed(busy) if slot >= len(busy)][:len(holes)]
         if not holes:
             return
-        axes = self._programs[next(iter(self._programs))][3]
-        self.state = move_rows(self.state, np.asarray(sources, np.int32), np.asarray(holes, np.int32), axes=axes)
+        self.state = move_rows(self.state, padded_slots(sources, 0), padded_slots(holes, self.config.max_num_seqs),
+                               axes=self._axes)
         if self.draft_kv is not None:
             self.draft_kv.move(sources, holes)
         for source, hole in zip(sources, holes):
@@ -766,7 +790,7 @@ class Engine:
     def _release(self, slots: list[int]) -> None:
         """Marks slots done on the device (their requests ended on the host)."""
         decode = _decode(self.state)
-        done = release_slots(decode.done, np.asarray(slots, np.int32))
+        done = release_slots(decode.done, padded_slots(slots, self.config.max_num_seqs))
         decode = dataclasses.replace(decode, done=done)
         self.state = decode if self.config.spec is None else dataclasses.replace(self.state, decode=decode)
 

@@ -16,6 +16,7 @@ accepts, which differs by backend. And a visit moves only the rows it steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -125,6 +126,13 @@ class DraftKVLayout:
         return tuple(jax.device_put(packed[row], host) for row in range(packed.shape[0]))
 
 
+@functools.partial(jax.jit, static_argnames="layout")
+def pack_to_host(leaves: list, *, layout: DraftKVLayout) -> tuple:
+    """Rows' offloaded leaves packed into one host buffer per row (one program per layout and admission bucket,
+    shared by engines of equal settings)."""
+    return layout.to_host(layout.pack(leaves))
+
+
 class DraftKVSlots:
     """The host buffers of the engine's slots, and what has moved between device and host."""
 
@@ -133,13 +141,11 @@ class DraftKVSlots:
         self.buffers: list[jax.Array | None] = [None] * num_slots
         self.bytes_in = 0  # host to device, all visits together
         self.bytes_out = 0  # device to host (visits and admissions)
-        # Packs rows (any batch: jit compiles one program per admission bucket) into one host buffer each.
-        self._split = jax.jit(lambda leaves: layout.to_host(layout.pack(leaves)))
 
     def store(self, rows, slots: list[int]) -> None:
         """Packs the drafter's KV of a prefilled rows state and sends row i to slot slots[i]'s buffer (an index
         past the slots drops that row: an admission bucket's padding)."""
-        buffers = self._split(jax.tree.leaves(rows))
+        buffers = pack_to_host(jax.tree.leaves(rows), layout=self.layout)
         for buffer, slot in zip(buffers, slots):
             if slot < len(self.buffers):
                 self.buffers[slot] = buffer

@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NO_BATCH = -1  # a leaf without a batch axis: the engine's copy is kept
 
@@ -45,17 +46,26 @@ def insert_rows(state, rows, slots: jax.Array, *, axes: tuple[int, ...]):
     return jax.tree.unflatten(treedef, [put(f, p, a) for f, p, a in zip(leaves, new, axes)])
 
 
+def padded_slots(slots: list[int], fill: int) -> np.ndarray:
+    """slots padded with fill to a power-of-two count: the slot functions compile once per bucket of counts,
+    not once per count (fill past the state's rows: a target or slot that is dropped)."""
+    out = np.full(1 << max(0, len(slots) - 1).bit_length(), fill, np.int32)
+    out[:len(slots)] = slots
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("axes",), donate_argnums=0)
 def move_rows(state, sources: jax.Array, targets: jax.Array, *, axes: tuple[int, ...]):
-    """state with the rows at sources copied to targets (every leaf with a batch axis); the engine's state
-    is donated. The rows left at sources are stale: the caller marks them done."""
+    """state with the rows at sources copied to targets (every leaf with a batch axis; a target past the
+    state's rows is dropped: padded_slots' padding); the engine's state is donated. The rows left at sources
+    are stale: the caller marks them done."""
     leaves, treedef = jax.tree.flatten(state)
 
     def move(x, axis):
         if axis == NO_BATCH:
             return x
         index = (slice(None),) * axis
-        return x.at[index + (targets,)].set(x[index + (sources,)])
+        return x.at[index + (targets,)].set(x[index + (sources,)], mode="drop")
 
     return jax.tree.unflatten(treedef, [move(x, a) for x, a in zip(leaves, axes)])
 
