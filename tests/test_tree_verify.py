@@ -184,17 +184,19 @@ def test_greedy_is_the_longest_argmax_path_and_matches_the_sampling_rule_on_one_
     parents = np.stack([[-1] + [rng.integers(-1, i) for i in range(1, num_nodes)] for _ in range(rows)])
     tokens = rng.integers(0, vocab, (rows, num_nodes))
     argmax = rng.integers(0, vocab, (rows, num_nodes + 1))
-    path, length, next_token = verify_tree_greedy(jnp.asarray(argmax), jnp.asarray(tokens), jnp.asarray(parents))
+    path, length, next_token = map(np.asarray, jax.jit(verify_tree_greedy)(
+        jnp.asarray(argmax), jnp.asarray(tokens), jnp.asarray(parents)))
     one_hot = jax.nn.one_hot(argmax, vocab)
-    same = verify_tree(one_hot, jnp.asarray(tokens), jnp.asarray(parents), None, jax.random.split(jax.random.key(1), rows))
+    same = [np.asarray(x) for x in jax.jit(verify_tree)(
+        one_hot, jnp.asarray(tokens), jnp.asarray(parents), None, jax.random.split(jax.random.key(1), rows))]
     lengths = []
     for b in range(rows):
         expected_path, expected_next = longest_argmax_path(parents[b].tolist(), tokens[b].tolist(), argmax[b].tolist())
         lengths.append(len(expected_path))
-        assert np.asarray(path[b, :length[b]]).tolist() == expected_path and int(next_token[b]) == expected_next
-        assert (np.asarray(path[b, length[b]:]) == -1).all()
+        assert path[b, :length[b]].tolist() == expected_path and int(next_token[b]) == expected_next
+        assert (path[b, length[b]:] == -1).all()
         for got, want in zip(same, (path, length, next_token)):
-            np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want[b]))
+            np.testing.assert_array_equal(got[b], want[b])
     assert max(lengths) >= 3 and min(lengths) == 0
 
 
