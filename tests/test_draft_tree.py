@@ -116,8 +116,8 @@ def test_preorder_keeps_parents_first_siblings_in_rank_order_and_the_first_ranke
 
     parents = random_trees(np.random.default_rng(3), rows=16, nodes=12)
     ranks = np.array([[sum(parents[b, j] == parents[b, i] for j in range(i)) for i in range(12)] for b in range(16)])
-    order = np.asarray(jax.jit(structure.preorder, static_argnames="max_depth")(jnp.asarray(parents), jnp.asarray(ranks),
-                                                                               max_depth=12))
+    preorder = jax.jit(structure.preorder, static_argnames="max_depth")
+    order = np.asarray(preorder(jnp.asarray(parents), jnp.asarray(ranks), max_depth=12))
     tokens, new_parents = (np.asarray(x) for x in jax.jit(structure.permute)(jnp.arange(12)[None].repeat(16, 0),
                                                                               jnp.asarray(parents), jnp.asarray(order)))
     for b in range(16):
@@ -145,4 +145,5 @@ def test_moving_a_path_already_in_place_leaves_the_cache_as_it_is(setup):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     moved = move_path(cache, fill, jnp.asarray([[1, 2, 3, -1], [-1] * 4, [0, 1, -1, -1]]), length)
     first = int(fill[0])
-    np.testing.assert_array_equal(np.asarray(moved.layer(0)[0])[0, first + 1], np.asarray(cache.layer(0)[0])[0, first + 2])
+    np.testing.assert_array_equal(np.asarray(moved.layer(0)[0])[0, first + 1],
+                                  np.asarray(cache.layer(0)[0])[0, first + 2])

@@ -12,7 +12,7 @@ import pytest
 from support.checkpoints import FIXTURES, fixture_dir, golden
 from support.distributions import PROMPT, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
-from support.models import EOS, forward, mtp_modules, positions_like, target_and_drafts, tiny_mtp_modules
+from support.models import EOS, forward, mtp_logits, mtp_modules, positions_like, target_and_drafts, tiny_mtp_modules
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
@@ -47,11 +47,10 @@ def test_module_logits_equal_mimos_torch_code(num_modules):
     assert modules.config.num_modules == num_modules
     assert modules.config.hidden_state == "target"  # MiMo's default (sglang-jax PR #1256)
     ids = jnp.asarray(expected["input_ids"])
-    logits, hidden, _ = target(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
+    logits, hidden, _ = forward(target, ids, positions_like(ids))
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4)
     for hidden_state in ("chained", "target"):
-        outs, _ = modules.over_sequence(ids, hidden.final, target.embed[...], hidden_state)
-        module_logits = np.stack([target.unembed(out) for out in outs])
+        module_logits = mtp_logits(modules, target, ids, hidden.final, hidden_state=hidden_state)
         np.testing.assert_allclose(module_logits, expected[f"module_logits_{hidden_state}"], atol=1e-4)
 
 
@@ -161,7 +160,8 @@ def test_module_caches_after_rejections_equal_a_fresh_prefill():
     for row, n in enumerate(lengths - 1):
         block[row, n + 1:n + 1 + num_draft] = drafts[row]
     verify_hidden = np.asarray(hidden(block))
-    verify_hidden = jnp.asarray(np.stack([verify_hidden[row, n:n + num_draft + 1] for row, n in enumerate(lengths - 1)]))
+    verify_hidden = jnp.asarray(np.stack([verify_hidden[row, n:n + num_draft + 1]
+                                          for row, n in enumerate(lengths - 1)]))
     next_token = np.array([(drafts[row, a] + 1) % 128 if a < num_draft else 5 for row, a in enumerate(accepted)])
     state = accept(state, jnp.asarray(accepted), jnp.asarray(next_token),
                    TargetOutput(logits=None, hidden=Hidden(final=verify_hidden, layers=None)))

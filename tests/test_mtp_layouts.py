@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from support.checkpoints import FIXTURES
 from support.distributions import check_lossless, first_ranked_pvalue, tree_joint_counts
-from support.models import EOS, forward, mtp_modules, positions_like, target_and_drafts, tiny_mtp_modules
+from support.models import EOS, forward, mtp_logits, mtp_modules, positions_like, target_and_drafts, tiny_mtp_modules
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax.config import SamplingConfig, SpecConfig
@@ -111,13 +111,6 @@ def deepseek_reference(weights, tokens, hidden, hidden_state):
     return np.stack(logits)
 
 
-@functools.partial(jax.jit, static_argnames="hidden_state")
-def module_logits(modules, target, tokens, hidden, *, hidden_state: str):
-    """Each module's logits over a sequence, [M, B, T, V], as one program."""
-    outs, _ = modules.over_sequence(tokens, hidden, target.embed[...], hidden_state)
-    return jnp.stack([target.unembed(out) for out in outs])
-
-
 @pytest.mark.parametrize("hidden_state", ["chained", "target"])
 def test_a_deepseek_v3_named_checkpoint_computes_the_reference_formula(tmp_path, hidden_state):
     """A Llama target with two modules in DeepSeek-V3's names: the target loads without them, the modules load
@@ -132,7 +125,7 @@ def test_a_deepseek_v3_named_checkpoint_computes_the_reference_formula(tmp_path,
     assert recognized_method(tmp_path) == "mtp"
     rng = np.random.default_rng(0)
     tokens, hidden = rng.integers(0, 64, 12), rng.standard_normal((12, 32)).astype(np.float32)
-    logits = np.asarray(module_logits(modules, loaded, jnp.asarray(tokens)[None], jnp.asarray(hidden)[None],
+    logits = np.asarray(mtp_logits(modules, loaded, jnp.asarray(tokens)[None], jnp.asarray(hidden)[None],
                                       hidden_state=hidden_state))[:, 0]
     np.testing.assert_allclose(logits, deepseek_reference(weights, tokens, hidden, hidden_state), atol=2e-4, rtol=1e-4)
 
@@ -156,8 +149,8 @@ def test_mimos_modules_saved_in_deepseek_v3_names_load_back_with_identical_logit
     ids = jnp.asarray([[3, 9, 1, 4, 4, 7, 2, 8]])
     _, hidden, _ = forward(target, ids, positions_like(ids))
     for hidden_state in ("chained", "target"):
-        np.testing.assert_array_equal(module_logits(modules, target, ids, hidden.final, hidden_state=hidden_state),
-                                      module_logits(loaded, target, ids, hidden.final, hidden_state=hidden_state))
+        np.testing.assert_array_equal(mtp_logits(modules, target, ids, hidden.final, hidden_state=hidden_state),
+                                      mtp_logits(loaded, target, ids, hidden.final, hidden_state=hidden_state))
     assert recognized_method(tmp_path) == "mtp" and not proposer_class("draft_model").recognizes(tmp_path)
 
 
@@ -335,8 +328,8 @@ def test_module_caches_after_an_accepted_tree_path_equal_a_fresh_prefill():
     verify_hidden = np.asarray(hidden(block))
     verify_hidden = jnp.asarray(np.stack([verify_hidden[row, n:n + depth + 1] for row, n in enumerate(lengths - 1)]))
     next_tokens = committed[np.arange(3), lengths + accepted]
-    state = jax.jit(proposer.accept)(state, jnp.asarray(accepted), jnp.asarray(next_tokens),
-                                     TargetOutput(None, Hidden(final=verify_hidden, layers=None), path=jnp.asarray(paths)))
+    verify_output = TargetOutput(None, Hidden(final=verify_hidden, layers=None), path=jnp.asarray(paths))
+    state = jax.jit(proposer.accept)(state, jnp.asarray(accepted), jnp.asarray(next_tokens), verify_output)
     new_lengths = lengths + accepted + 1
     _, _, state = propose(state, committed, new_lengths)
     expected = fresh(committed, new_lengths).cache

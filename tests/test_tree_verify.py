@@ -225,8 +225,8 @@ def test_on_a_chain_it_is_the_standard_verifier_draw_for_draw(one_hot_drafts):
     target, draft, tokens, uniforms, exponentials, chain = random_chain(2)
     draft_probs = None if one_hot_drafts else draft
     n, next_token = jax.jit(standard.verify_with_draws)(target, tokens, draft_probs, Draws(uniforms, exponentials))
-    assert_the_chain_verifier(jax.jit(verify_tree_with_draws)(target, tokens, chain, draft_probs, uniforms, exponentials),
-                              n, next_token)
+    tree_result = jax.jit(verify_tree_with_draws)(target, tokens, chain, draft_probs, uniforms, exponentials)
+    assert_the_chain_verifier(tree_result, n, next_token)
     assert 0 < int(n.min()) or int(n.max()) > 0
 
 

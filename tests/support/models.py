@@ -138,3 +138,11 @@ def tiny_mtp_modules():
     """Two random modules for the tiny pair's target (support.distributions.TINY), wide enough apart (init 0.6)
     that the chi-square cases see drafts accepted and rejected."""
     return mtp_modules(TINY, num_modules=2, init_std=0.6, seed=3)
+
+
+@functools.partial(jax.jit, static_argnames="hidden_state")
+def mtp_logits(modules, target, tokens, hidden, *, hidden_state: str):
+    """Each MTP module's logits over a sequence, [M, B, T, V], as one program (modules.over_sequence, then the
+    target's LM head)."""
+    outs, _ = modules.over_sequence(tokens, hidden, target.embed[...], hidden_state)
+    return jnp.stack([target.unembed(out) for out in outs])
