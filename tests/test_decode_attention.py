@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.checkpoints import fixture_dir
-from support.models import positions_like
+from support.models import forward, positions_like
 
 from specjax.config import ModelConfig
 from specjax.models import hf
@@ -34,10 +34,15 @@ def _config(num_heads, num_kv, head_dim, sliding_window=None):
                        num_kv_heads=num_kv, head_dim=head_dim, intermediate_size=8, sliding_window=sliding_window)
 
 
-def _reference(q, k_new, v_new, k_cache, v_cache, slots, config, causal=True):
+# Each a program (eagerly, each operation of the kernel's wrapper and of the reference compiles apart).
+kernel = jax.jit(decode_attention, static_argnames=("sliding_window", "causal", "num_splits", "block", "interpret"))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "causal"))
+def _reference(q, k_new, v_new, k_cache, v_cache, slots, config, causal=True, visible=None):
     rows = jnp.arange(q.shape[0])[:, None]
     k_cache, v_cache = k_cache.at[rows, slots].set(k_new), v_cache.at[rows, slots].set(v_new)
-    return attention(q, k_cache, v_cache, slots, config, causal=causal), k_cache, v_cache
+    return attention(q, k_cache, v_cache, slots, config, causal=causal, visible=visible), k_cache, v_cache
 
 
 @pytest.mark.parametrize("batch, num_new, num_heads, num_kv, num_slots, sliding_window, num_splits, block, causal", [
@@ -57,8 +62,8 @@ def test_the_kernel_writes_the_cache_and_computes_attention(batch, num_new, num_
         lengths[1] = block - num_new // 2  # new tokens across a block boundary
     slots = jnp.asarray(lengths[:, None] + np.arange(num_new)[None], jnp.int32)
     want = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(num_heads, num_kv, 16, sliding_window), causal)
-    got = decode_attention(q, k_new, v_new, k_cache, v_cache, slots, sliding_window=sliding_window,
-                           num_splits=num_splits, block=block, causal=causal)
+    got = kernel(q, k_new, v_new, k_cache, v_cache, slots, sliding_window=sliding_window,
+                 num_splits=num_splits, block=block, causal=causal)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=0)
     for got_cache, want_cache in zip(got[1:], want[1:]):  # every other slot kept
         np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
@@ -82,10 +87,9 @@ def test_a_trees_mask_gives_the_dense_masked_attention(batch, num_new, num_heads
     lengths = np.asarray([num_slots - num_new, block - num_new // 2][:batch])  # full; across a block boundary
     slots = jnp.asarray(lengths[:, None] + np.arange(num_new)[None], jnp.int32)
     mask = NewTokenMask(jnp.asarray(sees))
-    rows = jnp.arange(batch)[:, None]
-    written = k_cache.at[rows, slots].set(k_new), v_cache.at[rows, slots].set(v_new)
-    want = attention(q, *written, slots, _config(num_heads, num_kv, 16), visible=mask.dense(slots[:, 0], num_slots))
-    got = decode_attention(q, k_new, v_new, k_cache, v_cache, slots, sees=mask.sees, num_splits=num_splits, block=block)
+    want, *written = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(num_heads, num_kv, 16),
+                                visible=mask.dense(slots[:, 0], num_slots))
+    got = kernel(q, k_new, v_new, k_cache, v_cache, slots, sees=mask.sees, num_splits=num_splits, block=block)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), atol=2e-6, rtol=0)
     for got_cache, want_cache in zip(got[1:], written):
         np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
@@ -104,9 +108,9 @@ def test_a_rows_result_does_not_depend_on_the_tokens_beside_it(batch, num_heads,
     shows one float32 ulp at the 8B shape, interpreted on the CPU and compiled on the GPU)."""
     q, k_new, v_new, k_cache, v_cache, _ = _inputs(0, batch, 6, num_heads, num_kv, head_dim, num_slots)
     slots = jnp.asarray([[fill + t for t in range(6)] for fill in fills], jnp.int32)
-    block, k_written, v_written = decode_attention(q, k_new, v_new, k_cache, v_cache, slots, interpret=True)
-    step, k_again, v_again = decode_attention(q[:, -1:], k_new[:, -1:], v_new[:, -1:], k_written, v_written,
-                                              slots[:, -1:], interpret=True)
+    block, k_written, v_written = kernel(q, k_new, v_new, k_cache, v_cache, slots, interpret=True)
+    step, k_again, v_again = kernel(q[:, -1:], k_new[:, -1:], v_new[:, -1:], k_written, v_written,
+                                    slots[:, -1:], interpret=True)
     np.testing.assert_allclose(np.asarray(step[:, 0]), np.asarray(block[:, -1]), atol=1e-6, rtol=0)
     np.testing.assert_array_equal(np.asarray(k_again), np.asarray(k_written))
     np.testing.assert_array_equal(np.asarray(v_again), np.asarray(v_written))
@@ -116,7 +120,7 @@ def test_bfloat16_inputs_match_the_reference_to_rounding():
     q, k_new, v_new, k_cache, v_cache, _ = _inputs(1, 2, 1, 8, 2, 64, 128, jnp.bfloat16)
     slots = jnp.asarray([[5], [127]], jnp.int32)
     want, want_k, want_v = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(8, 2, 64))
-    got, got_k, got_v = decode_attention(q, k_new, v_new, k_cache, v_cache, slots)
+    got, got_k, got_v = kernel(q, k_new, v_new, k_cache, v_cache, slots)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=0)
     np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(want_k, np.float32))
@@ -189,7 +193,7 @@ def test_without_the_kernel_a_gpu_attends_through_xla_with_one_warning(monkeypat
         cache, logits = model.create_cache(2, 16), []
         for start in range(0, 5, 2):  # a prefill, then cached steps of T = 2 and 1
             chunk = tokens[:, start:start + 2]
-            out, _, cache = model(chunk, positions_like(chunk) + start, cache)
+            out, _, cache = forward(model, chunk, positions_like(chunk) + start, cache)
             logits.append(np.asarray(out))
         outputs.append(np.concatenate(logits, axis=1))
     np.testing.assert_array_equal(outputs[0], outputs[1])

@@ -5,6 +5,7 @@ scratch, and training (loss falls, a stopped run resumes exactly, a corrupt chec
 Greedy equality and losslessness for DFlash are in test_lossless.py with every other drafter."""
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.checkpoints import FIXTURES, REPO
+from support.models import forward
 from safetensors.numpy import load_file, save_file
 
 from specjax.config import DFlashTrainConfig, SamplingConfig, SpecConfig, load_yaml
@@ -39,19 +41,26 @@ def block_logits(target, drafter, committed: list[int], block_size: int | None =
     the block's tokens see one another, so its size matters), from a forward from scratch: the context
     features of committed[:-1] written to an empty cache, then the block. pad_to: the context padded to
     that many tokens and the cache cut back to the real ones (the target is causal), so that calls for
-    different lengths share their programs."""
-    config = drafter.config
-    block_size = block_size or config.block_size
+    different lengths share their program."""
     context_len = len(committed) - 1
     width = pad_to or context_len
     tokens = jnp.asarray([committed[:-1] + [0] * (width - context_len)])
-    positions = jnp.arange(width)[None]
+    return np.asarray(block_forward(target, drafter, tokens, jnp.asarray(context_len), jnp.asarray(committed[-1]),
+                                    block_size=block_size or drafter.config.block_size))
+
+
+@functools.partial(jax.jit, static_argnames="block_size")
+def block_forward(target, drafter, tokens, context_len, anchor, *, block_size: int):
+    """block_logits' forward as one program (eagerly, each of its operations compiles apart)."""
+    config = drafter.config
+    positions = jnp.arange(tokens.shape[1])[None]
     _, hidden, _ = target(tokens, positions, hidden_layers=config.hidden_layers)
-    cache = drafter.write_context(drafter.context(hidden), positions, drafter.create_cache(1, width + 1 + block_size))
-    cache = cache.with_lengths(jnp.asarray([context_len]))
-    block = jnp.asarray([[committed[-1]] + [config.mask_token_id] * (block_size - 1)])
-    out, _ = drafter(block, len(committed) - 1 + jnp.arange(block_size)[None], cache, target.embed[...])
-    return np.asarray(unembed(out[0, 1:], target.embed[...], target.lm_head[...], target.config.jnp_dtype))
+    cache = drafter.write_context(drafter.context(hidden), positions,
+                                  drafter.create_cache(1, tokens.shape[1] + 1 + block_size))
+    cache = cache.with_lengths(context_len[None])
+    block = jnp.concatenate([anchor[None], jnp.full(block_size - 1, config.mask_token_id)])[None]
+    out, _ = drafter(block, context_len + jnp.arange(block_size)[None], cache, target.embed[...])
+    return unembed(out[0, 1:], target.embed[...], target.lm_head[...], target.config.jnp_dtype)
 
 
 def test_the_first_block_gives_zlabs_draft_logits(zlab):
@@ -116,26 +125,30 @@ def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab, fu
                           dflash_full_block=full_block)
         proposer = build_proposer(spec, SamplingConfig(temperature=1.0), 64, drafter)
         params = proposer.bind(drafter, target)
+        init, propose, accept = (jax.jit(f) for f in (proposer.init, proposer.propose, proposer.accept))
         positions = jnp.arange(len(prompt))[None]
         cache = target.create_cache(1, 64)
-        logits, hidden, cache = target(jnp.asarray([prompt]), positions, cache, hidden_layers=proposer.hidden_layers)
+        logits, hidden, cache = forward(target, jnp.asarray([prompt]), positions, cache,
+                                        hidden_layers=proposer.hidden_layers)
         committed = prompt + [int(jnp.argmax(logits[0, -1]))]
-        state = proposer.init(params, jnp.asarray([committed]), jnp.asarray([len(committed)]),
-                              TargetOutput(logits=logits, hidden=hidden))
+        state = init(params, jnp.asarray([committed]), jnp.asarray([len(committed)]),
+                     TargetOutput(logits=logits, hidden=hidden))
         for num_accepted in (2, 0, 4):
-            padded = jnp.asarray([committed + [0] * 8])
-            drafts, probs, state = proposer.propose(params, state, Context.of(padded, jnp.asarray([len(committed)]), T1),
-                                                    jax.random.split(jax.random.key(0), 1))
-            expected = jax.nn.softmax(block_logits(target, stacked, committed, block_size=block_size)[:4], -1)
+            padded = jnp.asarray([committed + [0] * (len(prompt) + 24 - len(committed))])  # one shape: one program
+            drafts, probs, state = propose(params, state, Context.of(padded, jnp.asarray([len(committed)]), T1),
+                                           jax.random.split(jax.random.key(0), 1))
+            expected = jax.nn.softmax(block_logits(target, stacked, committed, block_size=block_size,
+                                                   pad_to=len(prompt) + 16)[:4], -1)
             np.testing.assert_allclose(np.asarray(probs[0]), expected, atol=1e-5, rtol=0)
             block = [committed[-1]] + np.asarray(drafts[0]).tolist()
             start = len(committed) - 1
-            logits, hidden, cache = target(jnp.asarray([block]), start + jnp.arange(5)[None],
-                                           cache.with_lengths(jnp.asarray([start])), hidden_layers=proposer.hidden_layers)
+            logits, hidden, cache = forward(target, jnp.asarray([block]), start + jnp.arange(5)[None],
+                                            cache.with_lengths(jnp.asarray([start])),
+                                            hidden_layers=proposer.hidden_layers)
             next_token = int(jnp.argmax(logits[0, num_accepted]))
             committed = committed + block[1:num_accepted + 1] + [next_token]
-            state = proposer.accept(state, jnp.asarray([num_accepted]), jnp.asarray([next_token]),
-                                    TargetOutput(logits=logits, hidden=hidden))
+            state = accept(state, jnp.asarray([num_accepted]), jnp.asarray([next_token]),
+                           TargetOutput(logits=logits, hidden=hidden))
 
 
 def test_save_writes_the_tensors_zlab_wrote(zlab, tmp_path):

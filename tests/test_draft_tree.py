@@ -32,12 +32,12 @@ def path_to(parents, node):
 
 def test_ancestors_and_depths_match_a_brute_force_and_a_chain_is_causal():
     parents = random_trees(np.random.default_rng(0), rows=16, nodes=12)
-    got, depth = np.asarray(structure.ancestors(jnp.asarray(parents))), np.asarray(structure.depths(jnp.asarray(parents)))
+    got, depth = (np.asarray(jax.jit(f)(jnp.asarray(parents))) for f in (structure.ancestors, structure.depths))
     for b in range(16):
         for i in range(12):
             assert set(np.flatnonzero(got[b, i])) == set(path_to(parents[b], i)) and depth[b, i] == len(path_to(parents[b], i))
     chain = structure.chain_parents(2, 5)
-    mask = np.asarray(masks.attention_mask(chain, jnp.asarray([3, 7]), 16))
+    mask = np.asarray(jax.jit(masks.attention_mask, static_argnums=2)(chain, jnp.asarray([3, 7]), 16))
     slots = np.arange(16)
     for b, level in enumerate((3, 7)):
         np.testing.assert_array_equal(mask[b], slots[None, :] <= level + np.arange(6)[:, None])
@@ -90,8 +90,9 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
     sequences = [(b, i, prompt + [int(tokens[b, j]) for j in path_to(parents[b], i)])
                  for b, prompt in enumerate(prompts) for i in range(-1, NODES)]
     alone, _ = padded_forward(model, [sequence for _, _, sequence in sequences])
+    logits, alone = np.asarray(logits), np.asarray(alone)  # indexed on the host: no program per index
     for row, (b, i, sequence) in enumerate(sequences):
-        np.testing.assert_allclose(np.asarray(logits[b, i + 1]), np.asarray(alone[row, len(sequence) - 1]), atol=1e-5,
+        np.testing.assert_allclose(logits[b, i + 1], alone[row, len(sequence) - 1], atol=1e-5,
                                    rtol=0, err_msg=f"row {b} node {i}")
 
     # Accept the path to each row's deepest node, move it, and compare with a plain prefill of the result.
@@ -99,7 +100,7 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
     paths = [path_to(parents[b], int(leaves[b])) for b in range(ROWS)]
     length = jnp.asarray([len(p) for p in paths])
     path = jnp.asarray([p + [-1] * (NODES - len(p)) for p in paths])
-    moved = masks.move_path(tree_cache, fill, path, length).with_lengths(fill + 1 + length)
+    moved = jax.jit(masks.move_path)(tree_cache, fill, path, length).with_lengths(fill + 1 + length)
     sequences = [prompt + [int(tokens[b, j]) for j in paths[b]] for b, prompt in enumerate(prompts)]
     _, plain = padded_forward(model, sequences, model.create_cache(ROWS, CACHE))
     np.testing.assert_array_equal(moved.lengths, fill + 1 + length)
@@ -107,7 +108,7 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
         n = len(sequence)
         for layer in range(model.config.num_layers):
             for got, want in zip(moved.layer(layer), plain.layer(layer)):
-                np.testing.assert_allclose(np.asarray(got[b, :n]), np.asarray(want[b, :n]), atol=1e-5, rtol=0)
+                np.testing.assert_allclose(np.asarray(got)[b, :n], np.asarray(want)[b, :n], atol=1e-5, rtol=0)
 
 
 def test_preorder_keeps_parents_first_siblings_in_rank_order_and_the_first_ranked_path_at_the_front():
@@ -115,9 +116,10 @@ def test_preorder_keeps_parents_first_siblings_in_rank_order_and_the_first_ranke
 
     parents = random_trees(np.random.default_rng(3), rows=16, nodes=12)
     ranks = np.array([[sum(parents[b, j] == parents[b, i] for j in range(i)) for i in range(12)] for b in range(16)])
-    order = np.asarray(structure.preorder(jnp.asarray(parents), jnp.asarray(ranks), max_depth=12))
-    tokens, new_parents = (np.asarray(x) for x in structure.permute(jnp.arange(12)[None].repeat(16, 0),
-                                                                     jnp.asarray(parents), jnp.asarray(order)))
+    preorder = jax.jit(structure.preorder, static_argnames="max_depth")
+    order = np.asarray(preorder(jnp.asarray(parents), jnp.asarray(ranks), max_depth=12))
+    tokens, new_parents = (np.asarray(x) for x in jax.jit(structure.permute)(jnp.arange(12)[None].repeat(16, 0),
+                                                                              jnp.asarray(parents), jnp.asarray(order)))
     for b in range(16):
         assert sorted(order[b]) == list(range(12)) and (tokens[b] == order[b]).all()
         new_index = {int(old): new for new, old in enumerate(order[b])}
@@ -128,9 +130,9 @@ def test_preorder_keeps_parents_first_siblings_in_rank_order_and_the_first_ranke
             assert new_parents[b, j] == -1 or new_parents[b, j] in path_to(new_parents[b], j - 1)
         siblings = [[j for j in range(12) if new_parents[b, j] == p] for p in range(-1, 12)]
         assert all(list(order[b][s]) == sorted(order[b][s]) for s in siblings)  # rank order kept
-    path, length = first_ranked_path(jnp.asarray(new_parents))
+    path, length = map(np.asarray, jax.jit(first_ranked_path)(jnp.asarray(new_parents)))
     for b in range(16):
-        assert np.asarray(path[b, :length[b]]).tolist() == list(range(int(length[b])))
+        assert path[b, :length[b]].tolist() == list(range(int(length[b])))
 
 
 def test_moving_a_path_already_in_place_leaves_the_cache_as_it_is(setup):
@@ -138,8 +140,10 @@ def test_moving_a_path_already_in_place_leaves_the_cache_as_it_is(setup):
     cache, _ = prefilled(model, prompts)
     fill, length = cache.lengths, jnp.asarray([3, 0, 2])
     in_place = jnp.asarray([[0, 1, 2, -1], [-1] * 4, [0, 1, -1, -1]])
-    for got, want in zip(jax.tree.leaves(masks.move_path(cache, fill, in_place, length)), jax.tree.leaves(cache)):
+    move_path = jax.jit(masks.move_path)
+    for got, want in zip(jax.tree.leaves(move_path(cache, fill, in_place, length)), jax.tree.leaves(cache)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    moved = masks.move_path(cache, fill, jnp.asarray([[1, 2, 3, -1], [-1] * 4, [0, 1, -1, -1]]), length)
-    np.testing.assert_array_equal(np.asarray(moved.layer(0)[0][0, fill[0] + 1]),
-                                  np.asarray(cache.layer(0)[0][0, fill[0] + 2]))
+    moved = move_path(cache, fill, jnp.asarray([[1, 2, 3, -1], [-1] * 4, [0, 1, -1, -1]]), length)
+    first = int(fill[0])
+    np.testing.assert_array_equal(np.asarray(moved.layer(0)[0])[0, first + 1],
+                                  np.asarray(cache.layer(0)[0])[0, first + 2])

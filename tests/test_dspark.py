@@ -15,7 +15,7 @@ import pytest
 from support.block_training import drafts_losslessly, stopped_run_resumes
 from support.checkpoints import REPO, drafter_run_config, train_through_cli
 from support.distributions import TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
-from support.models import EOS, dflash_config, dspark_drafter, target_and_drafts
+from support.models import EOS, dflash_config, dspark_drafter, forward, target_and_drafts
 from support.requests import autoregressive_outputs, ragged_requests
 from safetensors.numpy import load_file, save_file
 
@@ -74,11 +74,11 @@ def first_propose(drafter, target, prompt, spec):
     """(drafts [K], draft_probs [K, V], draft_confidence [K]) of the first propose after the prefill, at T 1."""
     proposer = build_proposer(spec, T1, 64, drafter)
     params = proposer.bind(drafter, target)
-    logits, hidden, _ = target(jnp.asarray([prompt]), jnp.arange(len(prompt))[None],
-                               hidden_layers=proposer.hidden_layers)
+    logits, hidden, _ = forward(target, jnp.asarray([prompt]), jnp.arange(len(prompt))[None],
+                                hidden_layers=proposer.hidden_layers)
     committed = jnp.asarray([prompt + [int(jnp.argmax(logits[0, -1]))]])
     lengths = jnp.asarray([committed.shape[1]])
-    state = proposer.init(params, committed, lengths, TargetOutput(logits=logits, hidden=hidden))
+    state = jax.jit(proposer.init)(params, committed, lengths, TargetOutput(logits=logits, hidden=hidden))
     drafts, probs, state = jax.jit(proposer.propose)(params, state, Context.of(committed, lengths, T1),
                                                      jax.random.split(jax.random.key(0), 1))
     confidence = getattr(state, "draft_confidence", None)  # DFlash keeps none

@@ -4,6 +4,7 @@ reduced draft vocabulary (FR-Spec): drafts only from it. Greedy equality and los
 every head: tests/test_lossless.py."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.distributions import TINY
-from support.models import FR_IDS, HEADS, METHOD, eagle_config, head_for, target_and_drafts
+from support.models import FR_IDS, HEADS, METHOD, eagle_config, forward, head_for, target_and_drafts
 from support.requests import ragged_requests
 from safetensors.numpy import load_file
 
@@ -44,6 +45,15 @@ def test_the_heads_decoding_layout_drafts_the_same(name, tmp_path):
         save_eagle(split, tmp_path / "out")
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def last_pair_logits(proposer, params, head, tokens, hidden, positions):
+    """The proposer's logits at the last pair of one cache-free pass of the head over the pairs (features of
+    hidden, tokens), as one program."""
+    out, _ = head(tokens, head.fuse(hidden), positions, KVCache.create(head.config.layer, tokens.shape[0], 16),
+                  params.embed)
+    return proposer.logits(params, out[:, -1])
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_first_draft_is_the_heads_output_on_every_committed_pair(method):
     """The proposer's cache plumbing equals one full (cache-free) pass of the head over the pairs
@@ -58,15 +68,13 @@ def test_first_draft_is_the_heads_output_on_every_committed_pair(method):
     proposer = build_proposer(spec, SamplingConfig(), cache_size=64, drafter=head)
     params = proposer.bind(head, target)
     positions = jnp.arange(length)[None]
-    _, hidden, _ = target(prompt, positions, hidden_layers=proposer.hidden_layers)
+    _, hidden, _ = forward(target, prompt, positions, hidden_layers=proposer.hidden_layers)
     lengths = jnp.asarray([length + 1])
     state = jax.jit(proposer.init)(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
     drafts, _, _ = jax.jit(proposer.propose)(params, state, Context.of(sequence, lengths),
                                              jax.random.split(jax.random.key(0), 1))
 
-    features = head.fuse(hidden)
-    out, _ = head(sequence[:, 1:], features, positions, KVCache.create(head.config.layer, 1, 16), params.embed)
-    logits = proposer.logits(params, out[:, -1])
+    logits = last_pair_logits(proposer, params, head, sequence[:, 1:], hidden, positions)
     assert int(drafts[0, 0]) == int(jnp.argmax(logits[0]))
 
 
@@ -106,7 +114,7 @@ def test_an_eagle1_head_with_a_draft_vocabulary_drafts_only_from_it(sampling):
     proposer = build_proposer(spec, sampling, cache_size=64, drafter=reduced)
     params = proposer.bind(reduced, target)
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    _, hidden, _ = target(prompt, positions)
+    _, hidden, _ = forward(target, prompt, positions)
     state = jax.jit(proposer.init)(params, sequence, lengths, TargetOutput(logits=None, hidden=hidden))
     drafts, probs, _ = jax.jit(proposer.propose)(params, state, Context.of(sequence, lengths, sampling),
                                                  jax.random.split(jax.random.key(1), batch))
@@ -116,9 +124,8 @@ def test_an_eagle1_head_with_a_draft_vocabulary_drafts_only_from_it(sampling):
         assert probs[..., FR_IDS].sum(-1) == pytest.approx(1.0, abs=1e-5)
         assert (np.delete(probs, FR_IDS, axis=-1) == 0).all()
         return
-    out, _ = full(sequence[:, 1:], full.fuse(hidden), positions, KVCache.create(full.config.layer, batch, 16),
-                  params.embed)
-    full_logits = np.asarray(proposer.logits(proposer.bind(full, target), out[:, -1]))
+    full_logits = np.asarray(last_pair_logits(proposer, proposer.bind(full, target), full, sequence[:, 1:], hidden,
+                                              positions))
     assert not np.isin(full_logits.argmax(-1), FR_IDS).all()  # the restriction changes some first drafts
     np.testing.assert_array_equal(np.asarray(drafts[:, 0]), FR_IDS[full_logits[:, FR_IDS].argmax(-1)])
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.checkpoints import fixture_dir
-from support.models import medusa_for, positions_like
+from support.models import forward, medusa_for, positions_like
 from safetensors.numpy import save_file
 
 from specjax.config import SamplingConfig, SpecConfig
@@ -38,7 +38,7 @@ def test_drafts_read_the_feature_that_drew_the_newest_token(shared):
     bound = proposer.bind(medusa_for(model, num_draft, shared=shared), model)
     prompts = jnp.asarray(np.random.default_rng(1).integers(0, 128, (3, 6)), jnp.int32)
     lengths = jnp.array([6, 4, 2], jnp.int32)  # ragged prompts, right-padded
-    logits, hidden, _ = model(prompts, positions_like(prompts))
+    logits, hidden, _ = forward(model, prompts, positions_like(prompts))
     rows = jnp.arange(3)
     first = jnp.argmax(logits[rows, lengths - 1], axis=-1).astype(jnp.int32)
     assert (jnp.argmax(logits[rows, lengths - 2], axis=-1) != first).any()  # a neighbour's feature would show
@@ -52,7 +52,7 @@ def test_drafts_read_the_feature_that_drew_the_newest_token(shared):
     # A verify forward over [first, d_1 .. d_K] after each padded prompt; rows keep 0, 1 and K drafts.
     # (Padding inside a row changes its hidden states, not which position accept must read.)
     verify = jnp.concatenate([prompts, first[:, None], drafts], axis=1)
-    logits, hidden, _ = model(verify, positions_like(verify))
+    logits, hidden, _ = forward(model, verify, positions_like(verify))
     num_accepted = jnp.array([0, 1, num_draft], jnp.int32)
     next_token = jnp.argmax(logits[rows, prompts.shape[1] + num_accepted], axis=-1).astype(jnp.int32)
     verify_hidden = Hidden(final=hidden.final[:, prompts.shape[1]:], layers=None)

@@ -12,7 +12,7 @@ import pytest
 from support.checkpoints import FIXTURES, fixture_dir, golden
 from support.distributions import PROMPT, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
-from support.models import EOS, mtp_modules, target_and_drafts, tiny_mtp_modules
+from support.models import EOS, forward, mtp_logits, mtp_modules, positions_like, target_and_drafts, tiny_mtp_modules
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
@@ -47,11 +47,10 @@ def test_module_logits_equal_mimos_torch_code(num_modules):
     assert modules.config.num_modules == num_modules
     assert modules.config.hidden_state == "target"  # MiMo's default (sglang-jax PR #1256)
     ids = jnp.asarray(expected["input_ids"])
-    logits, hidden, _ = target(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
+    logits, hidden, _ = forward(target, ids, positions_like(ids))
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4)
     for hidden_state in ("chained", "target"):
-        outs, _ = modules.over_sequence(ids, hidden.final, target.embed[...], hidden_state)
-        module_logits = np.stack([target.unembed(out) for out in outs])
+        module_logits = mtp_logits(modules, target, ids, hidden.final, hidden_state=hidden_state)
         np.testing.assert_allclose(module_logits, expected[f"module_logits_{hidden_state}"], atol=1e-4)
 
 
@@ -136,6 +135,7 @@ def test_module_caches_after_rejections_equal_a_fresh_prefill():
     proposer = build_proposer(SpecConfig(method="mtp", num_speculative_tokens=num_draft), SamplingConfig(), size,
                               modules)
     params = proposer.bind(modules, target)
+    init, jitted_propose, accept = (jax.jit(f) for f in (proposer.init, proposer.propose, proposer.accept))
     rng = np.random.default_rng(1)
     lengths = np.array([9, 14, 11])
     tokens = np.zeros((3, size), np.int32)
@@ -143,15 +143,15 @@ def test_module_caches_after_rejections_equal_a_fresh_prefill():
 
     def hidden(rows):  # the target's final hidden states over each row's tokens (no cache: a full forward)
         rows = jnp.asarray(rows)
-        return target(rows, jnp.broadcast_to(jnp.arange(rows.shape[1]), rows.shape))[1].final
+        return forward(target, rows, positions_like(rows))[1].final
 
     def fresh(tokens, lengths):
-        return proposer.init(params, jnp.asarray(tokens), jnp.asarray(lengths),
-                             TargetOutput(logits=None, hidden=Hidden(final=hidden(tokens), layers=None)))
+        return init(params, jnp.asarray(tokens), jnp.asarray(lengths),
+                    TargetOutput(logits=None, hidden=Hidden(final=hidden(tokens), layers=None)))
 
     def propose(state, tokens, lengths):
         context = Context.of(jnp.asarray(tokens), jnp.asarray(lengths))
-        return proposer.propose(params, state, context, jax.random.split(jax.random.key(0), 3))
+        return jitted_propose(params, state, context, jax.random.split(jax.random.key(0), 3))
 
     drafts, _, state = propose(fresh(tokens, lengths), tokens, lengths)
     drafts = np.asarray(drafts)
@@ -159,11 +159,12 @@ def test_module_caches_after_rejections_equal_a_fresh_prefill():
     block = tokens.copy()  # [..., x_n, d_1 .. d_K]: the verify block's hidden states are h_n .. h_{n+K}
     for row, n in enumerate(lengths - 1):
         block[row, n + 1:n + 1 + num_draft] = drafts[row]
-    verify_hidden = hidden(block)
-    verify_hidden = jnp.stack([verify_hidden[row, n:n + num_draft + 1] for row, n in enumerate(lengths - 1)])
+    verify_hidden = np.asarray(hidden(block))
+    verify_hidden = jnp.asarray(np.stack([verify_hidden[row, n:n + num_draft + 1]
+                                          for row, n in enumerate(lengths - 1)]))
     next_token = np.array([(drafts[row, a] + 1) % 128 if a < num_draft else 5 for row, a in enumerate(accepted)])
-    state = proposer.accept(state, jnp.asarray(accepted), jnp.asarray(next_token),
-                            TargetOutput(logits=None, hidden=Hidden(final=verify_hidden, layers=None)))
+    state = accept(state, jnp.asarray(accepted), jnp.asarray(next_token),
+                   TargetOutput(logits=None, hidden=Hidden(final=verify_hidden, layers=None)))
     committed = tokens.copy()
     for row, (n, a) in enumerate(zip(lengths - 1, accepted)):
         committed[row, n + 1:n + 1 + a] = drafts[row, :a]
@@ -175,7 +176,7 @@ def test_module_caches_after_rejections_equal_a_fresh_prefill():
 
     def entries(cache, module, row):  # module's entries of committed tokens: slots s with s + module + 1 <= n
         count = new_lengths[row] - 1 - module
-        return np.concatenate([np.asarray(cache.k[module, row, :count]), np.asarray(cache.v[module, row, :count])])
+        return np.concatenate([np.asarray(cache.k)[module, row, :count], np.asarray(cache.v)[module, row, :count]])
 
     differs = False
     for module in range(modules.config.num_modules):

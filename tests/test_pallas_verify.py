@@ -18,6 +18,8 @@ from specjax.verify import block, block_chain_verifier
 from specjax.verify.testing import KINDS, random_verify_inputs
 
 TILE = 256  # small tiles: several per row, the last one partial (V below is not a multiple)
+# One program per shape (eagerly, each of its operations compiles apart).
+verify_inputs = jax.jit(random_verify_inputs, static_argnums=(0, 1, 2), static_argnames="kind")
 
 
 # The two largest shapes are interpreted for long: full tier (`slow`; docs/testing.md).
@@ -27,7 +29,7 @@ TILE = 256  # small tiles: several per row, the last one partial (V below is not
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_equals_the_reference_exactly(batch, num_draft, vocab, kind):
     seed = batch * 1000 + num_draft * 10 + KINDS.index(kind)
-    args = random_verify_inputs(batch, num_draft, vocab, kind=kind, seed=seed)
+    args = verify_inputs(batch, num_draft, vocab, kind=kind, seed=seed)
     got = jax.jit(functools.partial(block_verify.verify_with_draws, tile=TILE, interpret=True))(*args)
     want = jax.jit(block.verify_with_draws)(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
@@ -38,23 +40,25 @@ def test_inputs_cover_every_accepted_length():
     """The agreement cases are not all trivial rejections: tau takes every value 0..K."""
     lengths = set()
     for kind, seed in itertools.product(KINDS, range(3)):
-        n, _ = jax.jit(block.verify_with_draws)(*random_verify_inputs(64, 4, 300, kind=kind, seed=seed))
+        n, _ = jax.jit(block.verify_with_draws)(*verify_inputs(64, 4, 300, kind=kind, seed=seed))
         lengths |= set(np.asarray(n).tolist())
     assert lengths == set(range(5))
 
 
 def test_partial_sums_add_up_to_the_reference_masses():
-    target, tokens, draft, draws = random_verify_inputs(5, 4, 1000, kind="flat", seed=3)
-    ratios = block.prefix_ratios(target, tokens, draft)
-    masses, _, _ = block_verify.sweep(target, draft, draws.exponentials, ratios, tile=TILE, interpret=True)
+    target, tokens, draft, draws = verify_inputs(5, 4, 1000, kind="flat", seed=3)
+    ratios = jax.jit(block.prefix_ratios)(target, tokens, draft)
+    masses, _, _ = jax.jit(functools.partial(block_verify.sweep, tile=TILE, interpret=True))(target, draft,
+                                                                                            draws.exponentials, ratios)
     np.testing.assert_allclose(np.asarray(masses.sum(1)),
-                               np.asarray(block.residual_masses(target, tokens, draft, ratios)), rtol=1e-5)
+                               np.asarray(jax.jit(block.residual_masses)(target, tokens, draft, ratios)), rtol=1e-5)
 
 
 def test_one_hot_drafts_use_the_reference_path():
-    target, tokens, _, draws = random_verify_inputs(4, 3, 500, seed=1)
-    got = block_verify.verify_with_draws(target, tokens, None, draws, tile=TILE, interpret=True)
-    want = block.verify_with_draws(target, tokens, None, draws)
+    target, tokens, _, draws = verify_inputs(4, 3, 500, seed=1)
+    got = jax.jit(functools.partial(block_verify.verify_with_draws, tile=TILE, interpret=True))(target, tokens, None,
+                                                                                               draws)
+    want = jax.jit(block.verify_with_draws)(target, tokens, None, draws)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 

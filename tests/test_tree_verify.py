@@ -184,20 +184,23 @@ def test_greedy_is_the_longest_argmax_path_and_matches_the_sampling_rule_on_one_
     parents = np.stack([[-1] + [rng.integers(-1, i) for i in range(1, num_nodes)] for _ in range(rows)])
     tokens = rng.integers(0, vocab, (rows, num_nodes))
     argmax = rng.integers(0, vocab, (rows, num_nodes + 1))
-    path, length, next_token = verify_tree_greedy(jnp.asarray(argmax), jnp.asarray(tokens), jnp.asarray(parents))
+    path, length, next_token = map(np.asarray, jax.jit(verify_tree_greedy)(
+        jnp.asarray(argmax), jnp.asarray(tokens), jnp.asarray(parents)))
     one_hot = jax.nn.one_hot(argmax, vocab)
-    same = verify_tree(one_hot, jnp.asarray(tokens), jnp.asarray(parents), None, jax.random.split(jax.random.key(1), rows))
+    same = [np.asarray(x) for x in jax.jit(verify_tree)(
+        one_hot, jnp.asarray(tokens), jnp.asarray(parents), None, jax.random.split(jax.random.key(1), rows))]
     lengths = []
     for b in range(rows):
         expected_path, expected_next = longest_argmax_path(parents[b].tolist(), tokens[b].tolist(), argmax[b].tolist())
         lengths.append(len(expected_path))
-        assert np.asarray(path[b, :length[b]]).tolist() == expected_path and int(next_token[b]) == expected_next
-        assert (np.asarray(path[b, length[b]:]) == -1).all()
+        assert path[b, :length[b]].tolist() == expected_path and int(next_token[b]) == expected_next
+        assert (path[b, length[b]:] == -1).all()
         for got, want in zip(same, (path, length, next_token)):
-            np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want[b]))
+            np.testing.assert_array_equal(got[b], want[b])
     assert max(lengths) >= 3 and min(lengths) == 0
 
 
+@functools.partial(jax.jit, static_argnames=("rows", "k"))
 def random_chain(seed: int, rows: int = 512, k: int = 4):
     """(target [R, k + 1, V], draft [R, k, V], tokens drawn from the draft, uniforms, exponentials, chain parents)."""
     key = jax.random.key(seed)
@@ -221,19 +224,20 @@ def assert_the_chain_verifier(tree_result, num_accepted, next_token):
 def test_on_a_chain_it_is_the_standard_verifier_draw_for_draw(one_hot_drafts):
     target, draft, tokens, uniforms, exponentials, chain = random_chain(2)
     draft_probs = None if one_hot_drafts else draft
-    n, next_token = standard.verify_with_draws(target, tokens, draft_probs, Draws(uniforms, exponentials))
-    assert_the_chain_verifier(verify_tree_with_draws(target, tokens, chain, draft_probs, uniforms, exponentials),
-                              n, next_token)
+    n, next_token = jax.jit(standard.verify_with_draws)(target, tokens, draft_probs, Draws(uniforms, exponentials))
+    tree_result = jax.jit(verify_tree_with_draws)(target, tokens, chain, draft_probs, uniforms, exponentials)
+    assert_the_chain_verifier(tree_result, n, next_token)
     assert 0 < int(n.min()) or int(n.max()) > 0
 
 
 def test_traversal_verification_of_a_chain_is_block_verification_draw_for_draw():
     target, draft, tokens, uniforms, exponentials, chain = random_chain(3)
-    n, next_token = block.verify_with_draws(target, tokens, draft, Draws(uniforms, exponentials))
-    assert_the_chain_verifier(verify_tree_traversal_with_draws(target, tokens, chain, draft, uniforms, exponentials),
-                              n, next_token)
+    n, next_token = jax.jit(block.verify_with_draws)(target, tokens, draft, Draws(uniforms, exponentials))
+    assert_the_chain_verifier(jax.jit(verify_tree_traversal_with_draws)(target, tokens, chain, draft, uniforms,
+                                                                        exponentials), n, next_token)
     # Block verification accepts more than token by token on the same draws' tests (its reason to exist).
-    assert float(n.mean()) > float(standard.verify_with_draws(target, tokens, draft, Draws(uniforms, exponentials))[0].mean())
+    standard_n = jax.jit(standard.verify_with_draws)(target, tokens, draft, Draws(uniforms, exponentials))[0]
+    assert float(n.mean()) > float(standard_n.mean())
 
 
 @pytest.mark.parametrize("drafting", [pytest.param("iid", marks=pytest.mark.slow), "without_replacement"])  # one fast
@@ -251,9 +255,11 @@ def test_traversal_with_one_hot_drafts_on_scalars_is_the_general_rule_with_one_h
     parents = jnp.asarray([[-1] + [rng.integers(-1, i) for i in range(1, num_nodes)] for _ in range(rows)])
     tokens = jnp.asarray(rng.integers(0, V, (rows, num_nodes)), jnp.int32)  # repeated siblings included
     target = jax.nn.softmax(jnp.asarray(rng.normal(size=(rows, num_nodes + 1, V)), jnp.float32), -1)
-    uniforms, exponentials = make_tree_draws(jax.random.split(jax.random.key(5), rows), num_nodes, V)
-    fast = verify_tree_traversal_with_draws(target, tokens, parents, None, uniforms, exponentials)
-    general = verify_tree_traversal_with_draws(target, tokens, parents, jax.nn.one_hot(tokens, V), uniforms, exponentials)
+    uniforms, exponentials = jax.jit(make_tree_draws, static_argnums=(1, 2))(jax.random.split(jax.random.key(5), rows),
+                                                                             num_nodes, V)
+    traversal = jax.jit(verify_tree_traversal_with_draws)
+    fast = traversal(target, tokens, parents, None, uniforms, exponentials)
+    general = traversal(target, tokens, parents, jax.nn.one_hot(tokens, V), uniforms, exponentials)
     for got, want in zip(fast, general):
         assert np.mean(np.asarray(got) == np.asarray(want)) > 0.999  # float32 rounding at a test's edge aside
     assert int(fast[1].max()) >= 3

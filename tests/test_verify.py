@@ -36,13 +36,13 @@ def enumerate_drafts(target, draft, vocab, num_draft):
 
 
 def expected_accepted_standard(target_probs, tokens, draft_probs, weights):
-    a = np.asarray(standard.acceptance_probs(target_probs, tokens, draft_probs), np.float64)
+    a = np.asarray(jax.jit(standard.acceptance_probs)(target_probs, tokens, draft_probs), np.float64)
     return float(weights @ np.cumprod(a, axis=1).sum(axis=1))
 
 
 def block_length_distribution(target_probs, tokens, draft_probs) -> np.ndarray:
     """P(tau = i), i = 0..K, with tau = max{i : eta_i <= h_i}: i is the last success."""
-    h = np.asarray(block.stopping_probs(target_probs, tokens, draft_probs)[0], np.float64)
+    h = np.asarray(jax.jit(block.stopping_probs)(target_probs, tokens, draft_probs)[0], np.float64)
     num_draft = h.shape[1]
     dist = np.zeros((h.shape[0], num_draft + 1))
     for i in range(num_draft + 1):
@@ -52,7 +52,7 @@ def block_length_distribution(target_probs, tokens, draft_probs) -> np.ndarray:
 
 
 def standard_length_distribution(target_probs, tokens, draft_probs) -> np.ndarray:
-    a = np.asarray(standard.acceptance_probs(target_probs, tokens, draft_probs), np.float64)
+    a = np.asarray(jax.jit(standard.acceptance_probs)(target_probs, tokens, draft_probs), np.float64)
     reach = np.concatenate([np.ones((a.shape[0], 1)), np.cumprod(a, axis=1)], axis=1)  # P(n >= i)
     return reach - np.concatenate([reach[:, 1:], np.zeros((a.shape[0], 1))], axis=1)
 
@@ -130,8 +130,8 @@ def test_on_a_one_hot_target_every_verifier_is_greedy(verifier, one_hot_draft):
     tokens = np.where(np.arange(num_draft) < agree[:, None], argmax[:, :-1], (argmax[:, :-1] + 1) % vocab)
     draft_probs = None if one_hot_draft else jax.nn.one_hot(tokens, vocab) * 0.5 + 0.5 / vocab
     keys = jax.random.split(jax.random.key(0), batch)
-    got = verifier(target_probs, jnp.asarray(tokens), draft_probs, keys)
-    want = greedy.verify(target_probs, jnp.asarray(tokens))
+    got = jax.jit(verifier)(target_probs, jnp.asarray(tokens), draft_probs, keys)
+    want = jax.jit(greedy.verify)(target_probs, jnp.asarray(tokens))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(want[0]), agree)
@@ -177,8 +177,8 @@ def test_verifiers_reproduce_from_the_same_draws():
     tokens = jnp.asarray(rng.integers(0, vocab, (batch, num_draft)), jnp.int32)
     keys = jax.random.split(jax.random.key(4), batch)
     for module in (standard, block):
-        a = module.verify(target_probs, tokens, draft_probs, keys)
-        b = from_draws(module.verify_with_draws)(target_probs, tokens, draft_probs, keys)
+        a = jax.jit(module.verify)(target_probs, tokens, draft_probs, keys)
+        b = jax.jit(from_draws(module.verify_with_draws))(target_probs, tokens, draft_probs, keys)
         np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
         np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
 

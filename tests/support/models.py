@@ -32,6 +32,13 @@ def forward(model, tokens, positions, cache=None, *, hidden_layers=(), compute_l
                  causal=causal, attention_mask=attention_mask)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def initialised(init, config, seed: int):
+    """init(config, seed) as one program, the same weights bit for bit: eagerly each weight's initialiser
+    compiles apart (tens of programs a drafter)."""
+    return init(config, seed)
+
+
 def positions_like(tokens) -> jnp.ndarray:
     """Positions 0..T-1 for every row of a [B, T] token array."""
     batch, length = tokens.shape
@@ -92,7 +99,7 @@ def head_for(name):
     if name == "eagle_fr":
         return with_draft_vocabulary(head_for("eagle"), FR_IDS)
     target, _ = target_and_drafts()
-    return init_eagle(eagle_config(target.config, **HEADS[name]), seed=3)
+    return initialised(init_eagle, eagle_config(target.config, **HEADS[name]), 3)
 
 
 def with_random_blocks(heads, scale: float, seed: int = 0):
@@ -116,14 +123,14 @@ def dspark_drafter(target_config, block_size: int, rank: int, sample_from_anchor
     """An untrained DSpark drafter with random (not zero) Markov and confidence weights."""
     config = dspark_config(dflash_config(target_config, layer_ids, block_size=block_size), markov_rank=rank,
                            sample_from_anchor=sample_from_anchor, markov_head_type=head)
-    return with_random_heads(init_dspark(config, seed=seed), scale, seed=seed)
+    return with_random_heads(initialised(init_dspark, config, seed), scale, seed=seed)
 
 
 def mtp_modules(target_config, num_modules: int, init_std: float = 0.3, seed: int = 0, **options):
     """Random MTP modules with Qwen2 layers as wide as the target's (options: MTPConfig's)."""
     layer = dataclasses.replace(target_config, num_layers=num_modules, architecture="Qwen2ForCausalLM", qkv_bias=True,
                                 qk_norm=False, out_bias=False, init_std=init_std)
-    return init_mtp(MTPConfig(layer=layer, **options), seed=seed)
+    return initialised(init_mtp, MTPConfig(layer=layer, **options), seed)
 
 
 @functools.cache
@@ -131,3 +138,11 @@ def tiny_mtp_modules():
     """Two random modules for the tiny pair's target (support.distributions.TINY), wide enough apart (init 0.6)
     that the chi-square cases see drafts accepted and rejected."""
     return mtp_modules(TINY, num_modules=2, init_std=0.6, seed=3)
+
+
+@functools.partial(jax.jit, static_argnames="hidden_state")
+def mtp_logits(modules, target, tokens, hidden, *, hidden_state: str):
+    """Each MTP module's logits over a sequence, [M, B, T, V], as one program (modules.over_sequence, then the
+    target's LM head)."""
+    outs, _ = modules.over_sequence(tokens, hidden, target.embed[...], hidden_state)
+    return jnp.stack([target.unembed(out) for out in outs])
