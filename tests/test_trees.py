@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.distributions import check_lossless, first_ranked_pvalue, tiny_pair, tree_joint_counts
-from support.models import EOS, head_for, medusa_for, target_and_drafts
+from support.models import EOS, forward, head_for, medusa_for, target_and_drafts
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax.trees import sizing
@@ -135,7 +135,7 @@ def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill(tree)
             SpecConfig(method="draft_model", num_speculative_tokens=3, total_tokens=10, tree_top_k=2))  # every candidate
     proposer = build_proposer(spec, SamplingConfig(), 32, draft)
     committed = jnp.asarray([[5, 9, 2, 7, 1, 3]])
-    hidden = target(committed[:, :-1], jnp.arange(5)[None])[1]
+    hidden = forward(target, committed[:, :-1], np.arange(5)[None])[1]
     state = jax.jit(proposer.init)(draft, committed, jnp.asarray([6]), TargetOutput(None, hidden))
     tokens, _, state = jax.jit(proposer.propose)(draft, state, Context.of(committed, jnp.asarray([6])),
                                                  jax.random.key(0)[None])
@@ -147,7 +147,7 @@ def test_the_draft_models_cache_after_the_accepted_path_is_a_plain_prefill(tree)
     state = jax.jit(proposer.accept)(state, jnp.asarray([len(path)]), jnp.asarray([0]),
                                      TargetOutput(None, hidden, path=padded))
     sequence = jnp.concatenate([committed, tokens[:, jnp.asarray(path)]], axis=1)  # [1, 6 + depth]
-    _, _, plain = draft(sequence, jnp.arange(sequence.shape[1])[None], draft.create_cache(1, 32))
+    _, _, plain = forward(draft, sequence, jnp.arange(sequence.shape[1])[None], draft.create_cache(1, 32))
     n = sequence.shape[1] - 1
     for layer in range(draft.config.num_layers):
         for got, want in zip(state.cache.layer(layer), plain.layer(layer)):
@@ -177,6 +177,17 @@ def chain_step(proposer, params, feature, tokens, positions, cache):
     return jax.nn.log_softmax(proposer.logits(params, feature)), (out[:, 0], cache)
 
 
+@jax.jit
+def pending_pairs(params, state):
+    """The head's output after the pending pairs (fed the plain way, without the tree), its cache, and its fill."""
+    head, width = params.head, state.tokens.shape[1]
+    positions = state.committed[:, None] + jnp.arange(width)[None]
+    out, cache = head(state.tokens, head.fuse(state.hidden), positions, state.cache.with_lengths(state.committed),
+                      params.embed)
+    fill = state.committed + state.num_pending
+    return out[jnp.arange(out.shape[0]), state.num_pending - 1], cache.with_lengths(fill), fill
+
+
 def dynamic_tree_and_reference(name: str, tree_top_k: int, total_tokens: int, depth: int = 3):
     """One dynamic tree drafted by an EAGLE head for two ragged rows, and, per node, the head's
     log-probabilities at its parent computed the plain way: the pending pairs, then the node's path
@@ -188,19 +199,15 @@ def dynamic_tree_and_reference(name: str, tree_top_k: int, total_tokens: int, de
     proposer = build_proposer(spec, SamplingConfig(), 64, head_for(name))
     params = proposer.bind(head_for(name), target)
     committed, lengths = jnp.asarray([[5, 9, 2, 7, 1, 3], [4, 4, 8, 1, 0, 0]]), jnp.asarray([6, 4])
-    hidden = target(committed[:, :-1], jnp.arange(5)[None].repeat(2, 0), hidden_layers=proposer.hidden_layers)[1]
+    hidden = forward(target, committed[:, :-1], np.arange(5)[None].repeat(2, 0), hidden_layers=proposer.hidden_layers)[1]
     state = jax.jit(proposer.init)(params, committed, lengths, TargetOutput(None, hidden))
     tokens, probs, drafted = jax.jit(proposer.propose)(params, state, Context.of(committed, lengths),
                                                        jax.random.key(0)[None])
     assert probs is None  # top-k drafts: q = 1 to the verifier
 
-    head, width = params.head, state.tokens.shape[1]
-    positions = state.committed[:, None] + jnp.arange(width)[None]
-    out, cache = head(state.tokens, head.fuse(state.hidden), positions, state.cache.with_lengths(state.committed),
-                      params.embed)
-    fill = state.committed + state.num_pending
-    root = out[jnp.arange(2), state.num_pending - 1]
-    parents = np.asarray(drafted.parents)
+    root, cache, fill = pending_pairs(params, state)
+    fill = np.asarray(fill)
+    parents, host_tokens = np.asarray(drafted.parents), np.asarray(tokens)
     reference = np.zeros((2, tokens.shape[1], TINY_VOCAB))  # [b, i]: log-probabilities at node i's parent
     for i in range(tokens.shape[1]):
         paths = []
@@ -210,13 +217,13 @@ def dynamic_tree_and_reference(name: str, tree_top_k: int, total_tokens: int, de
                 path.insert(0, node)
                 node = int(parents[b, node])
             paths.append(path)
-        feature, row_cache = root, cache.with_lengths(fill)
+        feature, row_cache = root, cache
         for step in range(max(map(len, paths)) + 1):
-            step_tokens = jnp.asarray([tokens[b, paths[b][step]] if step < len(paths[b]) else 0 for b in range(2)])
+            step_tokens = np.asarray([host_tokens[b, paths[b][step]] if step < len(paths[b]) else 0 for b in range(2)])
             log_probs, (feature, row_cache) = chain_step(proposer, params, feature, step_tokens, fill + step, row_cache)
             for b in range(2):
                 if step == len(paths[b]):
-                    reference[b, i] = np.asarray(log_probs[b])
+                    reference[b, i] = np.asarray(log_probs)[b]
     return np.asarray(tokens), parents, reference
 
 
