@@ -40,8 +40,7 @@ def target_and_prompts():
 def test_the_card_matches_the_bundled_files():
     card = json.loads((default_models.path("target").parent / "model_card.json").read_text())
     assert card["size_MB"] <= 56
-    # float32 as the fixtures below load it: the same conversion programs serve both.
-    assert card["vocab_size"] == load_models(default_models.TARGET, dtype="float32")[0].config.vocab_size
+    assert card["vocab_size"] == load_models(default_models.TARGET)[0].config.vocab_size
     for name in default_models.NAMES:
         if name != "dspark" or DSPARK_INSTALLED:
             assert (default_models.path(name) / "eval.json").exists()
