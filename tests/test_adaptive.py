@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.distributions import TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
+from support.distributions import chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
 from support.models import EOS, dflash_config, target_and_drafts, trained_dflash
 from support.requests import autoregressive_outputs, ragged_requests
@@ -21,7 +21,6 @@ from specjax import adaptive
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
 from specjax.models.dflash import init_dflash
-from specjax.models.transformer import init_model
 from specjax.verify import block, greedy, standard, synthetic
 from specjax.verify.common import make_draws, race_sample
 
@@ -29,6 +28,11 @@ T1 = SamplingConfig(temperature=1.0)
 
 
 # ------------------------------------------------------------------------------------- the budget argmax
+
+# The argmax as the loop runs it, in one program each (eagerly, every operation would compile a program of its own).
+expected_tokens = jax.jit(adaptive.expected_tokens, static_argnums=2)
+choose_width = jax.jit(adaptive.choose_width, static_argnums=2)
+
 
 @pytest.mark.parametrize("acceptance, costs, expected", [
     (0.9, (1.0, 1.02, 1.04, 1.08, 1.16), 4),  # batch 1: a wider forward costs little, confident drafts: all
@@ -40,33 +44,33 @@ def test_the_budget_argmax_picks_the_width_with_most_expected_tokens_per_cost(ac
     """Widths (0, 1, 2, 4, 8), four rows of equal conditional acceptance: expected tokens at width W are
     rows * (1 + a + ... + a^W); the choice is the argmax of that over the cost, checked against numpy."""
     widths = (0, 1, 2, 4, 8)
-    conditional = jnp.full((4, 8), acceptance)
-    active = jnp.ones(4, bool)
+    conditional = np.full((4, 8), acceptance, np.float32)
+    active = np.ones(4, bool)
     tokens = np.array([4 * sum(acceptance ** i for i in range(w + 1)) for w in widths])
-    np.testing.assert_allclose(adaptive.expected_tokens(conditional, active, widths), tokens, rtol=1e-5)
+    np.testing.assert_allclose(expected_tokens(conditional, active, widths), tokens, rtol=1e-5)
     assert int(np.argmax(tokens / np.array(costs))) == expected
-    assert int(adaptive.choose_width(conditional, active, widths, jnp.asarray(costs))) == expected
+    assert int(choose_width(conditional, active, widths, np.asarray(costs, np.float32))) == expected
 
 
 def test_the_budget_counts_active_rows_only_and_each_rows_own_survival():
     """Row 0 certain, row 1 never accepted, row 2 done: expected tokens are 2 rows + row 0's drafts."""
-    conditional = jnp.asarray([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
-    active = jnp.asarray([True, True, False])
-    np.testing.assert_allclose(adaptive.expected_tokens(conditional, active, (0, 1, 3)), [2.0, 3.0, 5.0])
+    conditional = np.asarray([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [1.0, 1.0, 1.0]], np.float32)
+    active = np.asarray([True, True, False])
+    np.testing.assert_allclose(expected_tokens(conditional, active, (0, 1, 3)), [2.0, 3.0, 5.0])
     # From a cost curve: batch 3 reads the row of batch 4; width 3 between the profiled 2 and 4.
     curve = adaptive.CostCurve(batches=(1, 4), widths=(0, 2, 4), seconds=((1, 1, 1), (1.0, 2.0, 4.0)))
     np.testing.assert_allclose(curve.costs(3, (0, 1, 3)), [1.0, 1.5, 3.0])
-    costs = jnp.asarray(curve.costs(3, (0, 1, 3)))
-    assert int(adaptive.choose_width(conditional, active, (0, 1, 3), costs)) == 0  # 2 / 1 = 3 / 1.5: the narrower
-    assert int(adaptive.choose_width(conditional, active, (0, 1, 3), costs * jnp.asarray([1.01, 1, 1]))) == 1
+    costs = curve.costs(3, (0, 1, 3))
+    assert int(choose_width(conditional, active, (0, 1, 3), costs)) == 0  # 2 / 1 = 3 / 1.5: the narrower
+    assert int(choose_width(conditional, active, (0, 1, 3), costs * np.float32([1.01, 1, 1]))) == 1
 
 
 def test_the_estimator_learns_from_tested_positions_and_drifts_back_where_it_saw_none():
-    state = adaptive.AdaptiveState(acceptance=jnp.full((3, 4), 0.5))
+    state = adaptive.AdaptiveState(acceptance=np.full((3, 4), 0.5, np.float32))
     # Row 0 verified 4 and accepted 1: position 1 passed, 2 failed, 3 and 4 untested. Row 1 verified 2 and
     # accepted both: 1 and 2 passed, 3 and 4 untested (not verified). Row 2 is done: unchanged.
-    new = np.asarray(state.observe(jnp.asarray([True, True, False]), jnp.asarray([4, 2, 4]),
-                                   jnp.asarray([1, 2, 0])).acceptance)
+    new = np.asarray(jax.jit(adaptive.AdaptiveState.observe)(state, np.asarray([True, True, False]),
+                                                             np.asarray([4, 2, 4]), np.asarray([1, 2, 0])).acceptance)
     up, down = 0.5 + adaptive.ESTIMATE_RATE * 0.5, 0.5 - adaptive.ESTIMATE_RATE * 0.5
     relaxed = 0.5 + adaptive.RELAX_RATE * (adaptive.PRIOR - 0.5)
     np.testing.assert_allclose(new, [[up, down, relaxed, relaxed], [up, up, relaxed, relaxed], [0.5] * 4], rtol=1e-6)
@@ -74,24 +78,42 @@ def test_the_estimator_learns_from_tested_positions_and_drifts_back_where_it_saw
 
 def test_the_confidence_head_is_read_only_for_deterministic_drafts():
     state = adaptive.AdaptiveState.init(2, 3)
-    confidence = jnp.full((2, 3), 0.25)
+    confidence = np.full((2, 3), 0.25, np.float32)
     greedy_spec = SpecConfig(method="dspark", num_speculative_tokens=3, enable_adaptive_verification=True)
     sampled_spec = SpecConfig(method="dspark", num_speculative_tokens=3, enable_adaptive_verification=True,
                               draft_sample_method="probabilistic")
-    assert (adaptive.conditional_acceptance(greedy_spec, state, confidence) == 0.25).all()
-    assert (adaptive.conditional_acceptance(sampled_spec, state, confidence) == adaptive.PRIOR).all()
-    assert (adaptive.conditional_acceptance(greedy_spec, state, None) == adaptive.PRIOR).all()
+    assert (np.asarray(adaptive.conditional_acceptance(greedy_spec, state, confidence)) == 0.25).all()
+    assert (np.asarray(adaptive.conditional_acceptance(sampled_spec, state, confidence)) == adaptive.PRIOR).all()
+    assert (np.asarray(adaptive.conditional_acceptance(greedy_spec, state, None)) == adaptive.PRIOR).all()
 
 
 # ------------------------------------------------------------------- cut verifiers are the cut chain's verifiers
 
-def random_block(batch=64, num_draft=4, vocab=8, seed=0, one_hot=False):
+@functools.partial(jax.jit, static_argnames=("batch", "num_draft", "vocab", "seed"))
+def random_block(batch=64, num_draft=4, vocab=8, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     target = jax.nn.softmax(2 * jax.random.normal(keys[0], (batch, num_draft + 1, vocab)), -1)
     draft = jax.nn.softmax(2 * jax.random.normal(keys[1], (batch, num_draft, vocab)), -1)
     tokens = jax.random.categorical(keys[2], jnp.log(draft))
     draws = make_draws(jax.random.split(keys[3], batch), num_draft, vocab)
-    return target, tokens, None if one_hot else draft, draws
+    return target, tokens, draft, draws
+
+
+RATES = (0.9, 0.7, 0.5, 0.2)  # the synthetic rule's, cut with the chain
+RULES = {"standard": standard.verify_with_draws, "block": block.verify_with_draws,
+         "greedy": lambda t, x, q, d, **cut: greedy.verify(t, x, q, **cut),
+         "synthetic": lambda t, x, q, d, **cut: synthetic.verify_with_draws(t, x, q, d, rates=RATES[:x.shape[1]], **cut)}
+
+
+@functools.partial(jax.jit, static_argnames="rule")
+def cut_and_chains(rule, target, tokens, draft, draws, num_valid):
+    """The rule on the block with each row cut to num_valid drafts, and on every row's chain of its first w drafts
+    for w = 1..K (the same draws), in one program (eagerly, every operation would compile one of its own)."""
+    verify = RULES[rule]
+    chains = [verify(target[:, :w + 1], tokens[:, :w], None if draft is None else draft[:, :w],
+                     type(draws)(uniforms=draws.uniforms[:, :w], exponentials=draws.exponentials))
+              for w in range(1, tokens.shape[1] + 1)]
+    return verify(target, tokens, draft, draws, num_valid=num_valid), chains, race_sample(target[:, 0], draws.exponentials)
 
 
 @pytest.mark.parametrize("rule", ["standard", "block", "greedy", "synthetic"])
@@ -102,28 +124,19 @@ def test_a_verifier_cut_to_w_drafts_is_the_verifier_of_the_first_w_drafts(rule, 
     not depend on later drafts, so a width fixed before the target's scores leaves each rule lossless (Sun et
     al.'s proof for block verification takes any fixed block length, w among them). w 0 emits a plain sample
     of the target at position 0."""
-    target, tokens, draft, draws = random_block(one_hot=one_hot)
-    rates = (0.9, 0.7, 0.5, 0.2)
-    verify = {"standard": standard.verify_with_draws, "block": block.verify_with_draws,
-              "greedy": lambda t, x, q, d, **cut: greedy.verify(t, x, q, **cut),
-              "synthetic": functools.partial(synthetic.verify_with_draws, rates=rates)}[rule]
-    num_valid = jnp.asarray(np.random.default_rng(0).integers(0, 5, 64), jnp.int32)
-    n, next_token = verify(target, tokens, draft, draws, num_valid=num_valid)
+    target, tokens, draft, draws = random_block()
+    num_valid = np.random.default_rng(0).integers(0, 5, 64).astype(np.int32)
+    (n, next_token), chains, first = cut_and_chains(rule, target, tokens, None if one_hot else draft, draws, num_valid)
     for w in range(5):
-        rows = np.flatnonzero(np.asarray(num_valid) == w)
+        rows = np.flatnonzero(num_valid == w)
         if w == 0:
             expected_n = np.zeros(len(rows))
-            expected_next = (np.argmax(target[rows, 0], -1) if rule == "greedy"
-                             else race_sample(target[rows, 0], draws.exponentials[rows]))
+            expected_next = np.argmax(np.asarray(target)[rows, 0], -1) if rule == "greedy" else np.asarray(first)[rows]
         else:
-            cut_draws = type(draws)(uniforms=draws.uniforms[rows, :w], exponentials=draws.exponentials[rows])
-            cut_verify = (functools.partial(synthetic.verify_with_draws, rates=rates[:w]) if rule == "synthetic"
-                          else verify)
-            expected_n, expected_next = cut_verify(target[rows, :w + 1], tokens[rows, :w],
-                                                   None if draft is None else draft[rows, :w], cut_draws)
-        np.testing.assert_array_equal(n[rows], expected_n, err_msg=f"{rule} w={w}")
-        np.testing.assert_array_equal(next_token[rows], expected_next, err_msg=f"{rule} w={w}")
-    assert (np.asarray(n) <= np.asarray(num_valid)).all()
+            expected_n, expected_next = (np.asarray(x)[rows] for x in chains[w - 1])
+        np.testing.assert_array_equal(np.asarray(n)[rows], expected_n, err_msg=f"{rule} w={w}")
+        np.testing.assert_array_equal(np.asarray(next_token)[rows], expected_next, err_msg=f"{rule} w={w}")
+    assert (np.asarray(n) <= num_valid).all()
 
 
 # ---------------------------------------------------------------------------------------- cost curves
@@ -134,7 +147,7 @@ def test_cost_curves_analytic_and_profiled_once_then_read_from_disk(tmp_path, mo
     assert adaptive.CostCurve.from_json(curve.to_json()) == curve
     with pytest.raises(ValueError, match="CostCurve.seconds"):
         adaptive.CostCurve(batches=(1,), widths=(0, 1), seconds=((1.0,),))
-    model = init_model(TINY, seed=0)
+    model = tiny_pair()[0]
     calls = []
     monkeypatch.setattr(adaptive, "profile", lambda *args: calls.append(args) or curve)
     timing = adaptive.DraftTiming(key="a drafter", seconds=lambda batch: 1.0)
@@ -196,6 +209,7 @@ def test_the_default_widths():
 
 # ------------------------------------------------------------------------------ greedy = autoregressive
 
+@functools.cache  # built once for generate and the engine
 def drafter_for(method: str):
     target, drafts = target_and_drafts()
     if method == "draft_model":
@@ -299,6 +313,7 @@ def tiny_spec(method: str, verifier: str) -> SpecConfig:
                       draft_sample_method=drafting, enable_adaptive_verification=True)
 
 
+@functools.cache  # built once for both verifiers
 def tiny_drafter(method: str):
     if method == "draft_model":
         return tiny_pair()[1]

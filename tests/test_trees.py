@@ -47,6 +47,11 @@ def test_greedy_tree_output_is_identical_to_autoregressive(method):
 SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_k=2))
 
 
+@functools.cache  # built once for the chi-square cases and the negative control
+def tiny_heads():
+    return medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
+
+
 @pytest.mark.loop
 @pytest.mark.slow
 @pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
@@ -54,7 +59,7 @@ def test_tree_sampling_is_lossless(drafting):
     """Recursive rejection sampling ('standard') and traversal verification ('block') at T 1, T 0.7 and top-k 2,
     one batch per verifier. Greedy drafting: each head's top-k (q one-hot); probabilistic: draws without
     replacement (with top-k 2, a third sibling's draw has no probability left and is fixed)."""
-    heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
+    heads = tiny_heads()
     check_lossless(tree_joint_counts(tree_spec(SMALL_TREE, draft_sample_method=drafting), SAMPLINGS, heads), SAMPLINGS)
 
 
@@ -71,7 +76,7 @@ def test_draft_model_tree_sampling_is_lossless():
 @pytest.mark.loop
 @pytest.mark.slow
 def test_negative_control_accepting_the_first_ranked_path_fails(monkeypatch):
-    heads = medusa_for(tiny_pair()[0], num_heads=2, scale=0.5)
+    heads = tiny_heads()
     assert first_ranked_pvalue(monkeypatch, tree_spec(SMALL_TREE), heads) < 1e-6
 
 
@@ -219,7 +224,7 @@ def dynamic_tree_and_reference(name: str, tree_top_k: int, total_tokens: int, de
             paths.append(path)
         feature, row_cache = root, cache
         for step in range(max(map(len, paths)) + 1):
-            step_tokens = jnp.asarray([tokens[b, paths[b][step]] if step < len(paths[b]) else 0 for b in range(2)])
+            step_tokens = np.asarray([tokens[b, paths[b][step]] if step < len(paths[b]) else 0 for b in range(2)])
             log_probs, (feature, row_cache) = chain_step(proposer, params, feature, step_tokens, fill + step, row_cache)
             for b in range(2):
                 if step == len(paths[b]):

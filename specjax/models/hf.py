@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
@@ -538,7 +539,8 @@ def write_from_rules(model: nnx.Module, rules: list[Rule], model_dir: str | Path
     model_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, jax.Array] = {}
     for rule in rules:
-        values = [_get_param(model, name)[...] for name in rule.ours]
+        # On the host: a layer's slice and its layout change per tensor would each compile a program on the device.
+        values = [np.asarray(_get_param(model, name)[...]) for name in rule.ours]
         layers = range(num_layers) if rule.per_layer else [None]
         for i in layers:
             ours = [v[i] if i is not None else v for v in values]
