@@ -1,6 +1,6 @@
 """Exact distributions and the test that compares counts with them: the chi-square p-value, a tiny
 target over 8 token ids whose first three tokens can be enumerated, and the speculative counts to
-compare with its joint distribution (all sampling settings of a case in one batch: they are data)."""
+compare with its joint distribution (all sampling settings of a case through one program: they are data)."""
 
 import dataclasses
 import functools
@@ -40,7 +40,7 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float
 TINY = ModelConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                    intermediate_size=32, init_std=0.6)
 PROMPT = [1, 5, 2]
-# Rows of the losslessness tests' one batch. On the CPU 32,768 (their run time is most of the suite's);
+# Rows per sampling setting in the losslessness tests. On the CPU 32,768 (their run time is most of the suite's);
 # on a GPU 131,072: the top-p miscompilation docs/testing.md tells of showed there only from about
 # 20,000 rows on. The negative controls fail with p below 1e-30 at either size (docs/testing.md).
 NUM_ROWS = 32_768 if jax.default_backend() == "cpu" else 131_072
@@ -124,7 +124,7 @@ def place(order: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def speculative_joint_counts(spec: SpecConfig, sampling: SamplingConfig, drafter, prompt: list[int] = PROMPT):
-    """Counts of the first NUM_TOKENS tokens over NUM_ROWS rows (one batch) from the tiny target."""
+    """Counts of the first NUM_TOKENS tokens over NUM_ROWS rows from the tiny target."""
     counts, metrics, _ = joint_counts_by_sampling(spec, [sampling], drafter, prompt)
     return counts[0], metrics
 
@@ -154,7 +154,7 @@ def first_ranked_pvalue(monkeypatch, spec: SpecConfig, drafter) -> float:
 
 
 def tree_joint_counts(spec: SpecConfig, samplings, drafter, verifiers=("standard", "block")):
-    """{verifier: counts per sampling setting}: every setting of `samplings` in one batch, once per verifier;
+    """{verifier: counts per sampling setting}: every setting of `samplings` through one program, once per verifier;
     the verifier is data of the loop, so the second run compiles nothing (checked)."""
     counts, programs = {}, []
     for verifier in verifiers:
