@@ -5,7 +5,7 @@ controls fail the same test. One test each, parametrised over drafters x draftin
 drafter's own tests (layouts, checkpoints, what its drafts are) live in its file.
 
 A sampling case runs every verifier the drafter has (standard and block, or block alone where the case is
-about the block verifier) on one batch that holds all its sampling settings, through one compiled loop
+about the block verifier) on rows of all its sampling settings, run in chunks through one compiled loop
 (the verifier and the settings are data; asserted)."""
 
 import dataclasses
@@ -175,7 +175,7 @@ def sampling_id(sampling: SamplingConfig) -> str:
 def lossless_case(drafter: str, verifiers=("standard", "block"), drafting: str = "probabilistic", samplings=(T1,),
                   prompt=PROMPT, tag: str = "", **options):
     """A parameter set, named drafter-drafting[-verifier][-tag], e.g. "eagle3-probabilistic-block": every sampling
-    setting of `samplings` runs in one batch, beside greedy rows, once per verifier of `verifiers` (the verifier is
+    setting of `samplings` runs through one program, beside greedy rows, once per verifier of `verifiers` (the verifier is
     data of the loop: one compiled program serves them all)."""
     spec = SpecConfig(method=METHODS[drafter], num_speculative_tokens=2, draft_sample_method=drafting, **options)
     parts = [drafter, drafting, *(verifiers if len(verifiers) == 1 else []), *([tag] if tag else [])]
@@ -215,7 +215,7 @@ GREEDY_ROWS = 64  # greedy rows in each batch: they must give the target's greed
 @pytest.mark.parametrize("drafter, spec, verifiers, samplings, prompt", LOSSLESS_CASES)
 def test_speculative_sampling_is_lossless(drafter, spec, verifiers, samplings, prompt):
     """Each sampling setting's rows follow the target's processed distribution exactly (chi-square), in
-    one batch that mixes them with each other and with greedy rows, with each verifier; the verifiers share
+    batches that mix them with each other and with greedy rows, with each verifier; the verifiers share
     one compiled loop."""
     expected_greedy = generate(tiny_pair()[0], [prompt], max_new_tokens=NUM_TOKENS).tokens[0]
     programs = []

@@ -31,6 +31,9 @@ TARGET = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, 
                      intermediate_size=128)
 DRAFT = dataclasses.replace(TARGET, num_layers=1, intermediate_size=64)
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+# The prompts twice, greedy then sampled, in one batch: the settings are data, so one program per loop and
+# mesh serves both (generate's keyword arguments).
+GREEDY_AND_T1 = dict(sampling=[GREEDY] * 8 + [T1] * 8, seeds=list(range(16)))
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +99,10 @@ def test_logits_match_one_device(models, mesh_shape):
 @pytest.mark.loop
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_autoregressive_tokens_match_one_device(models, prompts, mesh_shape):
-    for sampling in (GREEDY, T1):
-        want = generate(models["target"], prompts, max_new_tokens=12, sampling=sampling, seeds=list(range(8)))
-        got = generate(models["target"], prompts, max_new_tokens=12, sampling=sampling, seeds=list(range(8)),
-                       mesh=sharding.make_mesh(*mesh_shape))
-        assert got.sequences() == want.sequences()
+    kwargs = dict(max_new_tokens=12, **GREEDY_AND_T1)
+    want = generate(models["target"], prompts * 2, **kwargs)
+    got = generate(models["target"], prompts * 2, **kwargs, mesh=sharding.make_mesh(*mesh_shape))
+    assert got.sequences() == want.sequences()
 
 
 @pytest.mark.loop
@@ -123,13 +125,10 @@ def test_the_decoding_layout_matches_one_device(models, prompts, mesh_shape):
     for method, drafter in drafters.items():
         spec = SpecConfig(method=method, num_speculative_tokens=3)
         runs.append((dict(spec=spec, drafter=drafter), dict(spec=spec, drafter=models[method])))
-    for sampling in (GREEDY, T1):
-        for extra, reference in runs:
-            want = generate(models["target"], prompts, max_new_tokens=10, sampling=sampling, seeds=list(range(8)),
-                            **reference)
-            got = generate(placed, prompts, max_new_tokens=10, sampling=sampling, seeds=list(range(8)), mesh=mesh,
-                           **extra)
-            assert got.sequences() == want.sequences(), (sampling, bool(extra))
+    for extra, reference in runs:
+        want = generate(models["target"], prompts * 2, max_new_tokens=10, **GREEDY_AND_T1, **reference)
+        got = generate(placed, prompts * 2, max_new_tokens=10, **GREEDY_AND_T1, mesh=mesh, **extra)
+        assert got.sequences() == want.sequences(), bool(extra)
 
 
 VERIFIERS = [  # (sampling, SpecConfig changes, gather_logits)
