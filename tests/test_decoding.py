@@ -12,7 +12,7 @@ from support.distributions import chi_square_pvalue
 from support.jaxpr import primitives
 
 from specjax.config import ModelConfig, SamplingConfig
-from specjax.decoding import decode_loop, generate, loop_arrays, pad_request
+from specjax.decoding import batch_bucket, decode_loop, generate, loop_arrays, pad_request
 from specjax.models import hf
 from specjax.models.transformer import init_model
 
@@ -169,3 +169,14 @@ def test_cache_dtype_is_separate_from_the_model_and_checked():
     assert generate(model, [[1, 2]], max_new_tokens=4, cache_dtype="bfloat16").num_generated[0] == 4
     with pytest.raises(ConfigError, match=r"cache_dtype = 'int8' is invalid: allowed \["):
         generate(model, [[1, 2]], max_new_tokens=2, cache_dtype="int8")
+
+
+def test_a_large_batch_is_padded_by_less_than_an_eighth_and_a_small_one_to_a_power_of_two():
+    """generate's batch padding (decoding.batch_bucket): powers of two up to 4,096 rows (few programs for small
+    batches), then a multiple of a sixteenth of the next power of two, so 65,600 rows compute 73,728, not 131,072."""
+    assert [batch_bucket(n) for n in (1, 3, 5, 4096)] == [1, 4, 8, 4096]
+    assert batch_bucket(65_600) == 73_728
+    for n in range(4097, 300_000, 997):
+        padded = batch_bucket(n)
+        assert n <= padded < n * 9 / 8, n
+        assert padded % (1 << (n - 1).bit_length() - 4) == 0, n  # a sixteenth of the next power of two
