@@ -239,7 +239,6 @@ def empty_caches(weights, *, program: _Program, batch: int) -> tuple:
     return model.create_cache(batch, program.cache_size, dtype), draft
 
 
-
 class Engine:
     """Continuous batching with speculative decoding over one model (and drafter) on one device.
 
