@@ -37,7 +37,8 @@ case $part in
       --name bench_serve_8b_inproc --output "$out"
     python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
       --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
-      --max-num-seqs 256 --max-model-len 320 --warmup-prompt-len 128 --port 8765 --per-request-spec-decode-metrics summary \
+      --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 --warmup-prompt-len 128 --port 8765 \
+      --per-request-spec-decode-metrics summary --log-stats-interval 2 \
       > "$out/serve_8b.log" 2>&1 &
     server=$!
     for _ in $(seq ${HEALTH_WAIT_S:-420}); do

@@ -442,6 +442,10 @@ def http_main(args, method: Method, loads, rates) -> None:
             "new_tokens": args.new_tokens, "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)"}
     rows = []
     for load in loads:
+        # Untimed first: a wave of short requests at this load, so that what the server compiles on first use
+        # (admission batches, slot moves) is not in the figures (in process, Engine.warmup compiled it).
+        http_point(args.url, prompts, num_requests=int(max(load, 1)), new_tokens=min(args.new_tokens, 16),
+                   concurrency=int(max(load, 1)), rate=None, burstiness=args.burstiness, seed=0)
         point = http_point(args.url, prompts, num_requests=max(args.num_requests, 2 * int(load)),
                            new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                            rate=load if rates else None, burstiness=args.burstiness, seed=int(load))

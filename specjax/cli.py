@@ -346,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compile every program prompts of up to this length run before listening (default: short only)")
     srv.add_argument("--admit-wait-ms", type=float, default=None,
                      help="ms to gather arriving requests before a visit, after requests ended (default: 20; 0: off)")
+    srv.add_argument("--max-prefill-batch", type=int, default=None,
+                     help="requests admitted by one prefill call at most (default: 8)")
+    srv.add_argument("--log-stats-interval", type=float, default=None,
+                     help="seconds between the engine's stats lines in the log while it works (default: 10; 0: off)")
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoints')")
     srv.add_argument("--host", default=None, help="default: 127.0.0.1")
     srv.add_argument("--port", type=int, default=None, help="default: 8000")

@@ -125,7 +125,8 @@ def test_one_step_program_serves_greedy_top_p_and_top_k_requests_together():
 
 @pytest.mark.loop
 def test_engines_of_equal_settings_share_their_programs_and_another_setting_compiles_its_own():
-    """The engine's programs take its settings as static arguments and the weights and state as traced ones: a second
+    """A warmed engine serves without compiling. The engine's programs take its settings as static arguments and the
+    weights and state as traced ones: a second
     engine of the same settings, over copies of the weights (a server restarted in one process), compiles nothing;
     one whose visits are longer compiles its step programs and shares the rest, which do not depend on it."""
     target, drafter = target_and_drafts()[0], drafter_for("eagle")
@@ -136,7 +137,10 @@ def test_engines_of_equal_settings_share_their_programs_and_another_setting_comp
         engine.warmup(16)
         return engine
 
-    want = serve_arriving(warm_engine(target, drafter), requests)
+    engine = warm_engine(target, drafter)
+    with compiled_programs() as compiled:  # warmup's contract: serving compiles nothing (slot moves included)
+        want = serve_arriving(engine, requests)
+    assert compiled == []
     copies = jax.tree.map(jnp.copy, (target, drafter))
     with compiled_programs() as compiled:
         got = serve_arriving(warm_engine(*copies), requests)

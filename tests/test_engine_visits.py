@@ -92,3 +92,30 @@ def test_the_servers_engine_thread_admits_a_request_arriving_just_after_another_
     finally:
         runner.stop()
     assert (admitted_at["first"] == admitted_at["second"]) == together, admitted_at
+
+
+@pytest.mark.loop
+def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
+    """The periodic stats line (vLLM's): one at least for a short burst of requests (going idle ends the last
+    interval), with the counters behind it: the tokens the streams received, slots stepped."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(None), log_stats_interval_s=1e-3)
+    received = []
+
+    async def requests():
+        queues = [runner.submit(Request.make(f"r{i}", [1 + i, 2, 3], 24)) for i in range(3)]
+        for queue in queues:
+            while (event := await queue.get())[0] != "done":
+                received.extend(event[1])
+
+    runner.start()
+    try:
+        with caplog.at_level("INFO", logger="specjax.serve"):
+            asyncio.run(requests())
+            runner.stop()
+    finally:
+        runner.stop()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")]
+    assert lines and "steps/visit" in lines[-1], lines
+    assert runner.tokens_sent == len(received) > 0
+    stats = runner.engine.stats()
+    assert stats["steps"] > 0 and 0 < stats["busy_slot_steps"] <= stats["slot_steps"]

@@ -256,6 +256,10 @@ class Engine:
         self.mode = GREEDY  # what the compiled programs can sample; grows with the requests seen
         self.steps_run = 0  # device steps, all visits together
         self.visits = 0
+        self.slot_steps = 0  # slots stepped times steps, all visits together (free slots below busy ones count)
+        self.busy_slot_steps = 0  # ... of which the slot held a request when its visit began
+        self.prefill_calls = 0  # admission prefills (each of up to max_prefill_batch requests)
+        self.prefilled_requests = 0
         # Seconds of step() spent waiting on the device (the loop's call, reading its results, and reading the
         # prefills' first tokens, which waits for the prefills), and all of it: the difference is host work
         # between device calls (admission, bookkeeping, streaming).
@@ -315,9 +319,13 @@ class Engine:
         return bool(self.waiting or self.running or self.finished or self.aborted or self.chunked)
 
     def stats(self) -> dict:
-        """The engine's counters: device steps, visits, and the prefix cache's (hits and queries in tokens and
-        blocks, hit_rate; None when prefix caching is off)."""
-        return {"steps": self.steps_run, "visits": self.visits,
+        """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
+        requests), seconds in step() and waiting on the device, and the prefix cache's (hits and queries in
+        tokens and blocks, hit_rate; None when prefix caching is off)."""
+        return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
+                "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
+                "prefilled_requests": self.prefilled_requests, "step_s": self.step_s,
+                "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
                 "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats()}
 
@@ -424,6 +432,11 @@ class Engine:
             batch *= 2
         for rows in self._row_buckets():
             self._run(mode, 0, rows + 1, rows)
+        nowhere = self.config.max_num_seqs  # a target past the rows: every move and release is dropped
+        for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):  # padded_slots' counts
+            self.state = move_rows(self.state, padded_slots([0] * count, 0), padded_slots([nowhere] * count, nowhere),
+                                   axes=self._axes)
+            self._release([nowhere] * count)
         self._warm_offsets(mode, prompt_len)
         jax.block_until_ready(self.state)
 
@@ -514,6 +527,8 @@ class Engine:
         self.device_wait_s += time.perf_counter() - wait
         self.steps_run += int(visit.steps)
         self.visits += 1
+        self.slot_steps += rows * int(visit.steps)
+        self.busy_slot_steps += len(self.running) * int(visit.steps)
         ended += self._collect(visit)
         self._compact()
         return ended
@@ -589,6 +604,8 @@ class Engine:
     def _prefill(self, admitted: list[tuple[Request, float]], slots: list[int]) -> tuple[Any, list[int]]:
         """Prefills the requests (from their prefix cache blocks, where prefix caching is on) into the slots."""
         count = len(admitted)
+        self.prefill_calls += 1
+        self.prefilled_requests += count
         mode = self._mode_of([request for request, _ in admitted])
         batch = decoding.bucket(count)
         arrays = self._row_arrays(admitted, batch)

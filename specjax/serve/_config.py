@@ -49,12 +49,17 @@ class ServeConfig:
     # when idle (it stops at a 2 ms gap between arrivals or when the free slots are spoken for): a visit admits
     # nothing while it runs (serve/_runner.py). 0: start each visit at once (--admit-wait-ms).
     admit_wait_ms: float = 20.0
+    # Requests admitted by one prefill call at most (the engine's max_prefill_batch; --max-prefill-batch).
+    max_prefill_batch: int = 8
+    # Seconds between the engine's stats lines in the log while it works (requests running and waiting, visits,
+    # steps, slots stepped, prefills, tokens/s, device share); 0: none (--log-stats-interval).
+    log_stats_interval_s: float = 10.0
 
     def __post_init__(self):
         from specjax.proposers import PROPOSERS
         from specjax.verify import rejection_sample_methods
 
-        for name in ("max_num_seqs", "max_model_len"):
+        for name in ("max_num_seqs", "max_model_len", "max_prefill_batch"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, "ServeConfig", name, value, "an integer >= 1")
         require(isinstance(self.port, int) and 0 <= self.port < 65536, "ServeConfig", "port", self.port,
@@ -65,6 +70,8 @@ class ServeConfig:
                 f"null or an integer in 1..{self.max_model_len - 1} (below max_model_len)")
         require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
                 "admit_wait_ms", self.admit_wait_ms, "milliseconds >= 0")
+        require(isinstance(self.log_stats_interval_s, (int, float)) and self.log_stats_interval_s >= 0,
+                "ServeConfig", "log_stats_interval_s", self.log_stats_interval_s, "seconds >= 0")
         require(self.shutdown_timeout_s >= 0, "ServeConfig", "shutdown_timeout_s", self.shutdown_timeout_s,
                 "seconds >= 0")
         require(self.per_request_spec_decode_metrics in METRICS_LEVELS, "ServeConfig",
@@ -94,7 +101,8 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "per_request_spec_decode_metrics": "per_request_spec_decode_metrics",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
-         "warmup_prompt_len": "warmup_prompt_len", "admit_wait_ms": "admit_wait_ms"}
+         "warmup_prompt_len": "warmup_prompt_len", "admit_wait_ms": "admit_wait_ms",
+         "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s"}
 
 
 def load_serve_config(path=None, flags: dict | None = None, overrides=()) -> ServeConfig:

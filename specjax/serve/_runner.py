@@ -40,8 +40,12 @@ class EngineRunner:
     spoken for, or `admit_wait_s` has passed (0 turns it off)."""
 
     def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.02,
-                 admit_gap_s: float = 0.002):
+                 admit_gap_s: float = 0.002, log_stats_interval_s: float = 10.0):
         self.admit_wait_s, self.admit_gap_s = admit_wait_s, admit_gap_s
+        self.log_stats_interval_s = log_stats_interval_s
+        self.gather_s = 0.0  # seconds spent gathering arrivals before visits
+        self.tokens_sent = 0  # tokens streamed to requests (the warm-up's not counted)
+        self._last_stats: tuple[float, dict] | None = None  # (when, the counters then) of the last stats line
         self.engine = Engine(model, config, drafter, on_tokens=self._on_tokens)
         self.metrics = metrics  # a ServerMetrics that counts every ended request, or None
         self.failure: str | None = None  # why the engine thread stopped, if it broke
@@ -118,6 +122,7 @@ class EngineRunner:
         while True:
             with self._wake:
                 while not self._inbox and not engine.has_work() and not self._stopping:
+                    self._log_stats(idle=True)
                     self._wake.wait()
                     gather = True
                 if self._stopping and not self._inbox and not engine.has_work():
@@ -137,15 +142,58 @@ class EngineRunner:
                 self._fail(f"the engine failed: {type(error).__name__}: {error}")
                 return
             gather = bool(outputs)
+            self._log_stats()
             for output in outputs:
                 stream = self._send(output.request_id, (DONE, output), last=True)
                 if stream is not None and self.metrics is not None:
                     self.metrics.running.labels(self.metrics.model_name).dec()
                     self.metrics.observe(output, stream.prompt_tokens)
 
+    def _counters(self) -> dict:
+        return {**{k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))},
+                "gather_s": self.gather_s, "tokens": self.tokens_sent}
+
+    def _log_stats(self, idle: bool = False) -> None:
+        """Every log_stats_interval_s while working, one line of what the engine did since the last (as vLLM's
+        periodic stats): requests running and waiting, visits, steps a visit, slots stepped a step and how many
+        held a request, admission prefills, tokens/s, and the shares of time on the device and gathering. Going
+        idle logs what is left of the interval and stops the clock: no line averages over idle time."""
+        if not self.log_stats_interval_s:
+            return
+        now = time.monotonic()
+        if self._last_stats is None:
+            if not idle:
+                self._last_stats = (now, self._counters())
+            return
+        then, before = self._last_stats
+        if now - then < self.log_stats_interval_s and not idle:
+            return
+        after = self._counters()
+        if idle:
+            self._last_stats = None
+            if after["visits"] == before["visits"]:
+                return
+        d = {k: after[k] - before[k] for k in after}
+        seconds, steps, visits = now - then, max(d["steps"], 1), max(d["visits"], 1)
+        log.info("engine: %d running, %d waiting; %.1f visits/s, %.1f steps/visit, %.1f slots stepped/step "
+                 "(%.1f busy), %d prefills of %.1f requests, %.0f tokens/s; device %.0f%%, gathering %.0f%% of "
+                 "the time", after["running"], after["waiting"], d["visits"] / seconds, d["steps"] / visits,
+                 d["slot_steps"] / steps, d["busy_slot_steps"] / steps, d["prefill_calls"],
+                 d["prefilled_requests"] / max(d["prefill_calls"], 1), d["tokens"] / seconds,
+                 100 * d["device_wait_s"] / seconds, 100 * d["gather_s"] / seconds)
+        if not idle:
+            self._last_stats = (now, after)
+
     def _gather_arrivals(self) -> None:
         """Waits (holding self._wake) while arrivals keep coming into free slots: see the class docstring."""
-        engine, deadline = self.engine, time.monotonic() + self.admit_wait_s
+        start = time.monotonic()
+        try:
+            self._gather(start + self.admit_wait_s)
+        finally:
+            self.gather_s += time.monotonic() - start
+
+    def _gather(self, deadline: float) -> None:
+        engine = self.engine
         free = engine.config.max_num_seqs - len(engine.running) - len(engine.waiting)
         seen = len(self._inbox)
         while not self._stopping and seen < free and (now := time.monotonic()) < deadline:
@@ -155,7 +203,8 @@ class EngineRunner:
             seen = len(self._inbox)
 
     def _on_tokens(self, request_id: str, new_ids: list[int]) -> None:
-        self._send(request_id, (TOKENS, new_ids))
+        if self._send(request_id, (TOKENS, new_ids)) is not None:
+            self.tokens_sent += len(new_ids)
 
     def _send(self, request_id: str, event: tuple, last: bool = False) -> _Stream | None:
         with self._wake:

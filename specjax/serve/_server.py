@@ -60,10 +60,12 @@ def serve(config: ServeConfig) -> int:
     engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, spec=spec,
                                  eos_token_ids=tuple(eos), enable_prefix_caching=config.enable_prefix_caching,
                                  disable_eagle_block_drop=config.disable_eagle_block_drop,
-                                 max_num_batched_tokens=config.max_num_batched_tokens)
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 max_prefill_batch=config.max_prefill_batch)
     prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
     metrics = ServerMetrics(config.model_name)
-    runner = EngineRunner(model, engine_config, drafter, metrics, admit_wait_s=config.admit_wait_ms / 1e3)
+    runner = EngineRunner(model, engine_config, drafter, metrics, admit_wait_s=config.admit_wait_ms / 1e3,
+                          log_stats_interval_s=config.log_stats_interval_s)
     served = Served(config, runner, tokenizer, metrics, engine_config.lookahead)
     what = "autoregressive" if spec is None else (
         f"{spec.method} K={spec.num_speculative_tokens} ({spec.rejection_sample_method} verification"
