@@ -7,7 +7,8 @@
 #                                                      # 256 requests; the engine with EAGLE-1 K 5 tau 4 and
 #                                                      # DFlash K 15 tau 6 (the figures), 1 to 256
 #     PYTHONPATH=. benchmarks/serve_8b.sh http OUT     # specjax serve (HTTP, streamed) against the same engine
-#                                                      # in process, EAGLE-1 K 5 tau 4
+#                                                      # in process, EAGLE-1 K 5 tau 4 (SERVE=0: in process
+#                                                      # only; INPROC=0: the server only, from the cache)
 #     PYTHONPATH=. benchmarks/serve_8b.sh offload OUT  # DFlash K 15 tau 6 with draft KV offload on and off:
 #                                                      # throughput, TPOT, device memory in use and peak
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
@@ -33,8 +34,12 @@ case $part in
     # In process first: its programs fill the compile cache the server's warm-up then reads (on 2026-12-03 the
     # server's own warm-up of greedy and sampled programs outlasted a 240 s wait and no request was served).
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
-    python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
-      --name bench_serve_8b_inproc --output "$out"
+    # INPROC=0 skips it (a second device call after the first filled the cache: each call has 10 minutes).
+    if [ "${INPROC:-1}" != 0 ]; then
+      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
+        --name bench_serve_8b_inproc --output "$out"
+      [ "${SERVE:-1}" != 0 ] || exit 0
+    fi
     python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
       --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
       --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 --warmup-prompt-len 128 --port 8765 \
