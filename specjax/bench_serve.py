@@ -187,6 +187,48 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
             else device_memory("peak_bytes_in_use") / 2**30}
 
 
+def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurrency: int) -> dict:
+    """The closed loop through the server's engine thread (serve.EngineRunner) with no HTTP between: clients
+    submit and read their queues on an event loop, as the server's handlers do. Against run_point (the host
+    admits each replacement before the next visit), it shows what the thread's scheduling costs; against
+    --url, what HTTP does."""
+    import asyncio
+
+    queue = list(range(num_requests))[::-1]
+    records = []
+
+    async def client():
+        while queue:
+            index = queue.pop()
+            arrival, times = time.perf_counter(), []
+            events = runner.submit(Request.make(f"q{index}", prompts[index % len(prompts)], new_tokens))
+            while True:  # ("tokens", ids) per visit, then ("done", RequestOutput) or ("failed", why)
+                kind, item = await events.get()
+                if kind == "tokens":
+                    times += [time.perf_counter()] * len(item)
+                    continue
+                if kind != "done":
+                    raise RuntimeError(f"request {index}: {item}")
+                output = item
+                break
+            records.append(Record(arrival, times[0] if times else time.perf_counter(), time.perf_counter(),
+                                  len(output.tokens), tuple(times), output.metrics))
+
+    async def run():
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+
+    engine = runner.engine
+    steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
+    start = time.perf_counter()
+    asyncio.run(run())
+    wall = time.perf_counter() - start
+    step_s, wait_s, steps = engine.step_s - step0, engine.device_wait_s - wait0, engine.steps_run - steps0
+    return {**summarize(records, wall), "steps": steps, "visits": engine.visits - visits0, "hit_rate": None,
+            "host_share": (step_s - wait_s) / step_s if step_s else None,
+            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3, "draft_kv_mib_per_slot": None,
+            "moved_mib_per_visit": None, "device_in_use_gib": None, "device_peak_gib": None}
+
+
 def device_memory(key: str) -> int | None:
     """A figure of the default device's memory_stats (bytes), None where the backend reports none."""
     stats = jax.devices()[0].memory_stats()
@@ -332,6 +374,10 @@ def main(argv=None) -> None:
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="prompt tokens prefilled per visit (chunked prefill; default: whole prompts)")
+    parser.add_argument("--through", choices=("engine", "runner"), default="engine",
+                        help="engine: the host steps the engine and admits each replacement before the next visit; "
+                             "runner: the server's engine thread (serve.EngineRunner) with clients on an event loop, "
+                             "no HTTP (closed loop only)")
     parser.add_argument("--name", default="bench_serve")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -348,6 +394,8 @@ def main(argv=None) -> None:
         parser.error(f"--draft-kv-offload {bad[0]!r} is invalid: allowed a comma-separated list of {list(OFFLOAD_MODES)}")
     if args.url is not None:
         return http_main(args, methods[0], loads, rates)
+    if args.through == "runner" and rates:
+        parser.error("--through runner: a closed loop only (--concurrency, not --rate)")
     if args.models == "bundled":
         target, drafters, prompts = bundled_models(methods)
     else:
@@ -358,7 +406,7 @@ def main(argv=None) -> None:
                                         prefix_len=args.prefix_len, suffix_len=args.suffix_len)
     prompt_len = max(len(p) for p in prompts)
     load_label = "request rate (req/s)" if rates else "requests in flight"
-    meta = {**benchmarking.environment(), "models": args.models, "load": load_label,
+    meta = {**benchmarking.environment(), "models": args.models, "load": load_label, "through": args.through,
             "prompt_len": prompt_len, "new_tokens": args.new_tokens, "steps_per_visit": args.steps_per_visit,
             "max_prefill_batch": args.max_prefill_batch, "workload": args.workload,
             **({"num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len}
@@ -385,7 +433,7 @@ def main(argv=None) -> None:
         # Without speculation there is no drafter to offload: 'off' only (a drafter without a KV cache, Medusa's or
         # n-gram's, is refused by the engine, naming the field).
         for mode, offload in [(m, o) for m in modes for o in offloads if o == "off" or spec is not None]:
-            engine = None
+            engine = runner = None
             for load in loads:
                 # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
                 # serves every load (a visit steps the smallest power-of-two count of slots holding the busy ones).
@@ -399,12 +447,26 @@ def main(argv=None) -> None:
                                           block_size=args.block_size, num_prefix_blocks=args.num_prefix_blocks,
                                           max_num_batched_tokens=args.max_num_batched_tokens,
                                           draft_kv_offload=OFFLOAD_MODES[offload], **PREFIX_MODES[mode])
-                    engine = None  # the last one's caches go before the next one's are made
-                    engine = Engine(target, config, drafter=drafters[method.name])
+                    if runner is not None:
+                        runner.stop()
+                    engine = runner = None  # the last one's caches go before the next one's are made
+                    if args.through == "runner":
+                        from specjax.serve import EngineRunner
+
+                        runner = EngineRunner(target, config, drafters[method.name])
+                        engine = runner.engine
+                    else:
+                        engine = Engine(target, config, drafter=drafters[method.name])
                     engine.warmup(prompt_len)
-                point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
-                                  new_tokens=args.new_tokens, concurrency=None if rates else int(load),
-                                  rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+                    if runner is not None:
+                        runner.start()
+                if runner is not None:
+                    point = runner_point(runner, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                                         new_tokens=args.new_tokens, concurrency=int(load))
+                else:
+                    point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                                      new_tokens=args.new_tokens, concurrency=None if rates else int(load),
+                                      rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
                 label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
                 label += " adaptive" if method.adaptive else ""
                 label += "" if len(modes) == 1 else f" prefix {mode}"
@@ -421,7 +483,9 @@ def main(argv=None) -> None:
                       + ("" if point["moved_mib_per_visit"] is None else
                          f", draft KV {point['moved_mib_per_visit']:.1f} MiB moved a visit"), flush=True)
                 json_path = write()
-            del engine
+            if runner is not None:
+                runner.stop()
+            del engine, runner
     print(f"wrote {json_path} and its .md, .png")
 
 
