@@ -44,48 +44,74 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax import benchmarking
 from specjax.config import SpecConfig
 
-# The weight of a step's outcome in a position's moving average: about the last five steps count.
-ESTIMATE_RATE = 0.2
-# The pull, per step, of a position the row did not verify back toward PRIOR: an estimate that dropped
-# under a narrow width would otherwise never be seen again, and the width never widen.
-RELAX_RATE = 0.02
-# Every position starts as certain: the first steps verify the whole block (vLLM verifies fully until its
-# estimator has been fitted) and learn from it.
+# A step's weight in the counts against the step before's: a row's outcomes count for about its last
+# 1 / (1 - DISCOUNT) = 10 steps, so estimates follow a request whose text changes and untested positions forget.
+DISCOUNT = 0.9
+# A row's prior for position i is Beta with mean the batch's estimate and this many pseudo-tests: a row's own
+# record outweighs its batch mates' after a few tests of that position, and a new row starts at the batch's.
+ROW_PRIOR_TESTS = 4.0
+# The batch's estimate of position i has as its prior the batch's pooled rate over positions 1..i-1:
+# conditional acceptance is roughly flat or rising with depth, so a position no row tested lately is about as
+# likely as the shallower ones (a pool: less noisy than the one position above it, which a row may have seen once).
+# Before any test the prior is optimistic, PRIOR (certainty): the first step verifies the whole block and sees
+# every depth (vLLM verifies fully until its estimator is fitted), and a batch that stopped testing drifts back.
 PRIOR = 1.0
+# The weight of each of those priors in pseudo-tests: it fills a position nobody tested lately, and the batch's
+# first tests outweigh it.
+PRIOR_TESTS = 1.0
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("acceptance",), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("passed", "tested"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
-    """Each row's estimate of P(draft i accepted | draft i - 1 accepted), i = 1..K, kept in the loop."""
+    """Each row's discounted counts, by draft position i = 1..K, of steps that tested draft i (verified it
+    with every draft before it accepted) and of those where it passed, kept in the loop. Every field has the
+    batch axis: the engine moves and resets rows with their counts."""
 
-    acceptance: Float[Array, "B K"]
+    passed: Float[Array, "B K"]
+    tested: Float[Array, "B K"]
 
     @classmethod
     def init(cls, batch: int, num_draft: int) -> AdaptiveState:
-        return cls(acceptance=jnp.full((batch, num_draft), PRIOR, jnp.float32))
+        return cls(passed=jnp.zeros((batch, num_draft), jnp.float32),
+                   tested=jnp.zeros((batch, num_draft), jnp.float32))
 
     def observe(self, active: Bool[Array, " B"], verified: Int[Array, " B"],
                 accepted: Int[Array, " B"]) -> AdaptiveState:
         """After a step that verified `verified` drafts of each row and accepted `accepted`: draft i was
         tested where i <= verified and every draft before it was accepted (i <= accepted + 1), and passed
-        where i <= accepted."""
-        position = jnp.arange(1, self.acceptance.shape[1] + 1)[None, :]
-        tested = active[:, None] & (position <= verified[:, None]) & (position <= accepted[:, None] + 1)
-        passed = (position <= accepted[:, None]).astype(jnp.float32)
-        seen = self.acceptance + ESTIMATE_RATE * (passed - self.acceptance)
-        relaxed = self.acceptance + RELAX_RATE * (PRIOR - self.acceptance)
-        return AdaptiveState(acceptance=jnp.where(tested, seen, jnp.where(active[:, None], relaxed, self.acceptance)))
+        where i <= accepted. An active row's counts are discounted, then counted; a done row's are kept."""
+        position = jnp.arange(1, self.passed.shape[1] + 1)[None, :]
+        tested = (position <= verified[:, None]) & (position <= accepted[:, None] + 1)
+        passed = position <= accepted[:, None]
+        step = active[:, None]
+        return AdaptiveState(passed=jnp.where(step, DISCOUNT * self.passed + passed, self.passed),
+                             tested=jnp.where(step, DISCOUNT * self.tested + tested, self.tested))
+
+    def batch_estimate(self, active: Bool[Array, " B"]) -> Float[Array, " K"]:
+        """The active rows' pooled estimate of P(draft i accepted | draft i - 1 accepted): their counts summed,
+        with the pooled rate over positions 1..i-1 (itself under the uniform prior) as a prior."""
+        rows = active[:, None]
+        passed = jnp.sum(jnp.where(rows, self.passed, 0.0), axis=0)
+        tested = jnp.sum(jnp.where(rows, self.tested, 0.0), axis=0)
+        above_passed, above_tested = jnp.cumsum(passed) - passed, jnp.cumsum(tested) - tested  # positions 1..i-1
+        depth = (above_passed + PRIOR_TESTS * PRIOR) / (above_tested + PRIOR_TESTS)
+        return (passed + PRIOR_TESTS * depth) / (tested + PRIOR_TESTS)
+
+    def estimate(self, active: Bool[Array, " B"]) -> Float[Array, "B K"]:
+        """Each row's posterior mean: its own counts with the batch's estimate as a prior of ROW_PRIOR_TESTS
+        tests (empirical Bayes over the active rows)."""
+        return (self.passed + ROW_PRIOR_TESTS * self.batch_estimate(active)[None, :]) / (self.tested + ROW_PRIOR_TESTS)
 
 
-def conditional_acceptance(spec: SpecConfig, state: AdaptiveState,
-                           confidence: Float[Array, "B K"] | None) -> Float[Array, "B K"]:
+def conditional_acceptance(spec: SpecConfig, state: AdaptiveState, confidence: Float[Array, "B K"] | None,
+                           active: Bool[Array, " B"]) -> Float[Array, "B K"]:
     """c[b, i]: the drafter's confidence head where it has one and its drafts are deterministic (greedy
-    drafting: the drafts, hence the head, are functions of the committed tokens), else the moving average.
+    drafting: the drafts, hence the head, are functions of the committed tokens), else the counts' estimate.
     A sampled draft's confidence would make the width depend on the draft (the module's docstring)."""
     if confidence is not None and spec.draft_sample_method == "greedy":
         return confidence.astype(jnp.float32)
-    return state.acceptance
+    return state.estimate(active)
 
 
 def expected_tokens(conditional: Float[Array, "B K"], active: Bool[Array, " B"],
