@@ -6,11 +6,19 @@ out of the compiled widths (SpecConfig.verify_widths) that maximises expected to
     rate(W) = (active rows + sum over rows of sum_{i <= W} survival[b, i]) / cost(W)
     survival[b, i] = prod_{j <= i} c[b, j]
 
-c[b, j] is the estimated probability that row b's draft j is accepted given draft j - 1 was: a moving average
-of what the row's drafts were seen to do (AdaptiveState, kept in the loop's state), or DSpark's confidence
-head where the drafts are deterministic. cost(W) is a step's seconds at this batch and width, from a cost
-curve (CostCurve): measured on the device once per model, drafter, shape, batch and device and kept on disk,
-or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
+c[b, j] is the estimated probability that row b's draft j is accepted given draft j - 1 was: DSpark's
+confidence head where the drafts are deterministic, else AdaptiveState's estimate, kept in the loop's state.
+That is empirical Bayes over the active rows: each row keeps discounted counts, by position, of the steps that
+tested its draft j and of those it passed; the batch pools them, with the pooled rate of the shallower positions
+as the prior of a position it has tested little or not lately (conditional acceptance is roughly flat or rising
+with depth); and each row's estimate is its own counts under a Beta prior of mean the batch's. Before any test
+the prior is certainty, so the first step verifies the whole block and sees every depth. A row's estimate thus
+starts at its batch mates' (a request the engine admits learns nothing from scratch), follows its own outcomes
+after a few tests, and a position the width stopped verifying falls back to the batch's view, not to certainty
+(benchmarks/probes/adaptive_policy_sim.py replays it on measured cost curves; docs/performance.md has figures).
+
+cost(W) is a step's seconds at this batch and width, from a cost curve (CostCurve): measured on the device once
+per model, drafter, shape, batch and device and kept on disk, or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
 compiled widths: a program's shapes are static) and every active row verifies its first W drafts.
 
 Why one width for the batch rather than vLLM's per-row budget: vLLM packs each row's verified tokens into a
@@ -20,7 +28,7 @@ within W never lowers its expected tokens. Per-row masks (the verifiers' num_val
 at a fixed width; they carry the choice into the verifiers.
 
 Lossless whatever the choice, as long as it is made before the target's scores are seen and from nothing
-the row's own sampled drafts decide: a rule run on a w-draft chain is lossless for any w fixed by the past,
+the row's own sampled drafts decide (the counts are of past steps' outcomes, the batch's included): a rule run on a w-draft chain is lossless for any w fixed by the past,
 but a width chosen by looking at sampled drafts (their probabilities, or a confidence head that reads them)
 conditions the draft and biases the output (tests/test_adaptive.py's negative control). So the confidence
 head is read only when drafts are deterministic (draft_sample_method 'greedy').
