@@ -118,7 +118,8 @@ class SpecConfig:
       from per-position acceptance estimates kept in the loop (each row's discounted counts of what its
       drafts had accepted, under a prior from its batch mates'; DSpark's confidence head where its drafts are
       deterministic), seconds from the device's cost curve. Lossless whatever it chooses (the choice is made
-      before the target's scores are seen, and never from a sampled draft). Chains only (not with speculative_token_tree or total_tokens).
+      before the target's scores are seen, and never from a sampled draft). Chains only (not with
+      speculative_token_tree or total_tokens).
     adaptive_verify_widths: the verify widths (drafts scored per row) compiled into the loop, from which
       adaptive verification chooses each step by a `lax.switch` over target forwards of width + 1
       positions; increasing, in 0..K, with K last. null: 0, the powers of two below K, and K. [K] alone
