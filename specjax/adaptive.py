@@ -6,11 +6,19 @@ out of the compiled widths (SpecConfig.verify_widths) that maximises expected to
     rate(W) = (active rows + sum over rows of sum_{i <= W} survival[b, i]) / cost(W)
     survival[b, i] = prod_{j <= i} c[b, j]
 
-c[b, j] is the estimated probability that row b's draft j is accepted given draft j - 1 was: a moving average
-of what the row's drafts were seen to do (AdaptiveState, kept in the loop's state), or DSpark's confidence
-head where the drafts are deterministic. cost(W) is a step's seconds at this batch and width, from a cost
-curve (CostCurve): measured on the device once per model, drafter, shape, batch and device and kept on disk,
-or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
+c[b, j] is the estimated probability that row b's draft j is accepted given draft j - 1 was: DSpark's
+confidence head where the drafts are deterministic, else AdaptiveState's estimate, kept in the loop's state.
+That is empirical Bayes over the active rows: each row keeps discounted counts, by position, of the steps that
+tested its draft j and of those it passed; the batch pools them, with the pooled rate of the shallower positions
+as the prior of a position it has tested little or not lately (conditional acceptance is roughly flat or rising
+with depth); and each row's estimate is its own counts under a Beta prior of mean the batch's. Before any test
+the prior is certainty, so the first step verifies the whole block and sees every depth. A row's estimate thus
+starts at its batch mates' (a request the engine admits learns nothing from scratch), follows its own outcomes
+after a few tests, and a position the width stopped verifying falls back to the batch's view, not to certainty
+(benchmarks/probes/adaptive_policy_sim.py replays it on measured cost curves; docs/performance.md has figures).
+
+cost(W) is a step's seconds at this batch and width, from a cost curve (CostCurve): measured on the device once
+per model, drafter, shape, batch and device and kept on disk, or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
 compiled widths: a program's shapes are static) and every active row verifies its first W drafts.
 
 Why one width for the batch rather than vLLM's per-row budget: vLLM packs each row's verified tokens into a
@@ -20,7 +28,7 @@ within W never lowers its expected tokens. Per-row masks (the verifiers' num_val
 at a fixed width; they carry the choice into the verifiers.
 
 Lossless whatever the choice, as long as it is made before the target's scores are seen and from nothing
-the row's own sampled drafts decide: a rule run on a w-draft chain is lossless for any w fixed by the past,
+the row's own sampled drafts decide (the counts are of past steps' outcomes, the batch's included): a rule run on a w-draft chain is lossless for any w fixed by the past,
 but a width chosen by looking at sampled drafts (their probabilities, or a confidence head that reads them)
 conditions the draft and biases the output (tests/test_adaptive.py's negative control). So the confidence
 head is read only when drafts are deterministic (draft_sample_method 'greedy').
@@ -44,48 +52,74 @@ from jaxtyping import Array, Bool, Float, Int
 from specjax import benchmarking
 from specjax.config import SpecConfig
 
-# The weight of a step's outcome in a position's moving average: about the last five steps count.
-ESTIMATE_RATE = 0.2
-# The pull, per step, of a position the row did not verify back toward PRIOR: an estimate that dropped
-# under a narrow width would otherwise never be seen again, and the width never widen.
-RELAX_RATE = 0.02
-# Every position starts as certain: the first steps verify the whole block (vLLM verifies fully until its
-# estimator has been fitted) and learn from it.
+# A step's weight in the counts against the step before's: a row's outcomes count for about its last
+# 1 / (1 - DISCOUNT) = 10 steps, so estimates follow a request whose text changes and untested positions forget.
+DISCOUNT = 0.9
+# A row's prior for position i is Beta with mean the batch's estimate and this many pseudo-tests: a row's own
+# record outweighs its batch mates' after a few tests of that position, and a new row starts at the batch's.
+ROW_PRIOR_TESTS = 4.0
+# The batch's estimate of position i has as its prior the batch's pooled rate over positions 1..i-1:
+# conditional acceptance is roughly flat or rising with depth, so a position no row tested lately is about as
+# likely as the shallower ones (a pool: less noisy than the one position above it, which a row may have seen once).
+# Before any test the prior is optimistic, PRIOR (certainty): the first step verifies the whole block and sees
+# every depth (vLLM verifies fully until its estimator is fitted), and a batch that stopped testing drifts back.
 PRIOR = 1.0
+# The weight of each of those priors in pseudo-tests: it fills a position nobody tested lately, and the batch's
+# first tests outweigh it.
+PRIOR_TESTS = 1.0
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("acceptance",), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("passed", "tested"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
-    """Each row's estimate of P(draft i accepted | draft i - 1 accepted), i = 1..K, kept in the loop."""
+    """Each row's discounted counts, by draft position i = 1..K, of steps that tested draft i (verified it
+    with every draft before it accepted) and of those where it passed, kept in the loop. Every field has the
+    batch axis: the engine moves and resets rows with their counts."""
 
-    acceptance: Float[Array, "B K"]
+    passed: Float[Array, "B K"]
+    tested: Float[Array, "B K"]
 
     @classmethod
     def init(cls, batch: int, num_draft: int) -> AdaptiveState:
-        return cls(acceptance=jnp.full((batch, num_draft), PRIOR, jnp.float32))
+        return cls(passed=jnp.zeros((batch, num_draft), jnp.float32),
+                   tested=jnp.zeros((batch, num_draft), jnp.float32))
 
     def observe(self, active: Bool[Array, " B"], verified: Int[Array, " B"],
                 accepted: Int[Array, " B"]) -> AdaptiveState:
         """After a step that verified `verified` drafts of each row and accepted `accepted`: draft i was
         tested where i <= verified and every draft before it was accepted (i <= accepted + 1), and passed
-        where i <= accepted."""
-        position = jnp.arange(1, self.acceptance.shape[1] + 1)[None, :]
-        tested = active[:, None] & (position <= verified[:, None]) & (position <= accepted[:, None] + 1)
-        passed = (position <= accepted[:, None]).astype(jnp.float32)
-        seen = self.acceptance + ESTIMATE_RATE * (passed - self.acceptance)
-        relaxed = self.acceptance + RELAX_RATE * (PRIOR - self.acceptance)
-        return AdaptiveState(acceptance=jnp.where(tested, seen, jnp.where(active[:, None], relaxed, self.acceptance)))
+        where i <= accepted. An active row's counts are discounted, then counted; a done row's are kept."""
+        position = jnp.arange(1, self.passed.shape[1] + 1)[None, :]
+        tested = (position <= verified[:, None]) & (position <= accepted[:, None] + 1)
+        passed = position <= accepted[:, None]
+        step = active[:, None]
+        return AdaptiveState(passed=jnp.where(step, DISCOUNT * self.passed + passed, self.passed),
+                             tested=jnp.where(step, DISCOUNT * self.tested + tested, self.tested))
+
+    def batch_estimate(self, active: Bool[Array, " B"]) -> Float[Array, " K"]:
+        """The active rows' pooled estimate of P(draft i accepted | draft i - 1 accepted): their counts summed,
+        with the pooled rate over positions 1..i-1 (itself under the uniform prior) as a prior."""
+        rows = active[:, None]
+        passed = jnp.sum(jnp.where(rows, self.passed, 0.0), axis=0)
+        tested = jnp.sum(jnp.where(rows, self.tested, 0.0), axis=0)
+        above_passed, above_tested = jnp.cumsum(passed) - passed, jnp.cumsum(tested) - tested  # positions 1..i-1
+        depth = (above_passed + PRIOR_TESTS * PRIOR) / (above_tested + PRIOR_TESTS)
+        return (passed + PRIOR_TESTS * depth) / (tested + PRIOR_TESTS)
+
+    def estimate(self, active: Bool[Array, " B"]) -> Float[Array, "B K"]:
+        """Each row's posterior mean: its own counts with the batch's estimate as a prior of ROW_PRIOR_TESTS
+        tests (empirical Bayes over the active rows)."""
+        return (self.passed + ROW_PRIOR_TESTS * self.batch_estimate(active)[None, :]) / (self.tested + ROW_PRIOR_TESTS)
 
 
-def conditional_acceptance(spec: SpecConfig, state: AdaptiveState,
-                           confidence: Float[Array, "B K"] | None) -> Float[Array, "B K"]:
+def conditional_acceptance(spec: SpecConfig, state: AdaptiveState, confidence: Float[Array, "B K"] | None,
+                           active: Bool[Array, " B"]) -> Float[Array, "B K"]:
     """c[b, i]: the drafter's confidence head where it has one and its drafts are deterministic (greedy
-    drafting: the drafts, hence the head, are functions of the committed tokens), else the moving average.
+    drafting: the drafts, hence the head, are functions of the committed tokens), else the counts' estimate.
     A sampled draft's confidence would make the width depend on the draft (the module's docstring)."""
     if confidence is not None and spec.draft_sample_method == "greedy":
         return confidence.astype(jnp.float32)
-    return state.acceptance
+    return state.estimate(active)
 
 
 def expected_tokens(conditional: Float[Array, "B K"], active: Bool[Array, " B"],

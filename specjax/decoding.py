@@ -265,7 +265,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
         widths = spec.verify_widths
         if verify_costs is None:
             verify_costs = jnp.asarray(adaptive.CostCurve.analytic((batch,), widths).costs(batch, widths))
-        conditional = adaptive.conditional_acceptance(spec, state.adaptive, proposer.draft_confidence(proposer_state))
+        confidence = proposer.draft_confidence(proposer_state)
+        conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
         choice = adaptive.choose_width(conditional, active, widths, verify_costs)
 
         def scored(width):  # the forward over the block's first width + 1 positions, padded to K + 1

@@ -115,10 +115,11 @@ class SpecConfig:
       methods take only its off value. specjax.proposers.check_spec checks them when the proposer is built.
     enable_adaptive_verification: vLLM's option: each step the loop chooses how many of the K drafts every
       row verifies, the width with the most expected tokens per second (specjax.adaptive): expected tokens
-      from per-position acceptance estimates kept in the loop (a moving average of what each row's drafts
-      had accepted; DSpark's confidence head where its drafts are deterministic), seconds from the device's
-      cost curve. Lossless whatever it chooses (the choice is made before the target's scores are seen, and
-      never from a sampled draft). Chains only (not with speculative_token_tree or total_tokens).
+      from per-position acceptance estimates kept in the loop (each row's discounted counts of what its
+      drafts had accepted, under a prior from its batch mates'; DSpark's confidence head where its drafts are
+      deterministic), seconds from the device's cost curve. Lossless whatever it chooses (the choice is made
+      before the target's scores are seen, and never from a sampled draft). Chains only (not with
+      speculative_token_tree or total_tokens).
     adaptive_verify_widths: the verify widths (drafts scored per row) compiled into the loop, from which
       adaptive verification chooses each step by a `lax.switch` over target forwards of width + 1
       positions; increasing, in 0..K, with K last. null: 0, the powers of two below K, and K. [K] alone
