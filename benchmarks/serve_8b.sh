@@ -38,6 +38,9 @@ case $part in
     if [ "${INPROC:-1}" != 0 ]; then
       python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
         --name bench_serve_8b_inproc --output "$out"
+      # The same through the server's engine thread, no HTTP: which part of HTTP's loss is the thread's scheduling.
+      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 --through runner \
+        --name bench_serve_8b_runner --output "$out"
       [ "${SERVE:-1}" != 0 ] || exit 0
     fi
     python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
