@@ -56,8 +56,12 @@ case $part in
     done
     curl -sf localhost:8765/health > /dev/null || { echo "the server is not up after the wait"; kill -TERM $server; exit 1; }
     # The client on the CPU: the GPU belongs to the server.
-    JAX_PLATFORMS=cpu python3 scripts/bench_serve.py --url http://127.0.0.1:8765 "${common[@]}" --methods eagle:5:4 \
-      --concurrency 1,64,256 --name bench_serve_8b_http --output "$out"
+    # One client process, then four sharing the load (one Python event loop parsing 256 streams may be the bound).
+    for processes in ${CLIENT_PROCESSES:-1 4}; do
+      JAX_PLATFORMS=cpu python3 scripts/bench_serve.py --url http://127.0.0.1:8765 "${common[@]}" --methods eagle:5:4 \
+        --concurrency 1,64,256 --client-processes $processes \
+        --name bench_serve_8b_http$([ "$processes" = 1 ] || echo "_p$processes") --output "$out"
+    done
     kill -TERM $server; wait $server
     ;;
   offload)

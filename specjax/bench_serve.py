@@ -268,16 +268,43 @@ def summarize(records: list[Record], wall: float) -> dict:
 
 
 def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None, rate: float | None,
-               burstiness: float, seed: int) -> dict:
+               burstiness: float, seed: int, processes: int = 1) -> dict:
     """The same load against a `specjax serve` at url: streamed /v1/completions of token-id prompts, greedy,
-    with the usage chunk (and the speculative metrics, where the server reports them)."""
+    with the usage chunk (and the speculative metrics, where the server reports them). With processes > 1 the
+    load is split between that many client processes (each its share of the requests in flight, or of the rate),
+    so that one Python event loop parsing every stream does not bound what the server is seen to do."""
+    kwargs = dict(new_tokens=new_tokens, burstiness=burstiness)
+    start = time.perf_counter()
+    if processes == 1:
+        records = http_records(url, prompts, list(range(num_requests)), concurrency=concurrency, rate=rate,
+                               seed=seed, **kwargs)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = [pool.submit(http_records, url, prompts, list(range(num_requests))[p::processes],
+                                 concurrency=None if concurrency is None else max(1, concurrency // processes),
+                                 rate=None if rate is None else rate / processes, seed=seed + p, **kwargs)
+                     for p in range(processes)]
+            records = [record for part in parts for record in part.result()]
+        # The processes' start-up is not the server's: the wall runs from the first arrival (perf_counter is the
+        # system's monotonic clock, one for every process).
+        start = min(record.arrival for record in records)
+    return summarize(records, max(record.finish for record in records) - start)
+
+
+def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, concurrency: int | None,
+                 rate: float | None, burstiness: float, seed: int) -> list[Record]:
+    """One client process's requests (prompts[i] for i in indices): a closed loop of `concurrency`, or arrivals
+    at `rate`; each request as the client saw it."""
     import asyncio
     import json
 
     import httpx
 
     rng = np.random.default_rng(seed)
-    gaps = None if rate is None else rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
+    gaps = None if rate is None else rng.gamma(burstiness, 1.0 / (rate * burstiness), len(indices))
 
     async def one(client, index: int) -> Record:
         body = {"prompt": list(prompts[index % len(prompts)]), "max_tokens": new_tokens, "temperature": 0,
@@ -301,7 +328,7 @@ def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurr
     async def run() -> list[Record]:
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
             if rate is None:  # closed loop: `concurrency` clients, each sending its next request when one ends
-                queue = list(range(num_requests))[::-1]
+                queue = list(indices)[::-1]
                 records = []
 
                 async def client_loop():
@@ -311,14 +338,12 @@ def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurr
                 await asyncio.gather(*(client_loop() for _ in range(concurrency)))
                 return records
             tasks = []
-            for index, gap in enumerate(gaps):
-                await asyncio.sleep(gap if index else 0.0)
+            for i, (index, gap) in enumerate(zip(indices, gaps)):
+                await asyncio.sleep(gap if i else 0.0)
                 tasks.append(asyncio.create_task(one(client, index)))
             return list(await asyncio.gather(*tasks))
 
-    start = time.perf_counter()
-    records = asyncio.run(run())
-    return summarize(records, time.perf_counter() - start)
+    return asyncio.run(run())
 
 
 def plot(rows: list[dict], path: Path, load_label: str) -> None:
@@ -374,6 +399,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="prompt tokens prefilled per visit (chunked prefill; default: whole prompts)")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="--url: client processes sharing the load (each its event loop and connections)")
     parser.add_argument("--through", choices=("engine", "runner"), default="engine",
                         help="engine: the host steps the engine and admits each replacement before the next visit; "
                              "runner: the server's engine thread (serve.EngineRunner) with clients on an event loop, "
@@ -503,16 +530,19 @@ def http_main(args, method: Method, loads, rates) -> None:
                                                     (1024, args.prompt_len)).tolist()
     load_label = "request rate (req/s)" if rates else "requests in flight"
     meta = {**benchmarking.environment(), "models": args.models, "url": args.url, "load": load_label,
-            "new_tokens": args.new_tokens, "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)"}
+            "new_tokens": args.new_tokens, "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)",
+            "client_processes": args.client_processes}
     rows = []
     for load in loads:
         # Untimed first: a wave of short requests at this load, so that what the server compiles on first use
         # (admission batches, slot moves) is not in the figures (in process, Engine.warmup compiled it).
         http_point(args.url, prompts, num_requests=int(max(load, 1)), new_tokens=min(args.new_tokens, 16),
-                   concurrency=int(max(load, 1)), rate=None, burstiness=args.burstiness, seed=0)
+                   concurrency=int(max(load, 1)), rate=None, burstiness=args.burstiness, seed=0,
+                   processes=min(args.client_processes, max(1, int(load))))
         point = http_point(args.url, prompts, num_requests=max(args.num_requests, 2 * int(load)),
                            new_tokens=args.new_tokens, concurrency=None if rates else int(load),
-                           rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+                           rate=load if rates else None, burstiness=args.burstiness, seed=int(load),
+                           processes=min(args.client_processes, max(1, int(load))))
         rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                      "label": f"{method.name} (HTTP)", **point})
         print(f"HTTP load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "
