@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -61,6 +62,7 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
 PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
                 "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
 OFFLOAD_MODES = {"off": False, "on": True}
+CLIENT_STREAMS = 64  # requests in flight one HTTP client process keeps by default (--client-processes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +286,8 @@ def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurr
 
         with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
             parts = [pool.submit(http_records, url, prompts, list(range(num_requests))[p::processes],
-                                 concurrency=None if concurrency is None else max(1, concurrency // processes),
+                                 concurrency=None if concurrency is None else  # the remainder to the first
+                                 concurrency // processes + (p < concurrency % processes),
                                  rate=None if rate is None else rate / processes, seed=seed + p, **kwargs)
                      for p in range(processes)]
             records = [record for part in parts for record in part.result()]
@@ -399,8 +402,10 @@ def main(argv=None) -> None:
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="prompt tokens prefilled per visit (chunked prefill; default: whole prompts)")
-    parser.add_argument("--client-processes", type=int, default=1,
-                        help="--url: client processes sharing the load (each its event loop and connections)")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help="--url: client processes sharing the load, each its event loop and connections (default: "
+                             "one per 64 requests in flight, at most the CPUs: one Python client parsing 256 streams "
+                             "measured itself, docs/performance.md)")
     parser.add_argument("--through", choices=("engine", "runner"), default="engine",
                         help="engine: the host steps the engine and admits each replacement before the next visit; "
                              "runner: the server's engine thread (serve.EngineRunner) with clients on an event loop, "
@@ -531,20 +536,21 @@ def http_main(args, method: Method, loads, rates) -> None:
     load_label = "request rate (req/s)" if rates else "requests in flight"
     meta = {**benchmarking.environment(), "models": args.models, "url": args.url, "load": load_label,
             "new_tokens": args.new_tokens, "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)",
-            "client_processes": args.client_processes}
+            "client_processes": args.client_processes or f"one per {CLIENT_STREAMS} requests in flight"}
     rows = []
     for load in loads:
+        processes = args.client_processes or max(1, min(os.cpu_count() or 1, -(-int(load) // CLIENT_STREAMS)))
         # Untimed first: a wave of short requests at this load, so that what the server compiles on first use
         # (admission batches, slot moves) is not in the figures (in process, Engine.warmup compiled it).
         http_point(args.url, prompts, num_requests=int(max(load, 1)), new_tokens=min(args.new_tokens, 16),
                    concurrency=int(max(load, 1)), rate=None, burstiness=args.burstiness, seed=0,
-                   processes=min(args.client_processes, max(1, int(load))))
+                   processes=min(processes, max(1, int(load))))
         point = http_point(args.url, prompts, num_requests=max(args.num_requests, 2 * int(load)),
                            new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                            rate=load if rates else None, burstiness=args.burstiness, seed=int(load),
-                           processes=min(args.client_processes, max(1, int(load))))
+                           processes=min(processes, max(1, int(load))))
         rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
-                     "label": f"{method.name} (HTTP)", **point})
+                     "label": f"{method.name} (HTTP)", "client_processes": processes, **point})
         print(f"HTTP load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "
               f"TTFT {point['ttft_mean_ms']:.1f} ms, tau {point['mean_acceptance_length'] or 1:.2f}", flush=True)
         json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output)
