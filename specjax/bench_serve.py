@@ -259,7 +259,8 @@ def summarize(records: list[Record], wall: float) -> dict:
     steps = sum(m.get("steps", m.get("num_spec_steps", 0)) for m in metrics)
     accepted = sum(m.get("accepted", m.get("num_accepted_draft_tokens", 0)) for m in metrics)
     return {
-        "requests": len(records), "output_tok_s": sum(r.num_tokens for r in records) / wall,
+        "requests": len(records), "output_tokens": sum(r.num_tokens for r in records),
+        "output_tok_s": sum(r.num_tokens for r in records) / wall,
         "request_s": len(records) / wall, "wall_s": wall,
         "ttft_mean_ms": float(np.mean(ttft)) * 1e3, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
         "tpot_mean_ms": float(np.mean(tpot)) * 1e3 if tpot else None, "tpot_p50_ms": percentile(tpot, 50),

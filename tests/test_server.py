@@ -255,6 +255,22 @@ def test_a_bad_request_gets_a_4xx_naming_the_field_and_the_server_goes_on(server
 
 
 @pytest.mark.e2e
+def test_bench_serves_client_split_over_processes_serves_every_request_once(server):
+    """`bench-serve --url --client-processes 2`: the two processes' requests together are the point's, each
+    streamed whole (its usage's tokens), and the speculative metrics came back with them."""
+    from specjax.bench_serve import http_point
+
+    prompts = [[5, 9, 2, 7], [4, 11, 3], [8, 1, 6, 2, 9]]
+    one = http_point(server.url, prompts, num_requests=5, new_tokens=6, concurrency=3, rate=None, burstiness=1.0,
+                     seed=0, processes=1)
+    two = http_point(server.url, prompts, num_requests=5, new_tokens=6, concurrency=3, rate=None, burstiness=1.0,
+                     seed=0, processes=2)
+    assert one["requests"] == two["requests"] == 5
+    assert one["output_tokens"] == two["output_tokens"] > 0  # greedy: the same requests, the same tokens
+    assert two["mean_acceptance_length"] >= 1
+
+
+@pytest.mark.e2e
 def test_models_health_and_one_access_log_line_per_request(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     models = server.client.models.list()
