@@ -189,18 +189,24 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
             else device_memory("peak_bytes_in_use") / 2**30}
 
 
-def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurrency: int) -> dict:
+def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurrency: int,
+                 client_delay_s: float = 0.0) -> dict:
     """The closed loop through the server's engine thread (serve.EngineRunner) with no HTTP between: clients
     submit and read their queues on an event loop, as the server's handlers do. Against run_point (the host
     admits each replacement before the next visit), it shows what the thread's scheduling costs; against
-    --url, what HTTP does."""
+    --url, what HTTP does. client_delay_s: each client waits that long after a request ends before sending the
+    next (an HTTP round trip's stand-in)."""
     import asyncio
 
     queue = list(range(num_requests))[::-1]
     records = []
 
     async def client():
+        first = True
         while queue:
+            if not first and client_delay_s:
+                await asyncio.sleep(client_delay_s)
+            first = False
             index = queue.pop()
             arrival, times = time.perf_counter(), []
             events = runner.submit(Request.make(f"q{index}", prompts[index % len(prompts)], new_tokens))
@@ -411,6 +417,11 @@ def main(argv=None) -> None:
                         help="engine: the host steps the engine and admits each replacement before the next visit; "
                              "runner: the server's engine thread (serve.EngineRunner) with clients on an event loop, "
                              "no HTTP (closed loop only)")
+    parser.add_argument("--client-delay-ms", type=float, default=0.0,
+                        help="--through runner: ms a client waits after a request ends before sending its next "
+                             "(a stand-in for an HTTP round trip)")
+    parser.add_argument("--admit-wait-ms", type=float, default=None,
+                        help="--through runner: the engine thread's gathering cap (serve's --admit-wait-ms)")
     parser.add_argument("--name", default="bench_serve")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -486,7 +497,8 @@ def main(argv=None) -> None:
                     if args.through == "runner":
                         from specjax.serve import EngineRunner
 
-                        runner = EngineRunner(target, config, drafters[method.name])
+                        runner = EngineRunner(target, config, drafters[method.name], **(
+                            {} if args.admit_wait_ms is None else {"admit_wait_s": args.admit_wait_ms / 1e3}))
                         engine = runner.engine
                     else:
                         engine = Engine(target, config, drafter=drafters[method.name])
@@ -495,7 +507,8 @@ def main(argv=None) -> None:
                         runner.start()
                 if runner is not None:
                     point = runner_point(runner, prompts, num_requests=max(args.num_requests, 2 * int(load)),
-                                         new_tokens=args.new_tokens, concurrency=int(load))
+                                         new_tokens=args.new_tokens, concurrency=int(load),
+                                         client_delay_s=args.client_delay_ms / 1e3)
                 else:
                     point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
                                       new_tokens=args.new_tokens, concurrency=None if rates else int(load),

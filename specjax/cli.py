@@ -345,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--warmup-prompt-len", type=int, default=None,
                      help="compile every program prompts of up to this length run before listening (default: short only)")
     srv.add_argument("--admit-wait-ms", type=float, default=None,
-                     help="ms to gather arriving requests before a visit, after requests ended (default: 20; 0: off)")
+                     help="ms a visit may wait for arriving requests (default: 50; 0: off)")
     srv.add_argument("--max-prefill-batch", type=int, default=None,
                      help="requests admitted by one prefill call at most (default: 8)")
     srv.add_argument("--log-stats-interval", type=float, default=None,

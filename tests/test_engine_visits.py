@@ -95,6 +95,43 @@ def test_the_servers_engine_thread_admits_a_request_arriving_just_after_another_
 
 
 @pytest.mark.loop
+@pytest.mark.parametrize("admit_wait_s, together", [(2.0, True), (0.0, False)], ids=["gathering", "not_gathering"])
+def test_the_servers_engine_thread_waits_for_the_replacement_of_a_request_that_ended(admit_wait_s, together):
+    """A closed-loop client sends its next request 100 ms after one ends, while another request still runs: the
+    thread holds the next visit until the replacement is in (admit_share large here, so admit_wait_s bounds it)
+    and admits it at the visit right after the end. Without gathering (the control) a visit starts at once and
+    the replacement waits for the next."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=admit_wait_s, admit_share=1e3)
+    admitted_at, add = {}, runner.engine.add_request
+
+    def recording(request):
+        admitted_at[request.request_id] = runner.engine.visits
+        add(request)
+
+    runner.engine.add_request = recording
+    ended_at = {}
+
+    async def closed_loop():
+        long = runner.submit(Request.make("long", [4, 5, 6], 40))
+        short = runner.submit(Request.make("short", [1, 2, 3], 2))
+        while (await short.get())[0] != "done":
+            pass
+        ended_at["short"] = runner.engine.visits
+        await asyncio.sleep(0.1)
+        replacement = runner.submit(Request.make("replacement", [7, 8, 9], 4))
+        for queue in (long, replacement):
+            while (await queue.get())[0] != "done":
+                pass
+
+    runner.start()
+    try:
+        asyncio.run(closed_loop())
+    finally:
+        runner.stop()
+    assert (admitted_at["replacement"] == ended_at["short"]) == together, (admitted_at, ended_at)
+
+
+@pytest.mark.loop
 def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     """The periodic stats line (vLLM's): one at least for a short burst of requests (going idle ends the last
     interval), with the counters behind it: the tokens the streams received, slots stepped."""

@@ -45,10 +45,11 @@ class ServeConfig:
     per_request_spec_decode_metrics: str = "none"
     # Seconds in-flight requests get to finish after SIGTERM / SIGINT; then they end with an error.
     shutdown_timeout_s: float = 30.0
-    # Milliseconds the engine's thread may gather arriving requests before a visit, after requests ended or
-    # when idle (it stops at a 2 ms gap between arrivals or when the free slots are spoken for): a visit admits
-    # nothing while it runs (serve/_runner.py). 0: start each visit at once (--admit-wait-ms).
-    admit_wait_ms: float = 20.0
+    # Milliseconds the engine's thread may hold a visit to gather arriving requests (a visit admits nothing while
+    # it runs): after requests ended, until their replacements are in, for at most 5% of the last visit's time;
+    # at an idle engine, until a 2 ms gap between arrivals (serve/_runner.py). 0: start each visit at once
+    # (--admit-wait-ms).
+    admit_wait_ms: float = 50.0
     # Requests admitted by one prefill call at most (the engine's max_prefill_batch; --max-prefill-batch).
     max_prefill_batch: int = 8
     # Seconds between the engine's stats lines in the log while it works (requests running and waiting, visits,

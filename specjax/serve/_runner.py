@@ -35,13 +35,18 @@ class EngineRunner:
 
     A visit runs up to steps_per_visit steps and admits nothing during them, and over HTTP the requests that
     replace those a visit ended arrive over the next milliseconds, one client round trip each: a visit started
-    at the first arrival runs with the others' slots empty. So when requests have just ended, or work arrives
-    at an idle engine, the thread first gathers arrivals: until none came for `admit_gap_s`, the free slots are
-    spoken for, or `admit_wait_s` has passed (0 turns it off)."""
+    at the first arrival runs with the others' slots empty, and the rest wait a whole visit. So the thread
+    first gathers arrivals:
+    - after n requests ended, until n have arrived (a closed loop's replacements) or the free slots are spoken
+      for, for at most `admit_share` of the last visit's time (what waiting may cost, against the visit that a
+      late arrival would wait) and never more than `admit_wait_s`;
+    - when work arrives at an idle engine, until none came for `admit_gap_s` (a burst), at most `admit_wait_s`.
+    admit_wait_s 0 turns it off."""
 
-    def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.02,
-                 admit_gap_s: float = 0.002, log_stats_interval_s: float = 10.0):
-        self.admit_wait_s, self.admit_gap_s = admit_wait_s, admit_gap_s
+    def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.05,
+                 admit_gap_s: float = 0.002, admit_share: float = 0.05, log_stats_interval_s: float = 10.0):
+        self.admit_wait_s, self.admit_gap_s, self.admit_share = admit_wait_s, admit_gap_s, admit_share
+        self._last_step_s = 0.0  # the last engine.step()'s wall time
         self.log_stats_interval_s = log_stats_interval_s
         self.gather_s = 0.0  # seconds spent gathering arrivals before visits
         self.tokens_sent = 0  # tokens streamed to requests (the warm-up's not counted)
@@ -118,17 +123,17 @@ class EngineRunner:
 
     def _loop(self) -> None:
         engine = self.engine
-        gather = False  # requests just ended, or the engine was idle: replacements are on their way
+        ended, idle = 0, False  # requests the last visit ended; whether the engine was idle
         while True:
             with self._wake:
                 while not self._inbox and not engine.has_work() and not self._stopping:
                     self._log_stats(idle=True)
                     self._wake.wait()
-                    gather = True
+                    idle = True
                 if self._stopping and not self._inbox and not engine.has_work():
                     return
-                if gather:
-                    self._gather_arrivals()
+                if ended or idle:
+                    self._gather_arrivals(ended, idle)
                 inbox, self._inbox = self._inbox, []
             for kind, item in inbox:
                 if kind == "add":
@@ -136,12 +141,14 @@ class EngineRunner:
                 else:
                     engine.abort_request(item)
             try:
+                start = time.monotonic()
                 outputs = engine.step()
+                self._last_step_s = time.monotonic() - start
             except Exception as error:  # the engine's state is unknown now: every request ends with the reason
                 log.exception("the engine failed")
                 self._fail(f"the engine failed: {type(error).__name__}: {error}")
                 return
-            gather = bool(outputs)
+            ended, idle = len(outputs), False
             self._log_stats()
             for output in outputs:
                 stream = self._send(output.request_id, (DONE, output), last=True)
@@ -184,23 +191,31 @@ class EngineRunner:
         if not idle:
             self._last_stats = (now, after)
 
-    def _gather_arrivals(self) -> None:
-        """Waits (holding self._wake) while arrivals keep coming into free slots: see the class docstring."""
+    def _gather_arrivals(self, ended: int, idle: bool) -> None:
+        """Waits (holding self._wake, which wait releases) for arrivals into free slots: see the class docstring."""
         start = time.monotonic()
+        free = self.engine.config.max_num_seqs - len(self.engine.running) - len(self.engine.waiting)
         try:
-            self._gather(start + self.admit_wait_s)
+            if idle:
+                self._gather_burst(start + self.admit_wait_s, free)
+            else:
+                wait = min(self.admit_wait_s, self.admit_share * self._last_step_s)
+                self._gather_replacements(start + wait, min(ended, free))
         finally:
             self.gather_s += time.monotonic() - start
 
-    def _gather(self, deadline: float) -> None:
-        engine = self.engine
-        free = engine.config.max_num_seqs - len(engine.running) - len(engine.waiting)
+    def _gather_burst(self, deadline: float, free: int) -> None:
         seen = len(self._inbox)
         while not self._stopping and seen < free and (now := time.monotonic()) < deadline:
             self._wake.wait(min(self.admit_gap_s, deadline - now))
             if len(self._inbox) == seen:  # quiet for a gap: no more are coming now
                 return
             seen = len(self._inbox)
+
+    def _gather_replacements(self, deadline: float, expected: int) -> None:
+        while (not self._stopping and sum(kind == "add" for kind, _ in self._inbox) < expected
+               and (now := time.monotonic()) < deadline):
+            self._wake.wait(deadline - now)
 
     def _on_tokens(self, request_id: str, new_ids: list[int]) -> None:
         if self._send(request_id, (TOKENS, new_ids)) is not None:
