@@ -62,6 +62,27 @@ def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
         assert without_nan(outputs[request.request_id].metrics) == without_nan(want), request.request_id
 
 
+def admissions(runner: EngineRunner) -> dict:
+    """request id -> the engine's visit count when the runner's thread added it (filled as the runner runs)."""
+    admitted_at, add = {}, runner.engine.add_request
+
+    def recording(request):
+        admitted_at[request.request_id] = runner.engine.visits
+        add(request)
+
+    runner.engine.add_request = recording
+    return admitted_at
+
+
+def serve_clients(runner: EngineRunner, clients) -> None:
+    """Runs the clients' coroutine on an event loop while the runner's thread serves them; stops the thread."""
+    runner.start()
+    try:
+        asyncio.run(clients)
+    finally:
+        runner.stop()
+
+
 @pytest.mark.loop
 @pytest.mark.parametrize("admit_wait_s, together", [(2.0, True), (0.0, False)], ids=["gathering", "not_gathering"])
 def test_the_servers_engine_thread_admits_a_request_arriving_just_after_another_into_the_same_visit(admit_wait_s,
@@ -70,13 +91,7 @@ def test_the_servers_engine_thread_admits_a_request_arriving_just_after_another_
     visit or more, unless the server's thread first gathers arrivals (serve/_runner.py; a gap of 0.5 s here): the
     HTTP clients' refills of issue 38. Without gathering (the control) the second lands in a later visit."""
     runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=admit_wait_s, admit_gap_s=0.5)
-    admitted_at, add = {}, runner.engine.add_request
-
-    def recording(request):
-        admitted_at[request.request_id] = runner.engine.visits
-        add(request)
-
-    runner.engine.add_request = recording
+    admitted_at = admissions(runner)
 
     async def two_requests():
         queues = [runner.submit(Request.make("first", [1, 2, 3], 24))]
@@ -86,11 +101,7 @@ def test_the_servers_engine_thread_admits_a_request_arriving_just_after_another_
             while (await queue.get())[0] != "done":
                 pass
 
-    runner.start()
-    try:
-        asyncio.run(two_requests())
-    finally:
-        runner.stop()
+    serve_clients(runner, two_requests())
     assert (admitted_at["first"] == admitted_at["second"]) == together, admitted_at
 
 
@@ -102,13 +113,7 @@ def test_the_servers_engine_thread_waits_for_the_replacement_of_a_request_that_e
     and admits it at the visit right after the end. Without gathering (the control) a visit starts at once and
     the replacement waits for the next."""
     runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=admit_wait_s, admit_share=1e3)
-    admitted_at, add = {}, runner.engine.add_request
-
-    def recording(request):
-        admitted_at[request.request_id] = runner.engine.visits
-        add(request)
-
-    runner.engine.add_request = recording
+    admitted_at = admissions(runner)
     ended_at = {}
 
     async def closed_loop():
@@ -123,11 +128,7 @@ def test_the_servers_engine_thread_waits_for_the_replacement_of_a_request_that_e
             while (await queue.get())[0] != "done":
                 pass
 
-    runner.start()
-    try:
-        asyncio.run(closed_loop())
-    finally:
-        runner.stop()
+    serve_clients(runner, closed_loop())
     assert (admitted_at["replacement"] == ended_at["short"]) == together, (admitted_at, ended_at)
 
 
@@ -144,13 +145,8 @@ def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
             while (event := await queue.get())[0] != "done":
                 received.extend(event[1])
 
-    runner.start()
-    try:
-        with caplog.at_level("INFO", logger="specjax.serve"):
-            asyncio.run(requests())
-            runner.stop()
-    finally:
-        runner.stop()
+    with caplog.at_level("INFO", logger="specjax.serve"):
+        serve_clients(runner, requests())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")]
     assert lines and "steps/visit" in lines[-1], lines
     assert runner.tokens_sent == len(received) > 0
