@@ -180,13 +180,18 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
     offload = engine.stats()["draft_kv_offload"]
     moved = None if offload is None else sum(offload[k] - offload0[k] for k in ("bytes_to_device", "bytes_to_host"))
     return {**summarize(records, wall), "steps": steps, "visits": visits, "hit_rate": hit_rate,
-            "host_share": (step_s - wait_s) / step_s if step_s else None,
-            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3,
+            **host_time(step_s, wait_s, steps),
             "draft_kv_mib_per_slot": None if offload is None else offload["bytes_per_slot"] / 2**20,
             "moved_mib_per_visit": None if moved is None else moved / max(visits, 1) / 2**20,
             "device_in_use_gib": None if None in in_use else max(in_use, default=0) / 2**30,
             "device_peak_gib": None if device_memory("peak_bytes_in_use") is None
             else device_memory("peak_bytes_in_use") / 2**30}
+
+
+def host_time(step_s: float, wait_s: float, steps: int) -> dict:
+    """The share of the engine's step() time not spent waiting on the device, and that host time a step."""
+    return {"host_share": (step_s - wait_s) / step_s if step_s else None,
+            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3}
 
 
 def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurrency: int,
@@ -232,8 +237,7 @@ def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurr
     wall = time.perf_counter() - start
     step_s, wait_s, steps = engine.step_s - step0, engine.device_wait_s - wait0, engine.steps_run - steps0
     return {**summarize(records, wall), "steps": steps, "visits": engine.visits - visits0, "hit_rate": None,
-            "host_share": (step_s - wait_s) / step_s if step_s else None,
-            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3, "draft_kv_mib_per_slot": None,
+            **host_time(step_s, wait_s, steps), "draft_kv_mib_per_slot": None,
             "moved_mib_per_visit": None, "device_in_use_gib": None, "device_peak_gib": None}
 
 
