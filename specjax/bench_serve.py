@@ -135,11 +135,18 @@ def percentile(values, q) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if len(values) else None
 
 
+def request_for(index: int, prompts, new_tokens: int) -> Request:
+    """Request `index` of a run, the same in process, through the runner and over HTTP (whose client sends
+    the seed): its own seed, so that synthetic acceptance draws differ between rows as real text's does
+    (with one seed, rows admitted together accept alike and finish together, an easier load to batch)."""
+    return Request.make(f"q{index}", prompts[index % len(prompts)], new_tokens, seed=index)
+
+
 def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None,
               rate: float | None, burstiness: float, seed: int) -> dict:
     """Serves num_requests requests under the load; the point's metrics."""
     rng = np.random.default_rng(seed)
-    requests = [Request.make(f"q{i}", prompts[i % len(prompts)], new_tokens) for i in range(num_requests)]
+    requests = [request_for(i, prompts, new_tokens) for i in range(num_requests)]
     stats0 = engine.stats()["prefix_cache"]
     if rate is not None:  # open loop: arrival times drawn up front
         gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
@@ -214,7 +221,7 @@ def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurr
             first = False
             index = queue.pop()
             arrival, times = time.perf_counter(), []
-            events = runner.submit(Request.make(f"q{index}", prompts[index % len(prompts)], new_tokens))
+            events = runner.submit(request_for(index, prompts, new_tokens))
             while True:  # ("tokens", ids) per visit, then ("done", RequestOutput) or ("failed", why)
                 kind, item = await events.get()
                 if kind == "tokens":
@@ -322,7 +329,7 @@ def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, conc
 
     async def one(client, index: int) -> Record:
         body = {"prompt": list(prompts[index % len(prompts)]), "max_tokens": new_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "seed": index, "stream": True, "stream_options": {"include_usage": True}}
         arrival, times, usage, metrics = time.perf_counter(), [], None, None
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
