@@ -95,8 +95,7 @@ def cache_size_for(prompt_len: int, new_tokens: int, num_draft: int) -> int:
 
 def generation_args(model, batch: int, prompt_len: int, new_tokens: int, lookahead: int, cache_size: int):
     """decode_loop's array arguments for `batch` random prompts of prompt_len tokens (seeded by the shape), each row
-    its own seed: synthetic acceptance then draws each row's lengths apart, as real text would (with one seed
-    every row accepted the same number each step, which adaptive verification read as one row seen 16 times)."""
+    its own seed: synthetic acceptance draws from it, and rows of one seed would accept alike at every step."""
     rng = np.random.default_rng(batch * 7919 + prompt_len)
     prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).tolist()
     return loop_arrays(pad_request(model, prompts, new_tokens, np.arange(batch), cache_size, lookahead))[0]

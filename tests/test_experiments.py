@@ -152,3 +152,20 @@ def test_the_8b_speed_table_is_skipped_off_gpus_with_a_reason(capsys):
     assert cli.main(["speed", "--output", "unused"]) == 0
     assert capsys.readouterr().out == ("8b-shaped speed table skipped: it needs a GPU (backend here: cpu); "
                                        "`specjax speed` on a GPU shows where speculation pays\n")
+
+
+def test_benchmark_rows_and_requests_each_have_their_own_seed():
+    """Synthetic acceptance draws from a row's seed: with one seed for all, every row of a batch accepted alike
+    (adaptive verification then read 16 rows as one), and in-process serving was an easier load than HTTP's."""
+    import types
+
+    import jax
+    import numpy as np
+
+    from specjax import benchmarking, speed
+    from specjax.bench_serve import request_for
+
+    target = types.SimpleNamespace(config=benchmarking.SHAPES["tiny"][0])
+    keys = np.asarray(jax.random.key_data(speed.generation_args(target, 4, 8, 4, 2, 32)[3]))  # [rows, ...]
+    assert len({row.tobytes() for row in keys}) == 4
+    assert [request_for(i, [[1, 2], [3]], 4).seed for i in range(3)] == [0, 1, 2]
