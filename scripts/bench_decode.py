@@ -40,7 +40,8 @@ With --model-parallel N the models are split over N GPUs and greedy tokens are c
 GPU's; at a first difference the gap between the two tokens' logits (one GPU, full forward) says
 whether it is a near-tie decided by summation order (bfloat16 random weights leave many; --dtype
 float32 for an identity check). Writes benchmarks/results/bench_decode.{json,md}, after every case;
---plot draws tokens/s against batch size from results files (bench_decode_batch_scaling.png).
+--plot draws tokens/s against batch size from results files (bench_decode_batch_scaling.png) and, for
+--adaptive results, the mean chosen width beside the best fixed K (bench_decode_adaptive_widths.png).
 --acceptance-rates r1,r2,... replaces --acceptance-lengths by a per-position profile (position i accepted with
 the unconditional rate r_i; the first K of them; its tau is 1 + their sum). --adaptive also runs each case with
 adaptive verification (specjax.adaptive: the widths 0, powers of two and K, the cost curve profiled on the
@@ -267,6 +268,34 @@ def plot_batch_scaling(rows: list[dict], path) -> None:
     plt.close(fig)
 
 
+def plot_adaptive_widths(rows: list[dict], path) -> None:
+    """Adaptive verification's mean chosen width against batch size, beside the best fixed K of the envelope
+    (--fixed-k) at each batch: the budget the cost curve and the estimates chose as the batch grows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    names = sorted({key[:-len("_adaptive_width")] for row in rows for key in row if key.endswith("_adaptive_width")})
+    for i, name in enumerate(names):
+        mine = sorted((row for row in rows if f"{name}_adaptive_width" in row), key=lambda row: row["B"])
+        method = name.split("_tau")[0]
+        ax.plot([row["B"] for row in mine], [row[f"{name}_adaptive_width"] for row in mine], marker="o",
+                color=f"C{i}", label=f"{name.replace('_tau', ', τ ')}: adaptive, mean width")
+        best = [(row["B"], row[f"{method}_best_fixed_K"]) for row in mine if row.get(f"{method}_best_fixed_K")]
+        if best:
+            ax.plot(*zip(*best), linestyle="none", marker="x", markersize=9, color=f"C{i}",
+                    label=f"{method}: best fixed K (--fixed-k envelope)")
+    ax.set(xscale="log", xlabel="batch size", ylabel="drafts verified per step",
+           title="Adaptive verification: the budget chosen against batch size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(benchmarking.SHAPES), default="8b")
@@ -306,6 +335,8 @@ def main():
 
         rows = [row for path in args.plot for row in json.loads(pathlib.Path(path).read_text())["rows"]]
         plot_batch_scaling(rows, pathlib.Path(args.plot[0]).with_name("bench_decode_batch_scaling.png"))
+        if any(key.endswith("_adaptive_width") for row in rows for key in row):
+            plot_adaptive_widths(rows, pathlib.Path(args.plot[0]).with_name("bench_decode_adaptive_widths.png"))
         return
     batches = [int(b) for b in args.batches.split(",")]
     prompt_lens = [int(p) for p in args.prompt_lens.split(",")]
