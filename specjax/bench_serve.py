@@ -71,6 +71,9 @@ class Method:
     num_speculative_tokens: int = 0
     tau: float | None = None  # synthetic acceptance (8b models)
     adaptive: bool = False  # enable_adaptive_verification
+    # Synthetic acceptance by position instead of tau: draft i accepted with unconditional rate rates[i - 1] (the
+    # first K; --acceptance-rates, e.g. a drafter's measured profile).
+    rates: tuple[float, ...] | None = None
 
     @classmethod
     def parse(cls, text: str) -> Method:
@@ -83,11 +86,17 @@ class Method:
         return cls(name, int(rest[0]) if rest else 4, float(rest[1]) if len(rest) > 1 and rest[1] else None,
                    adaptive)
 
+    @property
+    def synthetic_tau(self) -> float | None:
+        """The mean acceptance length synthetic acceptance gives: tau, or 1 + the first K rates."""
+        return self.tau if self.rates is None else 1 + sum(self.rates[:self.num_speculative_tokens])
+
     def spec(self) -> SpecConfig | None:
         if self.name == "none":
             return None
-        if self.tau is not None:
-            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens, adaptive=self.adaptive)
+        if self.rates is not None or self.tau is not None:
+            return speed.synthetic_spec(self.name, self.tau, self.num_speculative_tokens, rates=self.rates,
+                                        adaptive=self.adaptive)
         return SpecConfig(method=self.name, num_speculative_tokens=self.num_speculative_tokens,
                           enable_adaptive_verification=self.adaptive)
 
@@ -433,10 +442,25 @@ def main(argv=None) -> None:
                              "(a stand-in for an HTTP round trip)")
     parser.add_argument("--admit-wait-ms", type=float, default=None,
                         help="--through runner: the engine thread's gathering cap (serve's --admit-wait-ms)")
+    parser.add_argument("--acceptance-rates", default=None,
+                        help="shaped models: synthetic acceptance with these unconditional per-position rates (a "
+                             "drafter's measured profile; each method takes its first K) instead of each method's tau")
     parser.add_argument("--name", default="bench_serve")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
     methods = [Method.parse(text) for text in args.methods.split(",")]
+    if args.acceptance_rates:
+        if args.models == "bundled":
+            parser.error("--acceptance-rates: synthetic acceptance is for the shaped models (--models 8b, ...)")
+        try:
+            profile = tuple(float(r) for r in args.acceptance_rates.split(","))
+        except ValueError:
+            profile = ()
+        if not profile or any(not 0 <= r <= 1 for r in profile):
+            parser.error(f"--acceptance-rates {args.acceptance_rates!r} is invalid: allowed comma-separated "
+                         "probabilities in [0, 1]")
+        methods = [method if method.name == "none" else dataclasses.replace(method, rates=profile)
+                   for method in methods]
     rates = None if args.rate is None else [float(r) for r in args.rate.split(",")]
     loads = rates or [int(c) for c in args.concurrency.split(",")]
     modes = args.prefix_caching.split(",")
@@ -468,7 +492,8 @@ def main(argv=None) -> None:
                if args.workload == "shared-prefix" else {}),
             "block_size": args.block_size, "max_num_batched_tokens": args.max_num_batched_tokens,
             "dtype": "bfloat16" if args.models != "bundled" else "float32",
-            "acceptance": "synthetic (tau per method)" if args.models != "bundled" else "measured"}
+            "acceptance": ("measured" if args.models == "bundled" else "synthetic (tau per method)"
+                           if not args.acceptance_rates else f"synthetic, per-position rates {args.acceptance_rates}")}
     rows = []
 
     def write():  # after every point: a run stopped by a time limit keeps what it measured
@@ -529,7 +554,7 @@ def main(argv=None) -> None:
                 label += "" if len(modes) == 1 else f" prefix {mode}"
                 label += "" if len(offloads) == 1 else f" offload {offload}"
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
-                             "label": label, "synthetic_tau": method.tau, "slots": slots, "prefix_caching": mode,
+                             "label": label, "synthetic_tau": method.synthetic_tau, "slots": slots, "prefix_caching": mode,
                              "adaptive": method.adaptive, "draft_kv_offload": offload, **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "

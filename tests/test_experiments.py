@@ -169,3 +169,18 @@ def test_benchmark_rows_and_requests_each_have_their_own_seed():
     keys = np.asarray(jax.random.key_data(speed.generation_args(target, 4, 8, 4, 2, 32)[3]))  # [rows, ...]
     assert len({row.tobytes() for row in keys}) == 4
     assert [request_for(i, [[1, 2], [3]], 4).seed for i in range(3)] == [0, 1, 2]
+
+
+def test_bench_serve_takes_a_per_position_acceptance_profile_for_every_speculative_method(capsys):
+    from specjax.bench_serve import Method, main
+
+    with pytest.raises(SystemExit):
+        main(["--models", "tiny", "--methods", "dflash:2", "--acceptance-rates", "0.7,1.5"])
+    assert "--acceptance-rates '0.7,1.5' is invalid: allowed comma-separated probabilities" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the bundled models' acceptance is their own
+        main(["--methods", "eagle:2", "--acceptance-rates", "0.7"])
+    assert "--acceptance-rates: synthetic acceptance is for the shaped models" in capsys.readouterr().err
+    method = dataclasses.replace(Method.parse("dflash:2::adaptive"), rates=(0.7, 0.45, 0.33))
+    spec = method.spec()
+    assert spec.synthetic_acceptance_rates == (0.7, 0.45) and spec.enable_adaptive_verification
+    assert spec.rejection_sample_method == "synthetic" and method.synthetic_tau == pytest.approx(2.15)

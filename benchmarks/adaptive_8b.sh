@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Adaptive verification at the Llama-3.1-8B shape on one GPU (random bfloat16 weights), DFlash K 15 with synthetic
+# acceptance drawn from the default DFlash drafter's measured per-position profile (T 0, K 15: the unconditional
+# rates below, tau 3.65; benchmarks/results/dflash_k_sweep), each part one 10-minute device call:
+#     PYTHONPATH=. benchmarks/adaptive_8b.sh decode B OUT  # generate at batch B: adaptive against fixed K, the
+#                                                          # envelope K chosen for B (1: 4, 8; 16: 4, 8; 64: 2, 3, 4)
+#     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests; two calls:
+#         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
+#     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
+#         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
+set -uo pipefail
+part=$1
+export PYTHONUNBUFFERED=1
+rates=0.691,0.454,0.327,0.240,0.182,0.138,0.116,0.102,0.082,0.069,0.061,0.055,0.050,0.044,0.041
+case $part in
+  decode)
+    batch=$2; out=${3:-benchmarks/results}
+    case $batch in 1) fixed=4,8 ;; 16) fixed=4,8 ;; 64) fixed=2,3,4 ;; *) fixed=2,4,8 ;; esac
+    python3 scripts/bench_decode.py --shape 8b --methods dflash --num-speculative-tokens 15 --acceptance-rates $rates \
+      --adaptive --fixed-k $fixed --batches $batch --prompt-lens 128 --new-tokens 128 \
+      --name bench_decode_adaptive_8b_b$batch --out-dir "$out"
+    ;;
+  serve)
+    out=${2:-benchmarks/results}; methods=${3:-none,dflash:15::adaptive,dflash:15}
+    python3 scripts/bench_serve.py --models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 --max-num-seqs 256 \
+      --max-prefill-batch 64 --acceptance-rates $rates --concurrency 1,16,64,256 \
+      --methods $methods --name bench_serve_8b_adaptive_$(echo $methods | tr ':,' '_-') --output "$out"
+    ;;
+  *) echo "usage: $0 decode B [OUT] | serve [OUT [METHODS]]"; exit 2 ;;
+esac
