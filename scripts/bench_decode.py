@@ -240,15 +240,30 @@ def crossover_notes(rows: list[dict], methods: list[str], taus: list[float], pro
     return "\n".join(lines)
 
 
-def plot_batch_scaling(rows: list[dict], path) -> None:
-    """Tokens/s against batch size (log-log): the floor, autoregressive and each speculative decoder,
-    a line per prompt length."""
+def new_plot():
+    """A figure and its axes, drawn off screen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    return plt.subplots(figsize=(6.5, 4.5))
+
+
+def finish_plot(fig, ax, path) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_batch_scaling(rows: list[dict], path) -> None:
+    """Tokens/s against batch size (log-log): the floor, autoregressive and each speculative decoder,
+    a line per prompt length."""
+    fig, ax = new_plot()
     speculative = sorted({key[:-len("_tok_s")] for row in rows for key in row
                           if key.endswith("_tok_s") and "_tau" in key and not key.endswith("_bound_tok_s")})
     for prompt_len, style in zip(sorted({row["prompt"] for row in rows}), ("-", "--", ":"), strict=False):
@@ -261,22 +276,13 @@ def plot_batch_scaling(rows: list[dict], path) -> None:
                     label=f"{name.replace('_tau', ', τ ')}, prompt {prompt_len}")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens / s",
            title="8B-shaped target on one GPU: decoding speed against batch size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_plot(fig, ax, path)
 
 
 def plot_adaptive_widths(rows: list[dict], path) -> None:
     """Adaptive verification's mean chosen width against batch size, beside the best fixed K of the envelope
     (--fixed-k) at each batch: the budget the cost curve and the estimates chose as the batch grows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = new_plot()
     names = sorted({key[:-len("_adaptive_width")] for row in rows for key in row if key.endswith("_adaptive_width")})
     for i, name in enumerate(names):
         mine = sorted((row for row in rows if f"{name}_adaptive_width" in row), key=lambda row: row["B"])
@@ -289,11 +295,7 @@ def plot_adaptive_widths(rows: list[dict], path) -> None:
                     label=f"{method}: best fixed K (--fixed-k envelope)")
     ax.set(xscale="log", xlabel="batch size", ylabel="drafts verified per step",
            title="Adaptive verification: the budget chosen against batch size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_plot(fig, ax, path)
 
 
 def main():
