@@ -452,15 +452,14 @@ def main(argv=None) -> None:
     if args.acceptance_rates:
         if args.models == "bundled":
             parser.error("--acceptance-rates: synthetic acceptance is for the shaped models (--models 8b, ...)")
-        try:
+        try:  # SpecConfig checks the profile (each method's first K: probabilities, non-increasing, K of them)
             profile = tuple(float(r) for r in args.acceptance_rates.split(","))
-        except ValueError:
-            profile = ()
-        if not profile or any(not 0 <= r <= 1 for r in profile):
-            parser.error(f"--acceptance-rates {args.acceptance_rates!r} is invalid: allowed comma-separated "
-                         "probabilities in [0, 1]")
-        methods = [method if method.name == "none" else dataclasses.replace(method, rates=profile)
-                   for method in methods]
+            methods = [method if method.name == "none" else dataclasses.replace(method, rates=profile)
+                       for method in methods]
+            for method in methods:
+                method.spec()
+        except ValueError as error:
+            parser.error(f"--acceptance-rates {args.acceptance_rates!r}: {error}")
     rates = None if args.rate is None else [float(r) for r in args.rate.split(",")]
     loads = rates or [int(c) for c in args.concurrency.split(",")]
     modes = args.prefix_caching.split(",")

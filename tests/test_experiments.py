@@ -176,7 +176,8 @@ def test_bench_serve_takes_a_per_position_acceptance_profile_for_every_speculati
 
     with pytest.raises(SystemExit):
         main(["--models", "tiny", "--methods", "dflash:2", "--acceptance-rates", "0.7,1.5"])
-    assert "--acceptance-rates '0.7,1.5' is invalid: allowed comma-separated probabilities" in capsys.readouterr().err
+    assert ("--acceptance-rates '0.7,1.5': SpecConfig.synthetic_acceptance_rates = (0.7, 1.5) is invalid"
+            in capsys.readouterr().err)
     with pytest.raises(SystemExit):  # the bundled models' acceptance is their own
         main(["--methods", "eagle:2", "--acceptance-rates", "0.7"])
     assert "--acceptance-rates: synthetic acceptance is for the shaped models" in capsys.readouterr().err
