@@ -8,7 +8,10 @@
 #                                                      # DFlash K 15 tau 6 (the figures), 1 to 256
 #     PYTHONPATH=. benchmarks/serve_8b.sh http OUT     # specjax serve (HTTP, streamed) against the same engine
 #                                                      # in process, EAGLE-1 K 5 tau 4 (SERVE=0: in process
-#                                                      # only; INPROC=0: the server only, from the cache)
+#                                                      # only; INPROC=0: the server only, from the cache;
+#                                                      # RUNNER=0: no engine-thread run; SERVER_WARMUP= : the
+#                                                      # server without --warmup-prompt-len, whose measured
+#                                                      # points then compile: for debugging only)
 #     PYTHONPATH=. benchmarks/serve_8b.sh offload OUT  # DFlash K 15 tau 6 with draft KV offload on and off:
 #                                                      # throughput, TPOT, device memory in use and peak
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
@@ -40,14 +43,15 @@ case $part in
     if [ "${INPROC:-1}" != 0 ]; then
       python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
         --name bench_serve_8b_inproc --output "$out"
-      # The same through the server's engine thread, no HTTP: which part of HTTP's loss is the thread's scheduling.
-      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 --through runner \
-        --name bench_serve_8b_runner --output "$out"
+      # The same through the server's engine thread, no HTTP: which part of HTTP's loss is the thread's scheduling
+      # (RUNNER=0 skips it).
+      [ "${RUNNER:-1}" = 0 ] || python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
+        --through runner --name bench_serve_8b_runner --output "$out"
       [ "${SERVE:-1}" != 0 ] || exit 0
     fi
     python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
       --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
-      --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 --warmup-prompt-len 128 --port 8765 \
+      --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 ${SERVER_WARMUP---warmup-prompt-len 128} --port 8765 \
       --per-request-spec-decode-metrics summary --log-stats-interval 2 \
       > "$out/serve_8b.log" 2>&1 &
     server=$!

@@ -58,11 +58,13 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
            ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
            ("draft_kv_mib_per_slot", "draft KV MiB/slot"), ("moved_mib_per_visit", "moved MiB/visit"),
-           ("device_in_use_gib", "device GiB in use"), ("device_peak_gib", "device GiB peak")]
+           ("device_in_use_gib", "device GiB in use"), ("device_peak_gib", "device GiB peak"),
+           ("client_start_spread_ms", "client start spread ms")]
 PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
                 "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
 OFFLOAD_MODES = {"off": False, "on": True}
 CLIENT_STREAMS = 64  # requests in flight one HTTP client process keeps by default (--client-processes)
+CLIENT_START_TIMEOUT_S = 300.0  # how long client processes wait for each other (each imports JAX first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,31 +305,44 @@ def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurr
     load is split between that many client processes (each its share of the requests in flight, or of the rate),
     so that one Python event loop parsing every stream does not bound what the server is seen to do."""
     kwargs = dict(new_tokens=new_tokens, burstiness=burstiness)
-    start = time.perf_counter()
     if processes == 1:
         records = http_records(url, prompts, list(range(num_requests)), concurrency=concurrency, rate=rate,
                                seed=seed, **kwargs)
+        spread = 0.0
     else:
         import concurrent.futures
         import multiprocessing
 
-        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+        context = multiprocessing.get_context("spawn")
+        # A spawned process takes seconds to import what it runs, and they do not finish together: without the
+        # barrier a process sent its requests while the others were still importing, so the server saw a
+        # fraction of the load in flight and the wall grew by the spread (2026-12-03: two of four processes'
+        # streams in the engine at '64 in flight').
+        with context.Manager() as manager, \
+                concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+            barrier = manager.Barrier(processes, timeout=CLIENT_START_TIMEOUT_S)
             parts = [pool.submit(http_records, url, prompts, list(range(num_requests))[p::processes],
                                  concurrency=None if concurrency is None else  # the remainder to the first
                                  concurrency // processes + (p < concurrency % processes),
-                                 rate=None if rate is None else rate / processes, seed=seed + p, **kwargs)
+                                 rate=None if rate is None else rate / processes, seed=seed + p, barrier=barrier,
+                                 **kwargs)
                      for p in range(processes)]
-            records = [record for part in parts for record in part.result()]
-        # The processes' start-up is not the server's: the wall runs from the first arrival (perf_counter is the
-        # system's monotonic clock, one for every process).
-        start = min(record.arrival for record in records)
-    return summarize(records, max(record.finish for record in records) - start)
+            by_process = [part.result() for part in parts]
+        records = [record for part in by_process for record in part]
+        firsts = [min(record.arrival for record in part) for part in by_process if part]
+        spread = max(firsts) - min(firsts)
+    # The wall runs from the first arrival (perf_counter is the system's monotonic clock, one for every process):
+    # a client's start-up is not the server's time.
+    start = min(record.arrival for record in records)
+    return {**summarize(records, max(record.finish for record in records) - start),
+            "client_start_spread_ms": spread * 1e3}
 
 
 def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, concurrency: int | None,
-                 rate: float | None, burstiness: float, seed: int) -> list[Record]:
+                 rate: float | None, burstiness: float, seed: int, barrier=None) -> list[Record]:
     """One client process's requests (prompts[i] for i in indices): a closed loop of `concurrency`, or arrivals
-    at `rate`; each request as the client saw it."""
+    at `rate`; each request as the client saw it. barrier: passed by every client process before its first
+    request, so that they start together."""
     import asyncio
     import json
 
@@ -357,6 +372,8 @@ def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, conc
 
     async def run() -> list[Record]:
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+            if barrier is not None:
+                await asyncio.to_thread(barrier.wait)
             if rate is None:  # closed loop: `concurrency` clients, each sending its next request when one ends
                 queue = list(indices)[::-1]
                 records = []

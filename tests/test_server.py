@@ -257,7 +257,8 @@ def test_a_bad_request_gets_a_4xx_naming_the_field_and_the_server_goes_on(server
 @pytest.mark.e2e
 def test_bench_serves_client_split_over_processes_serves_every_request_once(server):
     """`bench-serve --url --client-processes 2`: the two processes' requests together are the point's, each
-    streamed whole (its usage's tokens), and the speculative metrics came back with them."""
+    streamed whole (its usage's tokens), and the speculative metrics came back with them; the processes sent
+    their first requests together (a barrier after their start-up, which takes seconds each)."""
     from specjax.bench_serve import http_point
 
     prompts = [[5, 9, 2, 7], [4, 11, 3], [8, 1, 6, 2, 9]]
@@ -268,6 +269,7 @@ def test_bench_serves_client_split_over_processes_serves_every_request_once(serv
     assert one["requests"] == two["requests"] == 5
     assert one["output_tokens"] == two["output_tokens"] > 0  # greedy: the same requests, the same tokens
     assert two["mean_acceptance_length"] >= 1
+    assert one["client_start_spread_ms"] == 0 and two["client_start_spread_ms"] < 500, two
 
 
 @pytest.mark.e2e
