@@ -36,6 +36,9 @@ case $part in
       --name bench_serve_8b_methods --output "$out"
     ;;
   http)
+    # Eight requests per stream (2026-12-03: at two, a point of 64 streams lasted 2.1 s over HTTP, its first wave's
+    # mean TTFT 0.4 s of it).
+    common+=(--requests-per-stream ${REQUESTS_PER_STREAM:-8})
     # In process first: its programs fill the compile cache the server's warm-up then reads (on 2026-12-03 the
     # server's own warm-up of greedy and sampled programs outlasted a 240 s wait and no request was served).
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}

@@ -153,6 +153,11 @@ def request_for(index: int, prompts, new_tokens: int) -> Request:
     return Request.make(f"q{index}", prompts[index % len(prompts)], new_tokens, seed=index)
 
 
+def point_requests(args, load: float) -> int:
+    """How many requests the load point serves (--num-requests, --requests-per-stream)."""
+    return max(args.num_requests, args.requests_per_stream * int(load))
+
+
 def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None,
               rate: float | None, burstiness: float, seed: int) -> dict:
     """Serves num_requests requests under the load; the point's metrics."""
@@ -423,7 +428,10 @@ def main(argv=None) -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="requests in flight (a closed loop)")
     parser.add_argument("--rate", default=None, help="Poisson arrival rates (requests/s) instead of --concurrency")
     parser.add_argument("--burstiness", type=float, default=1.0)
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=64, help="requests a load point serves at least")
+    parser.add_argument("--requests-per-stream", type=int, default=2,
+                        help="and at least this many per request in flight: the first wave's ramp and the last's "
+                             "tail are a smaller part of the wall the more there are")
     parser.add_argument("--prompt-len", type=int, default=128, help="8b models' random prompts")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="slots of one engine serving every load (default: an engine of c slots for each load c)")
@@ -487,6 +495,8 @@ def main(argv=None) -> None:
     bad = [mode for mode in offloads if mode not in OFFLOAD_MODES]
     if bad:
         parser.error(f"--draft-kv-offload {bad[0]!r} is invalid: allowed a comma-separated list of {list(OFFLOAD_MODES)}")
+    if args.requests_per_stream < 1:
+        parser.error(f"--requests-per-stream {args.requests_per_stream} is invalid: allowed 1 or more")
     if args.url is not None:
         return http_main(args, methods[0], loads, rates)
     if args.through == "runner" and rates:
@@ -496,7 +506,7 @@ def main(argv=None) -> None:
     else:
         target, drafters, prompts = shaped_models(methods, args.prompt_len, args.models)
     if args.workload == "shared-prefix":
-        count = max(args.num_requests, 2 * int(max(loads)))  # run_point's requests: every suffix its own
+        count = point_requests(args, max(loads))  # run_point's requests: every suffix its own
         prompts = shared_prefix_prompts(prompts, count, num_prefixes=args.num_prefixes,
                                         prefix_len=args.prefix_len, suffix_len=args.suffix_len)
     prompt_len = max(len(p) for p in prompts)
@@ -558,11 +568,11 @@ def main(argv=None) -> None:
                     if runner is not None:
                         runner.start()
                 if runner is not None:
-                    point = runner_point(runner, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                    point = runner_point(runner, prompts, num_requests=point_requests(args, load),
                                          new_tokens=args.new_tokens, concurrency=int(load),
                                          client_delay_s=args.client_delay_ms / 1e3)
                 else:
-                    point = run_point(engine, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+                    point = run_point(engine, prompts, num_requests=point_requests(args, load),
                                       new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                                       rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
                 label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
@@ -611,7 +621,7 @@ def http_main(args, method: Method, loads, rates) -> None:
         http_point(args.url, prompts, num_requests=int(max(load, 1)), new_tokens=min(args.new_tokens, 16),
                    concurrency=int(max(load, 1)), rate=None, burstiness=args.burstiness, seed=0,
                    processes=min(processes, max(1, int(load))))
-        point = http_point(args.url, prompts, num_requests=max(args.num_requests, 2 * int(load)),
+        point = http_point(args.url, prompts, num_requests=point_requests(args, load),
                            new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                            rate=load if rates else None, burstiness=args.burstiness, seed=int(load),
                            processes=min(processes, max(1, int(load))))

@@ -171,6 +171,18 @@ def test_benchmark_rows_and_requests_each_have_their_own_seed():
     assert [request_for(i, [[1, 2], [3]], 4).seed for i in range(3)] == [0, 1, 2]
 
 
+def test_bench_serve_points_serve_requests_per_stream_and_refuse_fewer_than_one(capsys):
+    import argparse
+
+    from specjax.bench_serve import main, point_requests
+
+    args = argparse.Namespace(num_requests=8, requests_per_stream=8)
+    assert [point_requests(args, load) for load in (1, 64, 256)] == [8, 512, 2048]
+    with pytest.raises(SystemExit):
+        main(["--models", "tiny", "--requests-per-stream", "0"])
+    assert "--requests-per-stream 0 is invalid: allowed 1 or more" in capsys.readouterr().err
+
+
 def test_bench_serve_takes_a_per_position_acceptance_profile_for_every_speculative_method(capsys):
     from specjax.bench_serve import Method, main
 
