@@ -319,10 +319,8 @@ def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurr
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
-        # A spawned process takes seconds to import what it runs, and they do not finish together: without the
-        # barrier a process sent its requests while the others were still importing, so the server saw a
-        # fraction of the load in flight and the wall grew by the spread (2026-12-03: two of four processes'
-        # streams in the engine at '64 in flight').
+        # Spawned processes take seconds each to import and do not finish together: without the barrier the first
+        # sent while the others were importing, and the server saw a fraction of the load (docs/performance.md).
         with context.Manager() as manager, \
                 concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
             barrier = manager.Barrier(processes, timeout=CLIENT_START_TIMEOUT_S)
