@@ -5,6 +5,7 @@ away mid-stream frees its slot; SIGTERM lets requests in flight finish (or end w
 exits 0. Two servers on the bundled models: EAGLE with 4 slots and detailed metrics, n-gram with 1 slot."""
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -275,6 +276,9 @@ def test_bench_serves_client_split_over_processes_serves_every_request_once(serv
 @pytest.mark.e2e
 def test_models_health_and_one_access_log_line_per_request(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
+    # The warm-up logged each of its stages, in order, before serving.
+    stages = re.findall(r"warm-up (\d+)/(\d+): ", server.log.read_text())
+    assert stages and [int(done) for done, _ in stages] == list(range(1, int(stages[0][1]) + 1)), stages
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     completion = server.client.completions.create(model=MODEL, prompt="x = [", max_tokens=8, temperature=0)

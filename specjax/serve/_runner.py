@@ -63,15 +63,23 @@ class EngineRunner:
     def warm_up(self, prompt: list[int], prompt_len: int | None = None) -> None:
         """Compiles (before start) the greedy and the sampled programs, and the prefill of each admission
         batch size (powers of two), on short requests; with prompt_len, also every program that prompts of up
-        to that length run (Engine.warmup): the first clients wait for none of it."""
-        if prompt_len is not None:
-            for temperature in (0.0, 1.0):
-                self.engine.warmup(prompt_len, SamplingConfig(temperature=temperature))
+        to that length run (Engine.warmup): the first clients wait for none of it. Logs each stage as it ends
+        (at a large shape the whole takes minutes)."""
+        start = time.monotonic()
+        stages = ([] if prompt_len is None else [(temperature, None) for temperature in (0.0, 1.0)])
         most = min(self.engine.config.max_num_seqs, self.engine.config.max_prefill_batch)
-        for batch in sorted({min(1 << i, most) for i in range(most.bit_length() + 1)}):  # 1, 2, 4, ..., most
-            for temperature in (0.0, 1.0):
+        stages += [(temperature, batch) for batch in sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
+                   for temperature in (0.0, 1.0)]  # batches 1, 2, 4, ..., most
+        for done, (temperature, batch) in enumerate(stages, 1):
+            kind = "greedy" if temperature == 0 else "sampled"
+            if batch is None:
+                self.engine.warmup(prompt_len, SamplingConfig(temperature=temperature))
+                what = f"{kind} programs for prompts of up to {prompt_len} tokens"
+            else:
                 self.engine.run([Request.make(f"warmup-{batch}-{temperature}-{i}", prompt, 4, temperature=temperature)
                                  for i in range(batch)])
+                what = f"{kind} admission of {batch}"
+            log.info("warm-up %d/%d: %s (%.0f s so far)", done, len(stages), what, time.monotonic() - start)
 
     def start(self) -> None:
         self._thread.start()
