@@ -14,6 +14,8 @@
 #                                                      # points then compile: for debugging only)
 #     PYTHONPATH=. benchmarks/serve_8b.sh offload OUT  # DFlash K 15 tau 6 with draft KV offload on and off:
 #                                                      # throughput, TPOT, device memory in use and peak
+#     PYTHONPATH=. benchmarks/serve_8b.sh profile OUT  # the engine's host overhead from a profiler trace (EAGLE-1
+#                                                      # K 5 tau 4 at 64 and 256 requests; METHODS=... for others)
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
 # The http part needs fastapi, uvicorn, prometheus_client and httpx (carried as wheels to the GPU machine, with
@@ -39,16 +41,19 @@ case $part in
     # Eight requests per stream (2026-12-03: at two, a point of 64 streams lasted 2.1 s over HTTP, its first wave's
     # mean TTFT 0.4 s of it).
     common+=(--requests-per-stream ${REQUESTS_PER_STREAM:-8})
+    # 320 streams on 256 slots: a queue is never empty, so a slot that frees is refilled at once on both paths and
+    # the ratio is the HTTP layer's cost per token, not the client's round trip before a replacement arrives.
+    loads=${LOADS:-1,64,256,320}
     # In process first: its programs fill the compile cache the server's warm-up then reads (on 2026-12-03 the
     # server's own warm-up of greedy and sampled programs outlasted a 240 s wait and no request was served).
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
     # INPROC=0 skips it (a second device call after the first filled the cache: each call has 10 minutes).
     if [ "${INPROC:-1}" != 0 ]; then
-      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
+      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency $loads \
         --name bench_serve_8b_inproc --output "$out"
       # The same through the server's engine thread, no HTTP: which part of HTTP's loss is the thread's scheduling
       # (RUNNER=0 skips it).
-      [ "${RUNNER:-1}" = 0 ] || python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency 1,64,256 \
+      [ "${RUNNER:-1}" = 0 ] || python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency $loads \
         --through runner --name bench_serve_8b_runner --output "$out"
       [ "${SERVE:-1}" != 0 ] || exit 0
     fi
@@ -68,7 +73,7 @@ case $part in
     # One client process, then four sharing the load (one Python event loop parsing 256 streams may be the bound).
     for processes in ${CLIENT_PROCESSES:-1 4}; do
       JAX_PLATFORMS=cpu python3 scripts/bench_serve.py --url http://127.0.0.1:8765 "${common[@]}" --methods eagle:5:4 \
-        --concurrency 1,64,256 --client-processes $processes \
+        --concurrency $loads --client-processes $processes \
         --name bench_serve_8b_http$([ "$processes" = 1 ] || echo "_p$processes") --output "$out"
     done
     kill -TERM $server; wait $server
@@ -79,5 +84,12 @@ case $part in
         --draft-kv-offload $offload --name bench_serve_8b_offload_$offload --output "$out"
     done
     ;;
-  *) echo "usage: $0 load|methods|http|offload [OUT]"; exit 2 ;;
+  profile)
+    # Two requests per stream: the first wave's prefill and the replacements' both in the trace. The traces stay
+    # on the machine (too deep and too large for OUT); the table has what they say.
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
+    python3 scripts/bench_serve.py "${common[@]}" --methods ${METHODS:-eagle:5:4} --concurrency 64,256 \
+      --requests-per-stream 2 --profile /tmp/specjax_serve_8b_profile --name bench_serve_8b_profile --output "$out"
+    ;;
+  *) echo "usage: $0 load|methods|http|offload|profile [OUT]"; exit 2 ;;
 esac

@@ -32,11 +32,17 @@ table adds the draft KV bytes of a slot, the draft KV moved between host and dev
 memory in use after a visit (the most over the point) and the process's peak so far (JAX's memory_stats;
 None where the backend reports none). The peak never goes down within a process: for a peak per setting, run
 one setting (and one engine size, --max-num-seqs) per process.
+
+--profile DIR traces each in-process point with JAX's profiler (DIR/<label>_<load>/, a perfetto trace that
+Perfetto's UI opens) and adds what the trace says (specjax.profiling): the device's busy share over the point and
+its idle time per step, the host's overhead the device did not hide (admission, scheduling, reading tokens between
+visits). The profiler slows the host: take throughput from runs without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import time
@@ -45,7 +51,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from specjax import benchmarking, speed
+from specjax import benchmarking, profiling, speed
 from specjax.config import SpecConfig
 from specjax.decoding import loop_arrays, pad_request
 from specjax.engine import Engine, EngineConfig, Request
@@ -59,7 +65,9 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
            ("draft_kv_mib_per_slot", "draft KV MiB/slot"), ("moved_mib_per_visit", "moved MiB/visit"),
            ("device_in_use_gib", "device GiB in use"), ("device_peak_gib", "device GiB peak"),
-           ("client_start_spread_ms", "client start spread ms")]
+           ("client_start_spread_ms", "client start spread ms"),
+           ("profiled_busy_share", "profiled device busy"), ("profiled_idle_ms_per_step", "profiled idle ms/step"),
+           ("profiled_long_gaps", "profiled gaps >= 1 ms")]
 PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
                 "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
 OFFLOAD_MODES = {"off": False, "on": True}
@@ -209,6 +217,21 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
             "device_in_use_gib": None if None in in_use else max(in_use, default=0) / 2**30,
             "device_peak_gib": None if device_memory("peak_bytes_in_use") is None
             else device_memory("peak_bytes_in_use") / 2**30}
+
+
+def profiled_point(trace_dir: Path, steps: int) -> dict:
+    """A point's figures from its profiler trace: the device's busy share, its idle ms a step, long gaps."""
+    try:
+        timeline = profiling.summarize_trace(trace_dir)
+    except (FileNotFoundError, ValueError) as error:  # a CPU run has no device kernels: say so, keep the point
+        print(f"--profile: {error}", flush=True)
+        return {}
+    print(f"profile: device busy {timeline['busy_share']:.1%} of {timeline['wall_ms']:.0f} ms, idle "
+          f"{timeline['idle_ms'] / max(steps, 1):.2f} ms a step, {timeline['long_gaps']} gaps >= "
+          f"{profiling.GAP_MS} ms ({timeline['long_gap_ms']:.0f} ms), {timeline['trace']}", flush=True)
+    return {"profiled_busy_share": timeline["busy_share"],
+            "profiled_idle_ms_per_step": timeline["idle_ms"] / max(steps, 1),
+            "profiled_long_gaps": timeline["long_gaps"]}
 
 
 def host_time(step_s: float, wait_s: float, steps: int) -> dict:
@@ -468,6 +491,9 @@ def main(argv=None) -> None:
     parser.add_argument("--acceptance-rates", default=None,
                         help="shaped models: synthetic acceptance with these unconditional per-position rates (a "
                              "drafter's measured profile; each method takes its first K) instead of each method's tau")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="in process: trace each point with JAX's profiler into DIR and add the device's busy "
+                             "share and idle ms a step from the trace (slows the host: not for throughput)")
     parser.add_argument("--name", default="bench_serve")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -496,9 +522,13 @@ def main(argv=None) -> None:
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream {args.requests_per_stream} is invalid: allowed 1 or more")
     if args.url is not None:
+        if args.profile:
+            parser.error("--profile traces the engine in this process: not with --url")
         return http_main(args, methods[0], loads, rates)
     if args.through == "runner" and rates:
         parser.error("--through runner: a closed loop only (--concurrency, not --rate)")
+    if args.through == "runner" and args.profile:
+        parser.error("--profile traces the engine stepped by this thread: --through engine only")
     if args.models == "bundled":
         target, drafters, prompts = bundled_models(methods)
     else:
@@ -569,14 +599,21 @@ def main(argv=None) -> None:
                     point = runner_point(runner, prompts, num_requests=point_requests(args, load),
                                          new_tokens=args.new_tokens, concurrency=int(load),
                                          client_delay_s=args.client_delay_ms / 1e3)
-                else:
-                    point = run_point(engine, prompts, num_requests=point_requests(args, load),
-                                      new_tokens=args.new_tokens, concurrency=None if rates else int(load),
-                                      rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
                 label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
                 label += " adaptive" if method.adaptive else ""
                 label += "" if len(modes) == 1 else f" prefix {mode}"
                 label += "" if len(offloads) == 1 else f" offload {offload}"
+                if runner is None:
+                    trace_dir = None if args.profile is None else \
+                        Path(args.profile) / f"{label.replace(' ', '_').replace('=', '')}_{load}"
+                    with contextlib.ExitStack() as stack:
+                        if trace_dir is not None:
+                            stack.enter_context(jax.profiler.trace(str(trace_dir), create_perfetto_trace=True))
+                        point = run_point(engine, prompts, num_requests=point_requests(args, load),
+                                          new_tokens=args.new_tokens, concurrency=None if rates else int(load),
+                                          rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+                    if trace_dir is not None:
+                        point.update(profiled_point(trace_dir, point["steps"]))
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                              "label": label, "synthetic_tau": method.synthetic_tau, "slots": slots, "prefix_caching": mode,
                              "adaptive": method.adaptive, "draft_kv_offload": offload, **point})

@@ -1,0 +1,67 @@
+"""What a profiler trace says about the device's time: how much of a window it ran kernels, and the idle gaps
+between them, which is the host's overhead the device could not hide (`bench-serve --profile`).
+
+`jax.profiler.trace(log_dir, create_perfetto_trace=True)` writes `perfetto_trace.json.gz` under
+`log_dir/plugins/profile/<run>/`: Chrome trace events, a `process_name` metadata event per process (the GPU's
+named `/device:GPU:0 ...`) and a `thread_name` one per thread (a GPU's kernels on `Stream #N` threads, beside
+derived lines such as `XLA Modules` whose spans include the gaps between kernels, so those are not counted).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+GAP_MS = 1.0  # idle gaps at least this long are counted apart: between programs, not between a program's kernels
+
+
+def trace_file(log_dir: str | Path) -> Path:
+    """The newest perfetto trace under log_dir."""
+    found = sorted(Path(log_dir).glob("**/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {log_dir} (jax.profiler.trace(..., "
+                                "create_perfetto_trace=True) writes one)")
+    return found[-1]
+
+
+def kernel_intervals(events: list[dict]) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every complete event on a device's kernel threads: `Stream` threads of
+    processes whose name names a device (GPU or TPU), or all of a device's threads where none is so named."""
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and any(word in str(e.get("args", {}).get("name", "")) for word in ("/device:", "GPU", "TPU"))}
+    threads = {(e["pid"], e["tid"]): str(e.get("args", {}).get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in devices}
+    streams = {key for key, name in threads.items() if name.startswith("Stream")}
+    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("pid") in devices
+            and ((e["pid"], e.get("tid")) in streams if streams else True)]
+
+
+def device_timeline(intervals: list[tuple[float, float]]) -> dict:
+    """Busy and idle time of the device over the window from its first kernel to its last (milliseconds): busy
+    is the union of the kernels' spans (streams overlap), idle the rest, split into gaps of GAP_MS or more
+    (between programs) and shorter ones (launch gaps inside a program)."""
+    if not intervals:
+        raise ValueError("the trace has no device kernels (a CPU run, or the profiler saw no device)")
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    gaps = [(b[0] - a[1]) / 1e3 for a, b in zip(merged, merged[1:])]
+    long_gaps = [gap for gap in gaps if gap >= GAP_MS]
+    wall = (merged[-1][1] - merged[0][0]) / 1e3
+    busy = sum(end - start for start, end in merged) / 1e3
+    return {"wall_ms": wall, "busy_ms": busy, "idle_ms": wall - busy, "busy_share": busy / wall if wall else 1.0,
+            "long_gaps": len(long_gaps), "long_gap_ms": sum(long_gaps), "kernels": len(intervals)}
+
+
+def summarize_trace(log_dir: str | Path) -> dict:
+    """device_timeline of the newest trace under log_dir, and the file it read."""
+    path = trace_file(log_dir)
+    with gzip.open(path, "rt") as handle:
+        trace = json.load(handle)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return {**device_timeline(kernel_intervals(events)), "trace": str(path)}
