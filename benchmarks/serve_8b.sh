@@ -9,7 +9,9 @@
 #     PYTHONPATH=. benchmarks/serve_8b.sh http OUT     # specjax serve (HTTP, streamed) against the same engine
 #                                                      # in process, EAGLE-1 K 5 tau 4 (SERVE=0: in process
 #                                                      # only; INPROC=0: the server only, from the cache;
-#                                                      # RUNNER=0: no engine-thread run; SERVER_WARMUP= : the
+#                                                      # RUNNER=0: no engine-thread run; DETACH=1: start the
+#                                                      # server and return, leaving it warming up for the next
+#                                                      # call, which finds it and uses it; SERVER_WARMUP= : the
 #                                                      # server without --warmup-prompt-len, whose measured
 #                                                      # points then compile: for debugging only)
 #     PYTHONPATH=. benchmarks/serve_8b.sh offload OUT  # DFlash K 15 tau 6 with draft KV offload on and off:
@@ -57,18 +59,29 @@ case $part in
         --through runner --name bench_serve_8b_runner --output "$out"
       [ "${SERVE:-1}" != 0 ] || exit 0
     fi
-    python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
-      --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
-      --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 ${SERVER_WARMUP---warmup-prompt-len 128} --port 8765 \
-      --per-request-spec-decode-metrics summary --log-stats-interval 2 \
-      > "$out/serve_8b.log" 2>&1 &
-    server=$!
+    # A server still running (one a call with KEEP_SERVER=1 left, warming up or up) is used as it is: a second
+    # device call then pays no second warm-up. Its log is in /tmp (a call's OUT goes when the call ends); the
+    # stats and access lines of the measured points are copied into OUT at the end.
+    log=/tmp/serve_8b.log
+    server=$(pgrep -f "specjax.cli serve" | head -1)
+    if [ -n "$server" ]; then
+      echo "using the server already running (pid $server)"
+    else
+      setsid python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
+        --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
+        --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 ${SERVER_WARMUP---warmup-prompt-len 128} \
+        --port 8765 --per-request-spec-decode-metrics summary --log-stats-interval 2 > $log 2>&1 < /dev/null &
+      server=$!
+    fi
+    [ "${DETACH:-0}" = 0 ] || { echo "server $server left warming up for the next call"; exit 0; }
     for _ in $(seq ${HEALTH_WAIT_S:-420}); do
       curl -sf localhost:8765/health > /dev/null && break
-      kill -0 $server 2> /dev/null || { echo "the server exited:"; tail -20 "$out/serve_8b.log"; exit 1; }
+      kill -0 $server 2> /dev/null || { echo "the server exited:"; tail -20 $log; exit 1; }
       sleep 1
     done
-    curl -sf localhost:8765/health > /dev/null || { echo "the server is not up after the wait"; kill -TERM $server; exit 1; }
+    curl -sf localhost:8765/health > /dev/null || { echo "the server is not up after the wait"; tail -5 $log; kill -TERM $server; exit 1; }
+    grep -n "warm-up\|ready\|Uvicorn running" $log | tail -8
+    start_line=$(wc -l < $log)
     # The client on the CPU: the GPU belongs to the server.
     # One client process, then four sharing the load (one Python event loop parsing 256 streams may be the bound).
     for processes in ${CLIENT_PROCESSES:-1 4}; do
@@ -76,7 +89,8 @@ case $part in
         --concurrency $loads --client-processes $processes \
         --name bench_serve_8b_http$([ "$processes" = 1 ] || echo "_p$processes") --output "$out"
     done
-    kill -TERM $server; wait $server
+    tail -n +$((start_line + 1)) $log | grep -v "INFO: .*GET\|POST /v1" | tail -400 > "$out/serve_8b_stats.txt"
+    kill -TERM $server; while kill -0 $server 2> /dev/null; do sleep 1; done
     ;;
   offload)
     for offload in on off; do  # one setting a process: the device memory peak JAX reports never goes down
