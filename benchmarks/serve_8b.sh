@@ -70,7 +70,8 @@ case $part in
       setsid python3 -m specjax.cli serve --model shape:8b --method eagle --num-speculative-tokens 5 \
         --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
         --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 ${SERVER_WARMUP---warmup-prompt-len 128} \
-        --port 8765 --per-request-spec-decode-metrics summary --log-stats-interval 2 > $log 2>&1 < /dev/null &
+        --port 8765 --per-request-spec-decode-metrics summary --log-stats-interval 2 \
+        --profile-dir /tmp/specjax_serve_8b_profile > $log 2>&1 < /dev/null &
       server=$!
     fi
     [ "${DETACH:-0}" = 0 ] || { echo "server $server left warming up for the next call"; exit 0; }
@@ -89,7 +90,17 @@ case $part in
         --concurrency $loads --client-processes $processes \
         --name bench_serve_8b_http$([ "$processes" = 1 ] || echo "_p$processes") --output "$out"
     done
-    tail -n +$((start_line + 1)) $log | grep -v "INFO: .*GET\|POST /v1" | tail -400 > "$out/serve_8b_stats.txt"
+    # Then the last load again under the profiler (/start_profile, /stop_profile): the device's busy share and idle
+    # time a step in the server, against the in-process figures of `serve_8b.sh profile` (PROFILE=0 skips it).
+    if [ "${PROFILE:-1}" != 0 ]; then
+      curl -sf -X POST localhost:8765/start_profile && \
+        JAX_PLATFORMS=cpu python3 scripts/bench_serve.py --url http://127.0.0.1:8765 "${common[@]}" --methods eagle:5:4 \
+          --concurrency ${loads##*,} --requests-per-stream 2 --client-processes ${CLIENT_PROCESSES:-4} \
+          --name bench_serve_8b_http_profiled --output "$out"
+      curl -sf -X POST localhost:8765/stop_profile > "$out/serve_8b_http_profile.json"; cat "$out/serve_8b_http_profile.json"
+    fi
+    # The stats lines (one every 2 s) without the access lines (one a request: thousands).
+    tail -n +$((start_line + 1)) $log | grep -v "prompt_tokens=\|POST /v1" > "$out/serve_8b_stats.txt"
     kill -TERM $server; while kill -0 $server 2> /dev/null; do sleep 1; done
     ;;
   offload)

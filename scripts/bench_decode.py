@@ -289,7 +289,9 @@ def plot_adaptive_widths(rows: list[dict], path) -> None:
         method = name.split("_tau")[0]
         ax.plot([row["B"] for row in mine], [row[f"{name}_adaptive_width"] for row in mine], marker="o",
                 color=f"C{i}", label=f"{name.replace('_tau', ', τ ')}: adaptive, mean width")
-        best = [(row["B"], row[f"{method}_best_fixed_K"]) for row in mine if row.get(f"{method}_best_fixed_K")]
+        # K 0 (no speculation best: drafting alone costs a step) is a point too.
+        best = [(row["B"], row[f"{method}_best_fixed_K"]) for row in mine
+                if row.get(f"{method}_best_fixed_K") is not None]
         if best:
             ax.plot(*zip(*best), linestyle="none", marker="x", markersize=9, color=f"C{i}",
                     label=f"{method}: best fixed K (--fixed-k envelope)")

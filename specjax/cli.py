@@ -350,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests admitted by one prefill call at most (default: 8)")
     srv.add_argument("--log-stats-interval", type=float, default=None,
                      help="seconds between the engine's stats lines in the log while it works (default: 10; 0: off)")
+    srv.add_argument("--switch-interval-ms", type=float, default=None,
+                     help="the server process's Python thread switch interval (default: 0.5; Python's own: 5)")
+    srv.add_argument("--profile-dir", default=None, metavar="DIR",
+                     help="enable POST /start_profile and /stop_profile: JAX profiler traces into DIR")
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoints')")
     srv.add_argument("--host", default=None, help="default: 127.0.0.1")
     srv.add_argument("--port", type=int, default=None, help="default: 8000")

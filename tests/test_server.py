@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
 import openai
 import pytest
 from support.checkpoints import REPO
@@ -92,8 +93,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    running = Server(tmp_path_factory.mktemp("serve") / "eagle.log", "--method", "eagle", "--max-num-seqs", "4",
-                     "--max-model-len", "256", "--per-request-spec-decode-metrics", "detailed")
+    folder = tmp_path_factory.mktemp("serve")
+    running = Server(folder / "eagle.log", "--method", "eagle", "--max-num-seqs", "4",
+                     "--max-model-len", "256", "--per-request-spec-decode-metrics", "detailed",
+                     "--profile-dir", str(folder / "traces"))
     yield running
     assert running.stop() == 0, running.log.read_text()
 
@@ -293,6 +296,22 @@ def test_models_health_and_one_access_log_line_per_request(server):
         assert field in lines[0]
 
 
+def test_start_and_stop_profile_trace_requests_and_say_what_the_trace_holds(server, one_slot):
+    assert httpx.post(f"{one_slot.url}/start_profile").status_code == 404  # no --profile-dir
+    assert httpx.post(f"{server.url}/stop_profile").status_code == 409  # none started
+    assert httpx.post(f"{server.url}/start_profile").status_code == 200
+    again = httpx.post(f"{server.url}/start_profile")
+    assert again.status_code == 409 and "POST /stop_profile first" in again.json()["error"]["message"]
+    completion = server.client.completions.create(model=MODEL, prompt="x = [", max_tokens=8, temperature=0)
+    assert completion.usage.completion_tokens >= 1  # served while tracing
+    stopped = httpx.post(f"{server.url}/stop_profile", timeout=60)
+    assert stopped.status_code == 200, stopped.text
+    summary = stopped.json()
+    assert Path(summary["trace"]).is_file() and Path(summary["trace"]).name == "perfetto_trace.json.gz"
+    # The CPU has no device kernels: the answer says so; on a GPU it has the busy share (specjax.profiling).
+    assert "no device kernels" in summary["device"] if jax.default_backend() == "cpu" else 0 < summary["busy_share"] <= 1
+
+
 @pytest.mark.e2e
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(one_slot):
     """One slot: the second request could not start before the first's 900 tokens, were its slot kept."""
@@ -364,6 +383,8 @@ def test_an_unknown_method_is_refused_at_startup_naming_the_flag(capsys):
     assert "('none', 'summary', 'detailed')" in capsys.readouterr().err
     assert cli.main(["serve", "--max-model-len", "256", "--warmup-prompt-len", "256"]) == 2
     assert "ServeConfig.warmup_prompt_len = 256 is invalid: allowed null or an integer in 1..255" in capsys.readouterr().err
+    assert cli.main(["serve", "--switch-interval-ms", "0"]) == 2
+    assert "ServeConfig.switch_interval_ms = 0.0 is invalid: allowed milliseconds in (0, 100]" in capsys.readouterr().err
 
 
 def test_the_config_from_yaml_flags_and_overrides(tmp_path):

@@ -12,13 +12,17 @@ import logging
 import secrets
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Literal
+
+import jax
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from specjax import profiling
 from specjax.engine import Request, RequestError
 from specjax.serve._config import ServeConfig
 from specjax.serve._metrics import ServerMetrics
@@ -91,7 +95,7 @@ class HTTPError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
@@ -108,6 +112,7 @@ class Served:
     metrics: ServerMetrics
     lookahead: int  # cache entries a step writes past the last token (EngineConfig.lookahead)
     draining_since: float | None = None  # time.monotonic() of SIGTERM / SIGINT
+    trace_dir: Path | None = None  # the profiler trace being taken (/start_profile), if one is
     shutdown_aborted: bool = False  # the drain timed out and the requests left were ended
 
     def begin_drain(self) -> None:
@@ -228,6 +233,34 @@ def build_app(served: Served) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(served.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/start_profile")
+    async def start_profile():
+        if config.profile_dir is None:
+            return error_response(404, "profiling is off: start the server with --profile-dir DIR")
+        if served.trace_dir is not None:
+            return error_response(409, f"a trace is being taken already, into {served.trace_dir}: "
+                                       "POST /stop_profile first")
+        served.trace_dir = Path(config.profile_dir) / time.strftime("trace_%Y%m%d_%H%M%S")
+        jax.profiler.start_trace(str(served.trace_dir), create_perfetto_trace=True)
+        log.info("profiling into %s", served.trace_dir)
+        return Response(status_code=200)
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        if config.profile_dir is None:
+            return error_response(404, "profiling is off: start the server with --profile-dir DIR")
+        if served.trace_dir is None:
+            return error_response(409, "no trace is being taken: POST /start_profile first")
+        trace_dir, served.trace_dir = served.trace_dir, None
+        # Writing and reading the trace take seconds: off the event loop, which goes on serving.
+        await asyncio.to_thread(jax.profiler.stop_trace)
+        try:
+            summary = await asyncio.to_thread(profiling.summarize_trace, trace_dir)
+        except ValueError as error:  # no device kernels (the CPU): the trace is still there to open
+            summary = {"trace": str(profiling.trace_file(trace_dir)), "device": str(error)}
+        log.info("profile written: %s", summary)
+        return summary
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):

@@ -55,6 +55,15 @@ class ServeConfig:
     # Seconds between the engine's stats lines in the log while it works (requests running and waiting, visits,
     # steps, slots stepped, prefills, tokens/s, device share); 0: none (--log-stats-interval).
     log_stats_interval_s: float = 10.0
+    # Python's thread switch interval in the server process (sys.setswitchinterval), milliseconds. The engine's
+    # thread releases the interpreter lock at every device call and, under load, waits up to this long to get
+    # it back from the HTTP event loop; Python's 5 ms default cost 6% of the bundled models' throughput on the
+    # CPU at 16 clients (docs/performance.md) (--switch-interval-ms).
+    switch_interval_ms: float = 0.5
+    # A folder for profiler traces: with it, POST /start_profile and /stop_profile (vLLM's endpoints) trace the
+    # process with JAX's profiler, one subfolder a trace, and /stop_profile answers what the trace says about the
+    # device's time (specjax.profiling); without it they answer 404 (--profile-dir).
+    profile_dir: str | None = None
 
     def __post_init__(self):
         from specjax.proposers import PROPOSERS
@@ -73,6 +82,8 @@ class ServeConfig:
                 "admit_wait_ms", self.admit_wait_ms, "milliseconds >= 0")
         require(isinstance(self.log_stats_interval_s, (int, float)) and self.log_stats_interval_s >= 0,
                 "ServeConfig", "log_stats_interval_s", self.log_stats_interval_s, "seconds >= 0")
+        require(isinstance(self.switch_interval_ms, (int, float)) and 0 < self.switch_interval_ms <= 100,
+                "ServeConfig", "switch_interval_ms", self.switch_interval_ms, "milliseconds in (0, 100]")
         require(self.shutdown_timeout_s >= 0, "ServeConfig", "shutdown_timeout_s", self.shutdown_timeout_s,
                 "seconds >= 0")
         require(self.per_request_spec_decode_metrics in METRICS_LEVELS, "ServeConfig",
@@ -103,7 +114,8 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
          "warmup_prompt_len": "warmup_prompt_len", "admit_wait_ms": "admit_wait_ms",
-         "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s"}
+         "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",
+         "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir"}
 
 
 def load_serve_config(path=None, flags: dict | None = None, overrides=()) -> ServeConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 
 import prometheus_client
 import uvicorn
@@ -62,6 +63,9 @@ def serve(config: ServeConfig) -> int:
                                  disable_eagle_block_drop=config.disable_eagle_block_drop,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
                                  max_prefill_batch=config.max_prefill_batch)
+    # The engine thread and the HTTP event loop take turns on the interpreter lock: a short interval hands it back
+    # to the engine soon after its device call returns.
+    sys.setswitchinterval(config.switch_interval_ms / 1e3)
     prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
     metrics = ServerMetrics(config.model_name)
     runner = EngineRunner(model, engine_config, drafter, metrics, admit_wait_s=config.admit_wait_ms / 1e3,
