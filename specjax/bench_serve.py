@@ -228,7 +228,8 @@ def profiled_point(trace_dir: Path, steps: int) -> dict:
         return {}
     print(f"profile: device busy {timeline['busy_share']:.1%} of {timeline['wall_ms']:.0f} ms, idle "
           f"{timeline['idle_ms'] / max(steps, 1):.2f} ms a step, {timeline['long_gaps']} gaps >= "
-          f"{profiling.GAP_MS} ms ({timeline['long_gap_ms']:.0f} ms), {timeline['trace']}", flush=True)
+          f"{profiling.GAP_MS} ms ({timeline['long_gap_ms']:.0f} ms), threads {timeline['threads']}, "
+          f"{timeline['trace']}", flush=True)
     return {"profiled_busy_share": timeline["busy_share"],
             "profiled_idle_ms_per_step": timeline["idle_ms"] / max(steps, 1),
             "profiled_long_gaps": timeline["long_gaps"]}

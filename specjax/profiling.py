@@ -25,17 +25,25 @@ def trace_file(log_dir: str | Path) -> Path:
     return found[-1]
 
 
-def kernel_intervals(events: list[dict]) -> list[tuple[float, float]]:
-    """(start, end) in microseconds of every complete event on a device's kernel threads: `Stream` threads of
-    processes whose name names a device (GPU or TPU), or all of a device's threads where none is so named."""
+def kernel_threads(events: list[dict]) -> dict[tuple, str]:
+    """(pid, tid) -> name of a device's kernel threads: the `Stream` threads of processes whose name names a device
+    (GPU or TPU), or all of a device's threads where none is so named."""
     devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and any(word in str(e.get("args", {}).get("name", "")) for word in ("/device:", "GPU", "TPU"))}
     threads = {(e["pid"], e["tid"]): str(e.get("args", {}).get("name", "")) for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in devices}
-    streams = {key for key, name in threads.items() if name.startswith("Stream")}
+    streams = {key: name for key, name in threads.items() if name.startswith("Stream")}
+    if streams:
+        return streams
+    unnamed = {(e["pid"], e.get("tid")): "" for e in events if e.get("ph") == "X" and e.get("pid") in devices}
+    return {**unnamed, **threads}
+
+
+def kernel_intervals(events: list[dict], threads: dict[tuple, str] | None = None) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every complete event on the kernel threads (kernel_threads)."""
+    threads = kernel_threads(events) if threads is None else threads
     return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and e.get("pid") in devices
-            and ((e["pid"], e.get("tid")) in streams if streams else True)]
+            if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads]
 
 
 def device_timeline(intervals: list[tuple[float, float]]) -> dict:
@@ -64,4 +72,7 @@ def summarize_trace(log_dir: str | Path) -> dict:
     with gzip.open(path, "rt") as handle:
         trace = json.load(handle)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return {**device_timeline(kernel_intervals(events)), "trace": str(path)}
+    threads = kernel_threads(events)
+    # The threads counted, so that a reader sees which lines of the trace the figures come from.
+    return {**device_timeline(kernel_intervals(events, threads)), "threads": sorted(set(threads.values())),
+            "trace": str(path)}

@@ -47,3 +47,4 @@ def test_a_trace_without_device_kernels_is_refused_and_a_missing_trace_names_the
         json.dump({"traceEvents": trace_events([(7, 0.0, 2000.0), (7, 3000.0, 1000.0)])}, handle)
     summary = profiling.summarize_trace(tmp_path)
     assert summary["busy_share"] == pytest.approx(0.75) and summary["trace"].endswith("perfetto_trace.json.gz")
+    assert summary["threads"] == ["Stream #7(Compute)", "Stream #8(MemcpyD2H)"]  # not the 'XLA Modules' line
