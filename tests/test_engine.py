@@ -132,15 +132,20 @@ def test_engines_of_equal_settings_share_their_programs_and_another_setting_comp
     target, drafter = target_and_drafts()[0], drafter_for("eagle")
     requests = random_requests(8, seed=2)
 
-    def warm_engine(target, drafter, **fields):  # warmup: every admission bucket and step program of 16-token prompts
+    def warm_engine(target, drafter, **fields):  # warmup: every admission bucket and step program of 32-token prompts
         engine = Engine(target, load_config(SPECS["eagle"], **fields), drafter=drafter)
-        engine.warmup(16)
+        engine.warmup(32)
         return engine
 
     engine = warm_engine(target, drafter)
-    with compiled_programs() as compiled:  # warmup's contract: serving compiles nothing (slot moves included)
+    # warmup's contract: prompts of up to its length compile nothing, slot moves included. These prompts (2-14
+    # tokens) would prefill at width 16: they pad to the warmed 32 instead, and decode as an unwarmed engine does.
+    assert max(len(r.prompt) for r in requests) <= 16
+    with compiled_programs() as compiled:
         want = serve_arriving(engine, requests)
     assert compiled == []
+    cold = serve_arriving(Engine(target, load_config(SPECS["eagle"]), drafter=drafter), requests)
+    assert {k: o.tokens for k, o in cold.items()} == {k: o.tokens for k, o in want.items()}
     copies = jax.tree.map(jnp.copy, (target, drafter))
     with compiled_programs() as compiled:
         got = serve_arriving(warm_engine(*copies), requests)

@@ -281,6 +281,9 @@ class Engine:
             and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
         self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
         self._costs = {}  # slots stepped -> adaptive verification's cost at each verify width
+        # (mode, admission batch) -> the prompt widths warmup compiled the initialiser at; a prefill pads its
+        # prompts up to the narrowest that holds them rather than compile its own width while serving.
+        self._warm_widths: dict[tuple[SamplingMode, int], set[int]] = {}
         # Draft KV offload: the layout of the drafter's K and V in the state, and the slots' host buffers.
         self._draft_layout: DraftKVLayout | None = None
         self.draft_kv: DraftKVSlots | None = None
@@ -419,7 +422,8 @@ class Engine:
 
     def warmup(self, prompt_len: int, sampling: SamplingConfig = SamplingConfig()) -> None:
         """Compiles what requests with prompts of up to prompt_len tokens and these sampling settings will
-        run (every admission bucket, the step program), changing no slot, so that timed runs compile nothing."""
+        run (every admission bucket at prompt_len's width, which shorter prompts are padded to; the step
+        programs), changing no slot, so that timed runs compile nothing."""
         mode = SamplingMode.of([sampling])
         mode = GREEDY if not mode.sampled else self.mode.union(mode)
         self.mode = self.mode.union(mode)
@@ -429,6 +433,7 @@ class Engine:
         while batch <= decoding.bucket(min(self.config.max_prefill_batch, self.config.max_num_seqs)):
             rows = self._init(mode, _free_rows(batch, width))
             self._insert(rows, [self.config.max_num_seqs] * batch)  # every row dropped
+            self._warm_widths.setdefault((mode, batch), set()).add(width)
             batch *= 2
         for rows in self._row_buckets():
             self._run(mode, 0, rows + 1, rows)
@@ -589,10 +594,18 @@ class Engine:
         program = self._program(mode)
         return empty_caches(self._weights, program=program, batch=batch)
 
-    def _row_arrays(self, admitted: list[tuple[Request, float]], batch: int) -> tuple:
-        """The initialiser's arrays for the requests, padded to `batch` rows."""
+    def _prompt_width(self, admitted: list[tuple[Request, float]], mode: SamplingMode | None = None,
+                      batch: int = 1) -> int:
+        """The prompt width a prefill of the requests runs at: their longest prompt's bucket, or with mode and batch
+        the narrowest width warmup compiled for them that holds it (padding a prompt costs a little prefill;
+        compiling a width while serving stalls every request in flight, seconds at the 8B shape)."""
         width = min(decoding.bucket(max(len(r.prompt) for r, _ in admitted), decoding.MIN_PROMPT_BUCKET),
                     self.config.max_model_len)
+        warm = [w for w in self._warm_widths.get((mode, batch), ()) if w >= width]
+        return min(warm, default=width)
+
+    def _row_arrays(self, admitted: list[tuple[Request, float]], batch: int, width: int) -> tuple:
+        """The initialiser's arrays for the requests, padded to `batch` rows and `width` prompt tokens."""
         tokens = np.zeros((batch, width), np.int32)
         lengths, budgets, seeds = np.ones(batch, np.int32), np.zeros(batch, np.int32), np.zeros(batch, np.uint32)
         for row, (request, _) in enumerate(admitted):
@@ -608,7 +621,7 @@ class Engine:
         self.prefilled_requests += count
         mode = self._mode_of([request for request, _ in admitted])
         batch = decoding.bucket(count)
-        arrays = self._row_arrays(admitted, batch)
+        arrays = self._row_arrays(admitted, batch, self._prompt_width(admitted, mode, batch))
         looked = [self._lookup(request.prompt) for request, _ in admitted]
         if self.prefix_cache is None:
             rows = self._init(mode, arrays)
@@ -663,7 +676,7 @@ class Engine:
         width = (min(decoding.bucket(todo, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len) if last
                  else 1 << (int(budget).bit_length() - 1))
         mode = self._mode_of([request])
-        arrays = self._row_arrays([(request, chunked.arrival)], 1)
+        arrays = self._row_arrays([(request, chunked.arrival)], 1, self._prompt_width([(request, chunked.arrival)]))
         prefix = decoding.Prefix(target=chunked.caches[0], draft=chunked.caches[1],
                                  start=np.asarray([chunked.start], np.int32), width=width)
         rows = self._init(mode, arrays, prefix)
