@@ -11,7 +11,8 @@
 #                                                      # only; INPROC=0: the server only, from the cache;
 #                                                      # RUNNER=0: no engine-thread run; DETACH=1: start the
 #                                                      # server and return, leaving it warming up for the next
-#                                                      # call, which finds it and uses it; SERVER_WARMUP= : the
+#                                                      # call, which finds it and uses it; ENGINE_PROCESS=1:
+#                                                      # the server's engine in a child process; SERVER_WARMUP= : the
 #                                                      # server without --warmup-prompt-len, whose measured
 #                                                      # points then compile: for debugging only)
 #     PYTHONPATH=. benchmarks/serve_8b.sh offload OUT  # DFlash K 15 tau 6 with draft KV offload on and off:
@@ -71,7 +72,7 @@ case $part in
         --set spec.rejection_sample_method=synthetic --set spec.synthetic_acceptance_length=4 \
         --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 ${SERVER_WARMUP---warmup-prompt-len 128} \
         --port 8765 --per-request-spec-decode-metrics summary --log-stats-interval 2 \
-        --profile-dir /tmp/specjax_serve_8b_profile > $log 2>&1 < /dev/null &
+        --profile-dir /tmp/specjax_serve_8b_profile ${ENGINE_PROCESS:+--engine-process} > $log 2>&1 < /dev/null &
       server=$!
     fi
     [ "${DETACH:-0}" = 0 ] || { echo "server $server left warming up for the next call"; exit 0; }

@@ -352,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between the engine's stats lines in the log while it works (default: 10; 0: off)")
     srv.add_argument("--switch-interval-ms", type=float, default=None,
                      help="the server process's Python thread switch interval (default: 0.5; Python's own: 5)")
+    srv.add_argument("--engine-process", action="store_true", default=None,
+                     help="run the engine in a child process, apart from the HTTP server's (docs/serving.md)")
     srv.add_argument("--profile-dir", default=None, metavar="DIR",
                      help="enable POST /start_profile and /stop_profile: JAX profiler traces into DIR")
     srv.add_argument("--dtype", default=None, help="compute dtype (default: the checkpoints')")

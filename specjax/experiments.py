@@ -127,8 +127,6 @@ def load_models(target: str, method: str | None = None, drafter: str | None = No
     `shape:NAME` random weights at benchmarking.SHAPES' sizes (speed.shaped_models).
     dtype: the compute dtype of both (None: the checkpoints'). Models come in the layout that decodes
     fastest on the backend (transformer.for_decoding), for a mesh of model_shards on its model axis."""
-    from transformers import AutoTokenizer
-
     from specjax import speed
     from specjax.models import hf
     from specjax.models.transformer import for_decoding
@@ -136,10 +134,21 @@ def load_models(target: str, method: str | None = None, drafter: str | None = No
     if target.startswith(speed.SHAPE_PREFIX):  # random weights at a released model's sizes
         return speed.shaped_models(target[len(speed.SHAPE_PREFIX):], method)
     model = for_decoding(hf.load(default_models.resolve(target), dtype=dtype), model_shards)
-    tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(target))
+    tokenizer = load_tokenizer(target)
     if method is None:
         return model, tokenizer, None
     return model, tokenizer, load_drafter(method, default_drafter(target, method, drafter), model, dtype, model_shards)
+
+
+def load_tokenizer(target: str):
+    """The tokenizer load_models gives with the target, without loading any weights."""
+    from transformers import AutoTokenizer
+
+    from specjax import speed
+
+    if target.startswith(speed.SHAPE_PREFIX):
+        return speed.shaped_tokenizer(target[len(speed.SHAPE_PREFIX):])
+    return AutoTokenizer.from_pretrained(default_models.tokenizer_folder(target))
 
 
 FREQUENCY_TOKENS = 2_000_000  # enough to rank the ids of a code corpus (FR-Spec counts over a corpus sample too)

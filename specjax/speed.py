@@ -48,20 +48,26 @@ def shaped_models(name: str, method: str | None = None):
     as build_drafter makes it; none for a method without weights), and a word-level tokenizer whose id i is the word '<i>', so
     that the engine and the server can be loaded at a released model's sizes with nothing downloaded. The
     text means nothing; use synthetic acceptance (rejection_sample_method 'synthetic') for speculation."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    if name not in benchmarking.SHAPES:
-        raise ValueError(f"model {SHAPE_PREFIX}{name}: allowed shapes {sorted(benchmarking.SHAPES)}")
+    tokenizer = shaped_tokenizer(name)
     target_config, draft_config = benchmarking.SHAPES[name]
-    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(target_config.vocab_size)}, unk_token="<0>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
     weightless = sorted(method for method, cls in PROPOSERS.items() if not cls.needs_drafter)
     if method is not None and method not in weightless and method not in DRAFTERS:
         raise ValueError(f"method {method!r} with model {SHAPE_PREFIX}{name}: allowed {sorted(DRAFTERS) + weightless}")
     drafter = None if method is None or method in weightless else build_drafter(method, target_config, draft_config)
     return build_target(target_config), tokenizer, drafter
+
+
+def shaped_tokenizer(name: str):
+    """shape:NAME's word-level tokenizer (shaped_models): id i is the word '<i>'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if name not in benchmarking.SHAPES:
+        raise ValueError(f"model {SHAPE_PREFIX}{name}: allowed shapes {sorted(benchmarking.SHAPES)}")
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(benchmarking.SHAPES[name][0].vocab_size)},
+                                       unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words)
 
 
 def spec_method(drafter: str) -> str:

@@ -111,6 +111,17 @@ def one_slot(tmp_path_factory):
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def engine_process(tmp_path_factory):
+    """The engine in a child process (--engine-process): one slot, so that a freed slot shows."""
+    folder = tmp_path_factory.mktemp("serve")
+    running = Server(folder / "process.log", "--method", "eagle", "--max-num-seqs", "1", "--max-model-len", "1024",
+                     "--per-request-spec-decode-metrics", "detailed", "--engine-process",
+                     "--profile-dir", str(folder / "traces"))
+    yield running
+    assert running.stop() == 0, running.log.read_text()
+
+
 def check_metrics(metrics: dict, fields: set[str]) -> None:
     """vLLM's fields and the invariants of its test, and the per-step arrays summing to the summary."""
     assert set(metrics) == fields
@@ -310,6 +321,34 @@ def test_start_and_stop_profile_trace_requests_and_say_what_the_trace_holds(serv
     assert Path(summary["trace"]).is_file() and Path(summary["trace"]).name == "perfetto_trace.json.gz"
     # The CPU has no device kernels: the answer says so; on a GPU it has the busy share (specjax.profiling).
     assert "no device kernels" in summary["device"] if jax.default_backend() == "cpu" else 0 < summary["busy_share"] <= 1
+
+
+@pytest.mark.e2e
+def test_the_engine_in_its_own_process_serves_as_the_thread_does(engine_process, server):
+    """Completions, a stream, metrics, a disconnect that frees the one slot, and a profile, through the pipe."""
+    prompt = "def fibonacci(n):"
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    remote, local = engine_process.client.completions.create(**ask), server.client.completions.create(**ask)
+    assert remote.choices[0].text == local.choices[0].text and remote.usage == local.usage
+    check_metrics(remote.metrics["speculative_decoding"], DETAILED_FIELDS)
+    chunks = list(engine_process.client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == local.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 24
+    assert engine_process.metrics()[("vllm:request_success_total",
+                                     (("finished_reason", "length"), ("model_name", MODEL)))] == 2
+    # A disconnect mid-stream aborts in the child: the one slot serves the next request at once.
+    with httpx.stream("POST", f"{engine_process.url}/v1/completions", timeout=60,
+                      json={"prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+    started = time.monotonic()
+    assert engine_process.client.completions.create(**ask).choices[0].text == local.choices[0].text
+    assert time.monotonic() - started < 30
+    # The profiler runs where the engine is: the child's trace.
+    assert httpx.post(f"{engine_process.url}/start_profile").status_code == 200
+    engine_process.client.completions.create(**ask)
+    summary = httpx.post(f"{engine_process.url}/stop_profile", timeout=60).json()
+    assert Path(summary["trace"]).is_file()
+    assert "the engine runs in process" in engine_process.log.read_text()
 
 
 @pytest.mark.e2e

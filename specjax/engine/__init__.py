@@ -5,6 +5,6 @@
 """
 
 from specjax.engine._engine import Engine, EngineConfig
-from specjax.engine._request import Request, RequestError, RequestOutput
+from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 
-__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "RequestOutput"]
+__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "RequestOutput", "check_request"]

@@ -15,14 +15,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-import jax
-
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from specjax import profiling
 from specjax.engine import Request, RequestError
 from specjax.serve._config import ServeConfig
 from specjax.serve._metrics import ServerMetrics
@@ -242,7 +239,7 @@ def build_app(served: Served) -> FastAPI:
             return error_response(409, f"a trace is being taken already, into {served.trace_dir}: "
                                        "POST /stop_profile first")
         served.trace_dir = Path(config.profile_dir) / time.strftime("trace_%Y%m%d_%H%M%S")
-        jax.profiler.start_trace(str(served.trace_dir), create_perfetto_trace=True)
+        await asyncio.to_thread(served.runner.start_profile, served.trace_dir)
         log.info("profiling into %s", served.trace_dir)
         return Response(status_code=200)
 
@@ -254,11 +251,7 @@ def build_app(served: Served) -> FastAPI:
             return error_response(409, "no trace is being taken: POST /start_profile first")
         trace_dir, served.trace_dir = served.trace_dir, None
         # Writing and reading the trace take seconds: off the event loop, which goes on serving.
-        await asyncio.to_thread(jax.profiler.stop_trace)
-        try:
-            summary = await asyncio.to_thread(profiling.summarize_trace, trace_dir)
-        except ValueError as error:  # no device kernels (the CPU): the trace is still there to open
-            summary = {"trace": str(profiling.trace_file(trace_dir)), "device": str(error)}
+        summary = await asyncio.to_thread(served.runner.stop_profile, trace_dir)
         log.info("profile written: %s", summary)
         return summary
 

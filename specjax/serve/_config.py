@@ -60,6 +60,9 @@ class ServeConfig:
     # it back from the HTTP event loop; Python's 5 ms default cost 6% of the bundled models' throughput on the
     # CPU at 16 clients (docs/performance.md) (--switch-interval-ms).
     switch_interval_ms: float = 0.5
+    # The engine in a child process (serve/_process.py; vLLM's API server and engine core) rather than a thread of
+    # the HTTP server's, so that the two stop sharing Python's interpreter lock (--engine-process).
+    engine_process: bool = False
     # A folder for profiler traces: with it, POST /start_profile and /stop_profile (vLLM's endpoints) trace the
     # process with JAX's profiler, one subfolder a trace, and /stop_profile answers what the trace says about the
     # device's time (specjax.profiling); without it they answer 404 (--profile-dir).
@@ -100,6 +103,12 @@ class ServeConfig:
                 "spec.rejection_sample_method (--rejection-sample-method)", self.spec.rejection_sample_method,
                 f"one of {rejection_sample_methods()}")
 
+    def check_model(self, model_config) -> None:
+        """Refuses a max_model_len past the loaded model's positions, naming the flag."""
+        require(self.max_model_len <= model_config.max_position_embeddings, "ServeConfig",
+                "max_model_len (--max-model-len)", self.max_model_len,
+                f"at most the model's max_position_embeddings {model_config.max_position_embeddings}")
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
@@ -115,7 +124,7 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
          "warmup_prompt_len": "warmup_prompt_len", "admit_wait_ms": "admit_wait_ms",
          "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",
-         "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir"}
+         "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir", "engine_process": "engine_process"}
 
 
 def load_serve_config(path=None, flags: dict | None = None, overrides=()) -> ServeConfig:

@@ -12,6 +12,12 @@ import dataclasses
 import logging
 import threading
 import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+from specjax import profiling
 
 from specjax.config import SamplingConfig
 from specjax.engine import Engine, EngineConfig, Request
@@ -25,9 +31,21 @@ TOKENS, DONE, FAILED = "tokens", "done", "failed"
 
 @dataclasses.dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    send: Callable[[tuple], None]  # hands one event to the request's reader (thread-safe)
     prompt_tokens: int
+
+
+def queue_sender(queue: asyncio.Queue) -> Callable[[tuple], None]:
+    """A send that puts events into the queue on the calling thread's event loop, from any thread; after that
+    loop closed (nobody is waiting any more) it drops them."""
+    loop = asyncio.get_running_loop()
+
+    def send(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:
+            pass
+    return send
 
 
 class EngineRunner:
@@ -84,6 +102,21 @@ class EngineRunner:
     def start(self) -> None:
         self._thread.start()
 
+    @staticmethod
+    def start_profile(trace_dir: Path) -> None:
+        """Starts a JAX profiler trace of this process into trace_dir (a perfetto trace too)."""
+        jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+
+    @staticmethod
+    def stop_profile(trace_dir: Path) -> dict:
+        """Ends the trace; what it says about the device's time (specjax.profiling), or where there were no
+        device kernels (the CPU), the trace's file and why."""
+        jax.profiler.stop_trace()
+        try:
+            return profiling.summarize_trace(trace_dir)
+        except ValueError as error:
+            return {"trace": str(profiling.trace_file(trace_dir)), "device": str(error)}
+
     def stop(self) -> None:
         """Ends what is left (aborted) and joins the thread."""
         self.abort_all()
@@ -99,15 +132,19 @@ class EngineRunner:
     def submit(self, request: Request) -> asyncio.Queue:
         """Queues the request; its events arrive in the returned queue, on the calling event loop."""
         queue: asyncio.Queue = asyncio.Queue()
+        self.submit_to(request, queue_sender(queue))
+        return queue
+
+    def submit_to(self, request: Request, send: Callable[[tuple], None]) -> None:
+        """Queues the request; the engine's thread calls send with each of its events."""
         with self._wake:
             if self.failure is not None:
                 raise RuntimeError(self.failure)
-            self._streams[request.request_id] = _Stream(asyncio.get_running_loop(), queue, len(request.prompt))
+            self._streams[request.request_id] = _Stream(send, len(request.prompt))
             if self.metrics is not None:
                 self.metrics.running.labels(self.metrics.model_name).inc()
             self._inbox.append(("add", request))
             self._wake.notify()
-        return queue
 
     def abort(self, request_id: str) -> None:
         """Ends the request at the engine's next step, freeing its slot (its queue gets its 'abort' output)."""
@@ -234,10 +271,7 @@ class EngineRunner:
             stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if stream is None:  # the warm-up's requests
             return None
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
-        except RuntimeError:  # the event loop has closed: nobody is waiting any more
-            pass
+        stream.send(event)
         return stream
 
     def _fail(self, message: str) -> None:
@@ -245,7 +279,4 @@ class EngineRunner:
             self.failure = message
             streams, self._streams = self._streams, {}
         for stream in streams.values():
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (FAILED, message))
-            except RuntimeError:
-                pass
+            stream.send((FAILED, message))

@@ -14,12 +14,13 @@ import uvicorn
 from specjax import default_models, speed
 from specjax.config import ConfigError
 from specjax.engine import EngineConfig
-from specjax.experiments import default_drafter, load_models
+from specjax.experiments import default_drafter, load_models, load_tokenizer
 from specjax.models import hf
 from specjax.proposers import proposer_class
 from specjax.serve._app import Served, build_app
 from specjax.serve._config import ServeConfig
 from specjax.serve._metrics import ServerMetrics
+from specjax.serve._process import EngineProcess
 from specjax.serve._runner import EngineRunner
 
 log = logging.getLogger("specjax.serve")
@@ -52,10 +53,11 @@ def serve(config: ServeConfig) -> int:
             and default_drafter(config.model, method, config.drafter) is None:
         raise ConfigError(f"ServeConfig.drafter (--draft) is missing: method {method!r} needs a drafter folder "
                           f"(it has a bundled one only for --model {default_models.TARGET})")
-    model, tokenizer, drafter = load_models(config.model, method, config.drafter, config.dtype)
-    if config.max_model_len > model.config.max_position_embeddings:
-        raise ConfigError(f"ServeConfig.max_model_len (--max-model-len) = {config.max_model_len} is invalid: allowed "
-                          f"at most the model's max_position_embeddings {model.config.max_position_embeddings}")
+    if config.engine_process:  # the weights load in the engine's process; this one needs the tokenizer only
+        model, tokenizer, drafter = None, load_tokenizer(config.model), None
+    else:
+        model, tokenizer, drafter = load_models(config.model, method, config.drafter, config.dtype)
+        config.check_model(model.config)
     eos = hf.eos_token_ids(default_models.resolve(config.model)) or (
         () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
     engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, spec=spec,
@@ -68,8 +70,11 @@ def serve(config: ServeConfig) -> int:
     sys.setswitchinterval(config.switch_interval_ms / 1e3)
     prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
     metrics = ServerMetrics(config.model_name)
-    runner = EngineRunner(model, engine_config, drafter, metrics, admit_wait_s=config.admit_wait_ms / 1e3,
-                          log_stats_interval_s=config.log_stats_interval_s)
+    if config.engine_process:
+        runner = EngineProcess(config, engine_config, metrics)
+    else:
+        runner = EngineRunner(model, engine_config, drafter, metrics, admit_wait_s=config.admit_wait_ms / 1e3,
+                              log_stats_interval_s=config.log_stats_interval_s)
     served = Served(config, runner, tokenizer, metrics, engine_config.lookahead)
     what = "autoregressive" if spec is None else (
         f"{spec.method} K={spec.num_speculative_tokens} ({spec.rejection_sample_method} verification"
