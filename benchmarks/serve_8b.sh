@@ -64,7 +64,7 @@ case $part in
     # device call then pays no second warm-up. Its log is in /tmp (a call's OUT goes when the call ends); the
     # stats and access lines of the measured points are copied into OUT at the end.
     log=/tmp/serve_8b.log
-    server=$(pgrep -f "specjax.cli serve" | head -1)
+    server=$(pgrep -f "^python3 -m specjax.cli serve" | head -1)  # anchored: not a shell whose command names it
     if [ -n "$server" ]; then
       echo "using the server already running (pid $server)"
     else
