@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+import jax
 import prometheus_client
 import uvicorn
 
@@ -54,6 +55,9 @@ def serve(config: ServeConfig) -> int:
         raise ConfigError(f"ServeConfig.drafter (--draft) is missing: method {method!r} needs a drafter folder "
                           f"(it has a bundled one only for --model {default_models.TARGET})")
     if config.engine_process:  # the weights load in the engine's process; this one needs the tokenizer only
+        # This process must not take the device the child uses (XLA would reserve most of its memory here). A
+        # config update, not JAX_PLATFORMS: the spawned child reads the environment and must see the GPU.
+        jax.config.update("jax_platforms", "cpu")
         model, tokenizer, drafter = None, load_tokenizer(config.model), None
     else:
         model, tokenizer, drafter = load_models(config.model, method, config.drafter, config.dtype)
