@@ -426,6 +426,15 @@ def test_an_unknown_method_is_refused_at_startup_naming_the_flag(capsys):
     assert "ServeConfig.switch_interval_ms = 0.0 is invalid: allowed milliseconds in (0, 100]" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
+def test_a_bad_setting_found_by_the_engine_process_is_refused_at_startup_naming_the_flag(capsys):
+    """The child finds it (it loads the model) and the parent says it as the thread's server does."""
+    assert cli.main(["serve", "--engine-process", "--max-model-len", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ServeConfig.max_model_len (--max-model-len) = 4096 is invalid: allowed at most the model's " \
+           "max_position_embeddings 2048" in err, err
+
+
 def test_the_config_from_yaml_flags_and_overrides(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("spec: {method: eagle, num_speculative_tokens: 3}\nmax_num_seqs: 2\nport: 9000\n")
