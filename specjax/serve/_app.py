@@ -92,7 +92,8 @@ class HTTPError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
+            503: "ServiceUnavailableError"}.get(status, "ServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 

@@ -18,7 +18,6 @@ from typing import Callable
 import jax
 
 from specjax import profiling
-
 from specjax.config import SamplingConfig
 from specjax.engine import Engine, EngineConfig, Request
 
