@@ -5,6 +5,7 @@ away mid-stream frees its slot; SIGTERM lets requests in flight finish (or end w
 exits 0. Two servers on the bundled models: EAGLE with 4 slots and detailed metrics, n-gram with 1 slot."""
 
 import json
+import os
 import re
 import signal
 import socket
@@ -38,13 +39,14 @@ STARTUP_S = 240  # loading and compiling on two busy CPU cores
 class Server:
     """A `specjax serve` process; its output goes to a log file the tests read."""
 
-    def __init__(self, log: Path, *args: str):
+    def __init__(self, log: Path, *args: str, new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        with log.open("w") as out:
+        with log.open("w") as out:  # new_session: a process group of its own, for a terminal's Ctrl-C (killpg)
             self.process = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--port", str(self.port),
-                                             *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+                                             *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=new_session)
         deadline = time.monotonic() + STARTUP_S
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"the server exited ({self.process.returncode}):\n{log.read_text()}"
@@ -117,7 +119,7 @@ def engine_process(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
     running = Server(folder / "process.log", "--method", "eagle", "--max-num-seqs", "1", "--max-model-len", "1024",
                      "--per-request-spec-decode-metrics", "detailed", "--engine-process",
-                     "--profile-dir", str(folder / "traces"))
+                     "--profile-dir", str(folder / "traces"), new_session=True)
     yield running
     assert running.stop() == 0, running.log.read_text()
 
@@ -349,6 +351,16 @@ def test_the_engine_in_its_own_process_serves_as_the_thread_does(engine_process,
     summary = httpx.post(f"{engine_process.url}/stop_profile", timeout=60).json()
     assert Path(summary["trace"]).is_file()
     assert "the engine runs in process" in engine_process.log.read_text()
+    # A terminal's Ctrl-C reaches the whole process group: the engine process ignores it and the server drains
+    # through it, so the request in flight finishes and the server exits 0.
+    with httpx.stream("POST", f"{engine_process.url}/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 48, "temperature": 0, "stream": True}) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        os.killpg(engine_process.process.pid, signal.SIGINT)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+    assert engine_process.process.wait(timeout=60) == 0, engine_process.log.read_text()
 
 
 @pytest.mark.e2e

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import multiprocessing
 import queue as queues
+import signal
 import threading
 from pathlib import Path
 from typing import Callable
@@ -169,6 +170,10 @@ def _child(config: ServeConfig, engine_config: EngineConfig, conn) -> None:
     """The engine process: loads the models, warms an EngineRunner up, then serves the pipe until 'stop'."""
     from specjax.experiments import load_models  # here: the parent never loads weights
 
+    # The parent drains and stops this process through the pipe; a Ctrl-C reaches the whole process group and would
+    # end it mid-drain. It still ends if the parent dies: the pipe closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("specjax").setLevel(logging.INFO)
     send_lock = threading.Lock()
