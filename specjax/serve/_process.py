@@ -61,6 +61,7 @@ class EngineProcess:
         try:
             kind, value = self._conn.recv()
         except EOFError:
+            self._process.join(5)  # reaped, so that its exit code is known
             raise RuntimeError(f"the engine process exited during its start (exit code {self._process.exitcode})")
         if kind == "error":
             is_config, message = value
