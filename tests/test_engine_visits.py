@@ -152,3 +152,45 @@ def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     assert runner.tokens_sent == len(received) > 0
     stats = runner.engine.stats()
     assert stats["steps"] > 0 and 0 < stats["busy_slot_steps"] <= stats["slot_steps"]
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("end_on_finish", [True, False])
+def test_a_visit_asked_to_end_when_a_row_ends_ends_there_though_nothing_waits(end_on_finish):
+    """Engine.step(end_on_finish=True), a server's: the visit ends at the step where the two-token request ends,
+    and the other row goes on in the next; without it (the control) the visit runs its steps_per_visit (3)."""
+    engine = Engine(target_and_drafts()[0], load_config(None))
+    engine.add_request(Request.make("short", [1, 2, 3], 2))
+    engine.add_request(Request.make("long", [4, 5, 6], 40))
+    ended = engine.step(end_on_finish=end_on_finish)
+    assert [o.request_id for o in ended] == ["short"]
+    assert engine.steps_run == (1 if end_on_finish else engine.config.steps_per_visit)
+    assert list(engine.running.values())[0].request.request_id == "long"
+    with pytest.raises(ValueError, match="max_steps=4 is invalid: allowed 1 to steps_per_visit"):
+        engine.step(max_steps=4)
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("admit_share, short", [(1e3, True), (1e-9, False)], ids=["short_visits", "whole_visits"])
+def test_the_servers_engine_thread_keeps_visits_short_while_a_slot_is_free(admit_share, short):
+    """One request on four slots: an arrival would wait for the visit's end, so the thread runs as few steps a
+    visit as keep its host time under admit_share of the visit (EngineRunner.visit_steps): one at a large share. At a
+    tiny share (the control) every visit but the last runs its steps_per_visit (3)."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=0.0, admit_share=admit_share)
+
+    async def one_request():
+        queue = runner.submit(Request.make("alone", [1, 2, 3], 30))
+        while (await queue.get())[0] != "done":
+            pass
+
+    serve_clients(runner, one_request())
+    steps, visits = runner.engine.steps_run, runner.engine.visits
+    # The first visit has no times to go by and runs whole: 3 steps, then one a visit.
+    assert (steps == visits + 2) if short else (steps > 2 * visits), (steps, visits)
+
+
+def test_visit_steps_are_the_fewest_that_keep_the_hosts_share_of_a_visit():
+    assert EngineRunner.visit_steps(host_s=0.002, step_s=0.05, share=0.05, most=16) == 1  # 2 ms against 50 ms steps
+    assert EngineRunner.visit_steps(host_s=0.001, step_s=0.005, share=0.05, most=16) == 4  # 1 ms against 5 ms: 4 steps
+    assert EngineRunner.visit_steps(host_s=0.01, step_s=0.001, share=0.05, most=16) == 16  # at most steps_per_visit
+    assert EngineRunner.visit_steps(host_s=0.01, step_s=0.0, share=0.05, most=16) == 16
