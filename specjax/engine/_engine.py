@@ -51,8 +51,7 @@ class EngineConfig:
     max_model_len: int = 512
     # Speculative decoding (vLLM's SpeculativeConfig names); None decodes autoregressively.
     spec: SpecConfig | None = None
-    # Device steps between host visits at most; a visit comes sooner when a row ends and requests wait (and
-    # when step() is asked to: a server's runner, engine.step's arguments).
+    # Device steps between host visits at most; a visit comes sooner when a row ends and requests wait.
     steps_per_visit: int = 16
     # The model's EOS ids: a row ends after emitting one (requests add their own stop_token_ids).
     eos_token_ids: tuple[int, ...] = ()
@@ -489,23 +488,16 @@ class Engine:
         last = max(self.running) + 1
         return next(rows for rows in self._row_buckets() if rows >= last)
 
-    def step(self, *, max_steps: int | None = None, end_on_finish: bool = False) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Admits waiting requests into free slots, runs one device call, and returns the requests that
-        ended (and those refused since the last step).
-
-        The call runs until a row ends while requests wait, or max_steps steps (None: config.steps_per_visit, at
-        most that). end_on_finish: end it when a row ends even though none waits, for a caller whose requests
-        arrive while it runs (a server, whose clients replace each request that ends)."""
-        most = self.config.steps_per_visit
-        if max_steps is not None and not 1 <= max_steps <= most:
-            raise ValueError(f"max_steps={max_steps} is invalid: allowed 1 to steps_per_visit ({most})")
+        ended (and those refused since the last step)."""
         start = time.perf_counter()
         try:
-            return self._step(most if max_steps is None else max_steps, end_on_finish)
+            return self._step()
         finally:
             self.step_s += time.perf_counter() - start
 
-    def _step(self, max_steps: int, end_on_finish: bool) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutput]:
         ended, self.finished = self.finished, []
         if self.aborted:
             ended += self._abort()
@@ -530,12 +522,12 @@ class Engine:
         mode = GREEDY if not mode.sampled else self.mode
         rows = self._rows_to_step()
         done_now = rows - len(self.running)
-        stop_at = done_now + 1 if self.waiting or end_on_finish else rows + 1
+        stop_at = done_now + 1 if self.waiting else rows + 1
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        visit = self._run(mode, max_steps, stop_at, rows)
+        visit = self._run(mode, self.config.steps_per_visit, stop_at, rows)
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
         self.steps_run += int(visit.steps)

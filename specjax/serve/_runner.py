@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import threading
 import time
 from pathlib import Path
@@ -59,18 +58,12 @@ class EngineRunner:
       for, for at most `admit_share` of the last visit's time (what waiting may cost, against the visit that a
       late arrival would wait) and never more than `admit_wait_s`;
     - when work arrives at an idle engine, until none came for `admit_gap_s` (a burst), at most `admit_wait_s`.
-    admit_wait_s 0 turns it off.
-
-    Then, since the requests that end are replaced, a visit ends when a row ends (Engine.step's end_on_finish),
-    and while a slot is free it runs as few steps as keep the host's time between visits under admit_share of
-    the visit (EngineRunner.visit_steps): an arrival waits a step or a few, not up to steps_per_visit. (2026-12-04, 8B shape,
-    320 streamed clients on 256 slots: whole visits left a fifth of the slots empty, docs/performance.md.)"""
+    admit_wait_s 0 turns it off."""
 
     def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.05,
                  admit_gap_s: float = 0.002, admit_share: float = 0.05, log_stats_interval_s: float = 10.0):
         self.admit_wait_s, self.admit_gap_s, self.admit_share = admit_wait_s, admit_gap_s, admit_share
         self._last_step_s = 0.0  # the last engine.step()'s wall time
-        self._last_visit: tuple[float, float] | None = None  # its host seconds, and device seconds a step
         self.log_stats_interval_s = log_stats_interval_s
         self.gather_s = 0.0  # seconds spent gathering arrivals before visits
         self.tokens_sent = 0  # tokens streamed to requests (the warm-up's not counted)
@@ -192,12 +185,9 @@ class EngineRunner:
                 else:
                     engine.abort_request(item)
             try:
-                start, device_s, steps = time.monotonic(), engine.device_wait_s, engine.steps_run
-                outputs = engine.step(max_steps=self._visit_steps(), end_on_finish=True)
+                start = time.monotonic()
+                outputs = engine.step()
                 self._last_step_s = time.monotonic() - start
-                device_s, steps = engine.device_wait_s - device_s, engine.steps_run - steps
-                if steps:
-                    self._last_visit = (self._last_step_s - device_s, device_s / steps)
             except Exception as error:  # the engine's state is unknown now: every request ends with the reason
                 log.exception("the engine failed")
                 self._fail(f"the engine failed: {type(error).__name__}: {error}")
@@ -209,22 +199,6 @@ class EngineRunner:
                 if stream is not None and self.metrics is not None:
                     self.metrics.running.labels(self.metrics.model_name).dec()
                     self.metrics.observe(output, stream.prompt_tokens)
-
-    @staticmethod
-    def visit_steps(host_s: float, step_s: float, share: float, most: int) -> int:
-        """The fewest steps (1 to most) of step_s seconds each that make a visit's host time, host_s, at most
-        `share` of the visit's device time."""
-        if share <= 0 or step_s <= 0:
-            return most
-        return max(1, min(most, math.ceil(host_s / (share * step_s))))
-
-    def _visit_steps(self) -> int | None:
-        """The next visit's steps at most: steps_per_visit (None) while every slot is spoken for, else
-        visit_steps of the last visit's times."""
-        engine = self.engine
-        if self._last_visit is None or len(engine.running) + len(engine.waiting) >= engine.config.max_num_seqs:
-            return None
-        return self.visit_steps(*self._last_visit, self.admit_share, engine.config.steps_per_visit)
 
     def _counters(self) -> dict:
         return {**{k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))},
