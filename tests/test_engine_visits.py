@@ -5,6 +5,7 @@ stop ids, and its acceptance counts are the ones `generate` counts for its promp
 import asyncio
 import dataclasses
 import math
+import threading
 
 import pytest
 from support.engine import SPECS, drafter_for, load_config, random_requests, serve_arriving
@@ -38,7 +39,7 @@ def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
     streamed = {}
     config = load_config(spec)  # the load tests' engine: its programs
     engine = Engine(target, config, drafter=drafter_for("eagle"),
-                    on_tokens=lambda request_id, ids: streamed.setdefault(request_id, []).append(list(ids)))
+                    on_tokens=lambda new: [streamed.setdefault(i, []).append(list(ids)) for i, ids in new.items()])
     requests = with_stop_ids_inside(target, random_requests(16, seed=1))
     outputs = serve_arriving(engine, requests)
     most = config.steps_per_visit * (spec.num_speculative_tokens + 1)  # what one visit can emit for a request
@@ -152,3 +153,48 @@ def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     assert runner.tokens_sent == len(received) > 0
     stats = runner.engine.stats()
     assert stats["steps"] > 0 and 0 < stats["busy_slot_steps"] <= stats["slot_steps"]
+
+
+@pytest.mark.loop
+def test_the_servers_engine_thread_hands_a_visits_events_to_the_event_loop_at_once():
+    """Every call_soon_threadsafe from the engine's thread waits for the GIL that a busy event loop holds, so a
+    visit's events (every request's tokens, then the ends) go over together: at most three hand-overs a visit
+    (the admitted requests' first tokens, the visit's tokens, its ends), however many requests it stepped."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=2.0, admit_gap_s=0.5)
+    events, handovers = [], []
+
+    async def four_requests():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            if threading.current_thread() is not threading.main_thread():
+                handovers.append(len(args[0]) if args else 1)
+            return real(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        queues = [runner.submit(Request.make(f"r{i}", [1 + i, 2, 3], 20)) for i in range(4)]
+        for queue in queues:
+            while (event := await queue.get())[0] != "done":
+                events.append(event)
+            events.append(event)
+
+    serve_clients(runner, four_requests())
+    assert sum(handovers) == len(events)  # every event went over in one of them
+    assert len(handovers) <= 3 * runner.engine.visits, (handovers, runner.engine.visits)
+    assert len(handovers) < len(events)
+    assert max(handovers) == 4  # the four requests' events of one visit together
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("end_on_finish", [True, False])
+def test_a_visit_asked_to_end_when_a_row_ends_ends_there_though_nothing_waits(end_on_finish):
+    """Engine.step(end_on_finish=True), the server's: the visit ends at the step where the two-token request
+    ends, and the other row goes on in the next; without it (the control) the visit runs its steps_per_visit."""
+    engine = Engine(target_and_drafts()[0], load_config(None))
+    engine.add_request(Request.make("short", [1, 2, 3], 2))
+    engine.add_request(Request.make("long", [4, 5, 6], 40))
+    ended = engine.step(end_on_finish=end_on_finish)
+    assert [o.request_id for o in ended] == ["short"]
+    assert engine.steps_run == (1 if end_on_finish else engine.config.steps_per_visit)
+    assert [r.request.request_id for r in engine.running.values()] == ["long"]

@@ -51,7 +51,8 @@ class EngineConfig:
     max_model_len: int = 512
     # Speculative decoding (vLLM's SpeculativeConfig names); None decodes autoregressively.
     spec: SpecConfig | None = None
-    # Device steps between host visits at most; a visit comes sooner when a row ends and requests wait.
+    # Device steps between host visits at most; a visit comes sooner when a row ends and requests wait (and
+    # when a row ends and the caller asked for that: a server's, Engine.step's end_on_finish).
     steps_per_visit: int = 16
     # The model's EOS ids: a row ends after emitting one (requests add their own stop_token_ids).
     eos_token_ids: tuple[int, ...] = ()
@@ -244,10 +245,11 @@ class Engine:
 
     engine.add_request(Request(...)); while engine.has_work(): outputs += engine.step(). `step` admits
     what fits, runs one device call of up to steps_per_visit steps, and returns the requests that ended.
-    `on_tokens(request_id, new_token_ids)` is called with each request's new tokens at every visit."""
+    `on_tokens({request_id: new_token_ids})` is called with the requests' new tokens at every visit (and with
+    the admitted requests' first tokens before it), once for all of them."""
 
     def __init__(self, model: Transformer, config: EngineConfig, drafter: Any = None,
-                 on_tokens: Callable[[str, list[int]], None] | None = None):
+                 on_tokens: Callable[[dict[str, list[int]]], None] | None = None):
         self.model, self.config, self.drafter, self.on_tokens = model, config, drafter, on_tokens
         self.waiting: collections.deque[tuple[Request, float]] = collections.deque()
         self.running: dict[int, _Running] = {}  # slot -> request
@@ -488,16 +490,21 @@ class Engine:
         last = max(self.running) + 1
         return next(rows for rows in self._row_buckets() if rows >= last)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, end_on_finish: bool = False) -> list[RequestOutput]:
         """Admits waiting requests into free slots, runs one device call, and returns the requests that
-        ended (and those refused since the last step)."""
+        ended (and those refused since the last step).
+
+        The call runs steps_per_visit steps, or until a row ends while requests wait. end_on_finish: until a row
+        ends even though none waits, for a caller whose requests arrive while it runs (a server, whose clients
+        replace each request that ends: its slot would otherwise stay empty, and its end unsent, until the
+        visit's last step)."""
         start = time.perf_counter()
         try:
-            return self._step()
+            return self._step(end_on_finish)
         finally:
             self.step_s += time.perf_counter() - start
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, end_on_finish: bool) -> list[RequestOutput]:
         ended, self.finished = self.finished, []
         if self.aborted:
             ended += self._abort()
@@ -522,7 +529,7 @@ class Engine:
         mode = GREEDY if not mode.sampled else self.mode
         rows = self._rows_to_step()
         done_now = rows - len(self.running)
-        stop_at = done_now + 1 if self.waiting else rows + 1
+        stop_at = done_now + 1 if self.waiting or end_on_finish else rows + 1
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
@@ -700,6 +707,7 @@ class Engine:
         read = jax.device_get([(_decode(rows).tokens, _decode(rows).lengths) for rows, _ in prefilled])
         now = time.perf_counter()
         self.device_wait_s += now - wait
+        first = {}
         for (tokens, lengths), (_, slots) in zip(read, prefilled):
             count = len(slots)
             for slot, token in zip(slots, tokens[np.arange(count), lengths[:count] - 1].tolist()):
@@ -708,8 +716,9 @@ class Engine:
                 running.tokens.append(token)
                 running.token_times.append(now)
                 running.stopped = token in running.stop
-                if self.on_tokens is not None:
-                    self.on_tokens(running.request.request_id, [token])
+                first[running.request.request_id] = [token]
+        if self.on_tokens is not None:
+            self.on_tokens(first)
 
     def _collect(self, visit: _Visit) -> list[RequestOutput]:
         """Reads each running slot's new tokens from the visit's summary; ends requests that are done or hit a
@@ -720,6 +729,7 @@ class Engine:
                                f"{visit.tokens.shape[1]}")
         counts, done = visit.count.tolist(), visit.done.tolist()
         ending = []  # (slot, running, index of a stop id in its tokens of this visit or None)
+        emitted = {}  # request id -> its new tokens
         for slot, running in self.running.items():
             count, hit = counts[slot], None
             if running.stopped:  # its first token was a stop id: what the device emitted after it is dropped
@@ -733,10 +743,11 @@ class Engine:
                     running.first_token_time = now
                 running.tokens += new
                 running.token_times += [now] * len(new)
-                if self.on_tokens is not None:
-                    self.on_tokens(running.request.request_id, new)
+                emitted[running.request.request_id] = new
             if hit is not None or done[slot]:
                 ending.append((slot, running, hit))
+        if emitted and self.on_tokens is not None:
+            self.on_tokens(emitted)
         if not ending:
             return []
         eos = set(self.config.eos_token_ids)

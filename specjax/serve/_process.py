@@ -8,8 +8,9 @@ commands in and every request's events out. The parent keeps the HTTP side, the 
 counters, and touches no device.
 
 Messages, parent to child: ("add", Request), ("abort", id), ("start_profile", dir), ("stop_profile", dir),
-("stop", None). Child to parent: ("ready", vocab_size) or ("error", message) once, then ("event", id, event)
-per event, ("profile", summary) per stop_profile, and ("stopped", failure) last.
+("stop", None). Child to parent: ("ready", vocab_size) or ("error", message) once, then ("events", [(id, event)])
+per hand-over of the engine's thread (a visit's tokens, or its ends: runner.deliver), ("profile", summary) per
+stop_profile, and ("stopped", failure) last.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Callable
 from specjax.config import ConfigError
 from specjax.engine import EngineConfig, Request, check_request
 from specjax.serve._config import ServeConfig
-from specjax.serve._runner import DONE, FAILED, EngineRunner, queue_sender
+from specjax.serve._runner import DONE, FAILED, EngineRunner, QueueSender, deliver
 
 log = logging.getLogger("specjax.serve")
 
@@ -84,7 +85,7 @@ class EngineProcess:
         with self._lock:
             if self.failure is not None:
                 raise RuntimeError(self.failure)
-            self._streams[request.request_id] = (queue_sender(queue), len(request.prompt))
+            self._streams[request.request_id] = (QueueSender(queue), len(request.prompt))
         if self.metrics is not None:
             self.metrics.running.labels(self.metrics.model_name).inc()
         self._send(("add", request))
@@ -144,27 +145,42 @@ class EngineProcess:
             if kind == "profile":
                 self._profiles.put(message[1])
                 continue
-            _, request_id, event = message
-            last = event[0] in (DONE, FAILED)
-            with self._lock:
-                stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-                if event[0] == FAILED:
-                    self.failure = event[1]
-            if stream is None:
-                continue
-            send, prompt_tokens = stream
-            if event[0] == DONE and self.metrics is not None:
-                self.metrics.running.labels(self.metrics.model_name).dec()
-                self.metrics.observe(event[1], prompt_tokens)
-            send(event)
+            events = []  # ("events", [(request id, event)]): what one hand-over of the child carried
+            for request_id, event in message[1]:
+                last = event[0] in (DONE, FAILED)
+                with self._lock:
+                    stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+                    if event[0] == FAILED:
+                        self.failure = event[1]
+                if stream is None:
+                    continue
+                send, prompt_tokens = stream
+                if event[0] == DONE and self.metrics is not None:
+                    self.metrics.running.labels(self.metrics.model_name).dec()
+                    self.metrics.observe(event[1], prompt_tokens)
+                events.append((send, event))
+            deliver(events)
 
     def _fail(self, message: str) -> None:
         with self._lock:
             self.failure = self.failure or message
             streams, self._streams = self._streams, {}
-        for send, _ in streams.values():
-            send((FAILED, message))
+        deliver([(send, (FAILED, message)) for send, _ in streams.values()])
         self._profiles.put({"error": message})
+
+
+class _PipeSender:
+    """The child's send of one request's events: those of a hand-over (runner.deliver) go as one message."""
+
+    def __init__(self, request_id: str, post: Callable[[tuple], None]):
+        self.request_id, self.batch = request_id, post
+
+    def __call__(self, event: tuple) -> None:
+        self.send_many([(self, event)])
+
+    @staticmethod
+    def send_many(events: list[tuple[_PipeSender, tuple]]) -> None:
+        events[0][0].batch(("events", [(send.request_id, event) for send, event in events]))
 
 
 def _child(config: ServeConfig, engine_config: EngineConfig, conn) -> None:
@@ -197,8 +213,6 @@ def _child(config: ServeConfig, engine_config: EngineConfig, conn) -> None:
     runner.start()
     send(("ready", model.config.vocab_size))
 
-    def sender(request_id: str) -> Callable[[tuple], None]:
-        return lambda event: send(("event", request_id, event))
 
     while True:
         try:
@@ -207,9 +221,9 @@ def _child(config: ServeConfig, engine_config: EngineConfig, conn) -> None:
             break
         if kind == "add":
             try:
-                runner.submit_to(item, sender(item.request_id))
+                runner.submit_to(item, _PipeSender(item.request_id, send))
             except RuntimeError as error:  # the engine failed: this request ends with the reason
-                send(("event", item.request_id, (FAILED, str(error))))
+                send(("events", [(item.request_id, (FAILED, str(error)))]))
         elif kind == "abort":
             runner.abort(item)
         elif kind == "start_profile":

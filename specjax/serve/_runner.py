@@ -34,17 +34,46 @@ class _Stream:
     prompt_tokens: int
 
 
-def queue_sender(queue: asyncio.Queue) -> Callable[[tuple], None]:
-    """A send that puts events into the queue on the calling thread's event loop, from any thread; after that
-    loop closed (nobody is waiting any more) it drops them."""
-    loop = asyncio.get_running_loop()
+class QueueSender:
+    """A send that puts a request's events into its asyncio.Queue on the event loop that made it, from any thread;
+    after that loop closed (nobody is waiting any more) it drops them. `deliver` hands the events of many such
+    sends on one loop over in one call_soon_threadsafe (their `batch`, the loop): each call from the engine's
+    thread waits for the GIL while the loop is busy serving HTTP (a probe, docs/performance.md: 256 calls one
+    by one, seconds; one call of 256, 0.1 ms)."""
 
-    def send(event: tuple) -> None:
+    def __init__(self, queue: asyncio.Queue):
+        self.queue, self.batch = queue, asyncio.get_running_loop()
+
+    def __call__(self, event: tuple) -> None:
+        self.send_many([(self, event)])
+
+    @staticmethod
+    def send_many(events: list[tuple[QueueSender, tuple]]) -> None:
+        """Events of sends that share one batch (loop), in one hand-over."""
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            events[0][0].batch.call_soon_threadsafe(_put_all, [(send.queue, event) for send, event in events])
         except RuntimeError:
             pass
-    return send
+
+
+def _put_all(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
+
+
+def deliver(events: list[tuple[Callable[[tuple], None], tuple]]) -> None:
+    """Hands each (send, event) over, each send's in order: those of sends that share a `batch` in one call of
+    their send_many, any other send called with each of its events."""
+    batches: dict = {}
+    for send, event in events:
+        batches.setdefault(getattr(send, "batch", send), []).append((send, event))
+    for batch in batches.values():
+        send = batch[0][0]
+        if hasattr(send, "send_many"):
+            send.send_many(batch)
+        else:
+            for _, event in batch:
+                send(event)
 
 
 class EngineRunner:
@@ -58,7 +87,12 @@ class EngineRunner:
       for, for at most `admit_share` of the last visit's time (what waiting may cost, against the visit that a
       late arrival would wait) and never more than `admit_wait_s`;
     - when work arrives at an idle engine, until none came for `admit_gap_s` (a burst), at most `admit_wait_s`.
-    admit_wait_s 0 turns it off."""
+    admit_wait_s 0 turns it off.
+
+    And since the requests that end are replaced, a visit ends when a row ends (Engine.step's end_on_finish),
+    as it does in process when requests wait: with whole visits a request's end reached its client, and its
+    slot a new request, only at the visit's last step (2026-12-04, 8B shape, 320 streamed clients on 256 slots:
+    a tenth to a third of the slots empty, each request's TPOT a third longer than in process)."""
 
     def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.05,
                  admit_gap_s: float = 0.002, admit_share: float = 0.05, log_stats_interval_s: float = 10.0):
@@ -131,11 +165,12 @@ class EngineRunner:
     def submit(self, request: Request) -> asyncio.Queue:
         """Queues the request; its events arrive in the returned queue, on the calling event loop."""
         queue: asyncio.Queue = asyncio.Queue()
-        self.submit_to(request, queue_sender(queue))
+        self.submit_to(request, QueueSender(queue))
         return queue
 
     def submit_to(self, request: Request, send: Callable[[tuple], None]) -> None:
-        """Queues the request; the engine's thread calls send with each of its events."""
+        """Queues the request; the engine's thread calls send with each of its events (or, where send has a
+        `batch`, its send_many with those of the sends that share it: `deliver`)."""
         with self._wake:
             if self.failure is not None:
                 raise RuntimeError(self.failure)
@@ -186,7 +221,7 @@ class EngineRunner:
                     engine.abort_request(item)
             try:
                 start = time.monotonic()
-                outputs = engine.step()
+                outputs = engine.step(end_on_finish=True)
                 self._last_step_s = time.monotonic() - start
             except Exception as error:  # the engine's state is unknown now: every request ends with the reason
                 log.exception("the engine failed")
@@ -194,8 +229,10 @@ class EngineRunner:
                 return
             ended, idle = len(outputs), False
             self._log_stats()
-            for output in outputs:
-                stream = self._send(output.request_id, (DONE, output), last=True)
+            with self._wake:
+                streams = [(self._streams.pop(output.request_id, None), output) for output in outputs]
+            deliver([(stream.send, (DONE, output)) for stream, output in streams if stream is not None])
+            for stream, output in streams:
                 if stream is not None and self.metrics is not None:
                     self.metrics.running.labels(self.metrics.model_name).dec()
                     self.metrics.observe(output, stream.prompt_tokens)
@@ -261,21 +298,15 @@ class EngineRunner:
                and (now := time.monotonic()) < deadline):
             self._wake.wait(deadline - now)
 
-    def _on_tokens(self, request_id: str, new_ids: list[int]) -> None:
-        if self._send(request_id, (TOKENS, new_ids)) is not None:
-            self.tokens_sent += len(new_ids)
-
-    def _send(self, request_id: str, event: tuple, last: bool = False) -> _Stream | None:
-        with self._wake:
-            stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if stream is None:  # the warm-up's requests
-            return None
-        stream.send(event)
-        return stream
+    def _on_tokens(self, new: dict[str, list[int]]) -> None:
+        with self._wake:  # the warm-up's requests have no stream
+            events = [(stream.send, (TOKENS, ids)) for request_id, ids in new.items()
+                      if (stream := self._streams.get(request_id)) is not None]
+        deliver(events)
+        self.tokens_sent += sum(len(event[1]) for _, event in events)
 
     def _fail(self, message: str) -> None:
         with self._wake:
             self.failure = message
             streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.send((FAILED, message))
+        deliver([(stream.send, (FAILED, message)) for stream in streams.values()])
