@@ -21,9 +21,8 @@
 #                                                      # K 5 tau 4 at 64 and 256 requests; METHODS=... for others)
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
-# The http part needs fastapi, uvicorn, prometheus_client and httpx (carried as wheels to the GPU machine, with
-# what the image lacks of their own requirements: for fastapi 0.165 pydantic, pydantic-core, starlette,
-# annotated-types, typing-inspection, typing-extensions and opentelemetry-api).
+# The http part needs fastapi, uvicorn, prometheus_client and httpx; the GPU machine's image lacks the first two and
+# some of their requirements, which benchmarks/device_site.sh packs for a device call (and says how to unpack).
 set -uo pipefail
 part=$1
 out=${2:-benchmarks/results}

@@ -256,7 +256,7 @@ def finish_plot(fig, ax, path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    benchmarking.save_figure(fig, path)
     plt.close(fig)
 
 

@@ -440,7 +440,7 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
         axis.grid(alpha=0.3)
     left.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    benchmarking.save_figure(fig, path)
 
 
 def main(argv=None) -> None:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from specjax import default_models, sharding
+from specjax import benchmarking, default_models, sharding
 from specjax.config import ConfigError, DataConfig, MeshConfig, SamplingConfig, SpecConfig, load_yaml
 from specjax.proposers import PROPOSERS, UnsupportedSpeculation, check_spec, proposer_class
 from specjax.verify import verifier_name
@@ -470,7 +470,7 @@ def plot(rows: list[dict], out: Path) -> None:
         axes[0][0].set_ylabel(ylabel)
         axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
+        benchmarking.save_figure(fig, out / name)
         plt.close(fig)
 
     def bars(key: str, ylabel: str, name: str, reference: float | None) -> None:
@@ -492,7 +492,7 @@ def plot(rows: list[dict], out: Path) -> None:
             ax.grid(alpha=0.3, axis="y")
         axes[0][0].set_ylabel(ylabel)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
+        benchmarking.save_figure(fig, out / name)
         plt.close(fig)
 
     for key, ylabel, name, reference in (
@@ -550,7 +550,7 @@ def plot_tree_sizes(rows: list[dict], temperatures: list[float], out: Path, plt)
     axes[0][0].set_ylabel("mean acceptance length")
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "acceptance_vs_tree_size.png", dpi=120)
+    benchmarking.save_figure(fig, out / "acceptance_vs_tree_size.png")
     plt.close(fig)
 
 
