@@ -445,7 +445,11 @@ def plot(rows: list[dict], out: Path) -> None:
     rows = [row for row in rows if "skipped" not in row]
     temperatures = sorted({row["temperature"] for row in rows})
     methods = sorted({drafter_name(row) for row in rows})
-    colors = {method: plt.get_cmap("tab10")(i) for i, method in enumerate(methods)}
+    # A colormap called with an index past its colours returns its last: more than 10 drafters take tab20's 20, and
+    # past those the markers tell them apart.
+    palette = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
+    colors = {method: palette(i % palette.N) for i, method in enumerate(methods)}
+    markers = {method: "osD^v"[i // palette.N % 5] for i, method in enumerate(methods)}
     styles = {"standard": "-", "block": "--", "greedy": "-", "synthetic": ":"}
     series: dict[tuple, list[dict]] = {}
     for row in rows:
@@ -460,7 +464,7 @@ def plot(rows: list[dict], out: Path) -> None:
             for (t, method, verifier), points in sorted(series.items()):
                 if t == temperature:
                     draw(ax, sorted(points, key=lambda r: r["K"]), dict(
-                        color=colors[method], linestyle=styles.get(verifier, "-"), marker="o", markersize=3,
+                        color=colors[method], linestyle=styles.get(verifier, "-"), marker=markers[method], markersize=3,
                         label=f"{method}, {verifier}"))
             ax.set_title(f"T = {temperature:g}")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
