@@ -13,7 +13,7 @@ from support.models import EOS, target_and_drafts
 
 from specjax.decoding import generate
 from specjax.engine import Engine, Request
-from specjax.serve import EngineRunner
+from specjax.serve import EngineRunner, EventReader
 
 
 def with_stop_ids_inside(target, requests: list[Request]) -> list[Request]:
@@ -198,3 +198,29 @@ def test_a_visit_asked_to_end_when_a_row_ends_ends_there_though_nothing_waits(en
     assert [o.request_id for o in ended] == ["short"]
     assert engine.steps_run == (1 if end_on_finish else engine.config.steps_per_visit)
     assert [r.request.request_id for r in engine.running.values()] == ["long"]
+
+
+def test_a_reader_behind_the_engine_reads_the_tokens_that_piled_up_as_one_event():
+    """EventReader: tokens events queued behind each other come out merged, up to the next event of another
+    kind, which comes out as it is; a reader that keeps up (the control: each event read as it is queued) gets
+    each as it was sent."""
+    events = [("tokens", [1]), ("tokens", [2, 3]), ("tokens", [4]), ("failed", "why"), ("tokens", [5]),
+              ("done", "output")]
+
+    async def behind() -> list[tuple]:
+        queue = asyncio.Queue()
+        reader = EventReader(queue)
+        for event in events:
+            queue.put_nowait(event)
+        return [await reader.next() for _ in range(4)]
+
+    async def keeping_up() -> list[tuple]:
+        queue, got = asyncio.Queue(), []
+        reader = EventReader(queue)
+        for event in events:
+            queue.put_nowait(event)
+            got.append(await reader.next())
+        return got
+
+    assert asyncio.run(behind()) == [("tokens", [1, 2, 3, 4]), ("failed", "why"), ("tokens", [5]), ("done", "output")]
+    assert asyncio.run(keeping_up()) == events

@@ -7,7 +7,7 @@
 """
 
 from specjax.serve._config import FLAGS, METRICS_LEVELS, ServeConfig, load_serve_config
-from specjax.serve._runner import EngineRunner
+from specjax.serve._runner import EngineRunner, EventReader
 from specjax.serve._spec_metrics import spec_decode_metrics
 from specjax.serve._text import Detokenizer
 
@@ -22,5 +22,5 @@ def serve(config: ServeConfig) -> int:
     return run(config)
 
 
-__all__ = ["FLAGS", "METRICS_LEVELS", "Detokenizer", "EngineRunner", "ServeConfig", "load_serve_config", "serve",
-           "spec_decode_metrics"]
+__all__ = ["FLAGS", "METRICS_LEVELS", "Detokenizer", "EngineRunner", "EventReader", "ServeConfig", "load_serve_config",
+           "serve", "spec_decode_metrics"]

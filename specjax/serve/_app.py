@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from specjax.engine import Request, RequestError
 from specjax.serve._config import ServeConfig
 from specjax.serve._metrics import ServerMetrics
-from specjax.serve._runner import DONE, FAILED, TOKENS, EngineRunner
+from specjax.serve._runner import DONE, FAILED, TOKENS, EngineRunner, EventReader
 from specjax.serve._spec_metrics import spec_decode_metrics
 from specjax.serve._text import PLAIN_CHAT_TEMPLATE, Detokenizer
 
@@ -326,8 +326,9 @@ def build_app(served: Served) -> FastAPI:
         try:
             if shape.kind == "chat":
                 yield shape.sse(shape.chunk("", role=True))
+            events = EventReader(queue)  # a loop behind the engine sends the tokens that piled up as one chunk
             while True:
-                kind, value = await queue.get()
+                kind, value = await events.next()
                 if kind == TOKENS:
                     text = detokenizer.add(value)
                     if text:

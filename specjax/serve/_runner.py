@@ -8,6 +8,7 @@ used from two threads."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -59,6 +60,29 @@ class QueueSender:
 def _put_all(events: list[tuple[asyncio.Queue, tuple]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
+
+
+class EventReader:
+    """A request's events as its reader takes them from its queue: the next one, and when that is tokens, the
+    tokens events queued right behind it merged into it. A reader that fell behind the engine (an event loop
+    busy with many streams) then sends one chunk for what piled up, not one each."""
+
+    def __init__(self, queue: asyncio.Queue):
+        self.queue = queue
+        self._backlog: collections.deque[tuple] = collections.deque()  # taken from the queue, not yet read
+
+    async def next(self) -> tuple:
+        if not self._backlog:
+            self._backlog.append(await self.queue.get())
+        while not self.queue.empty():
+            self._backlog.append(self.queue.get_nowait())
+        kind, value = self._backlog.popleft()
+        if kind != TOKENS:
+            return kind, value
+        ids = list(value)
+        while self._backlog and self._backlog[0][0] == TOKENS:
+            ids += self._backlog.popleft()[1]
+        return TOKENS, ids
 
 
 def deliver(events: list[tuple[Callable[[tuple], None], tuple]]) -> None:
