@@ -344,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt tokens prefilled per engine visit; longer prompts in chunks (default: whole)")
     srv.add_argument("--warmup-prompt-len", type=int, default=None,
                      help="compile every program prompts of up to this length run before listening (default: short only)")
+    srv.add_argument("--no-warmup-sampled", dest="warmup_sampled", action="store_false", default=None,
+                     help="compile the sampled programs at the first sampled request, not before listening")
     srv.add_argument("--admit-wait-ms", type=float, default=None,
                      help="ms a visit may wait for arriving requests (default: 50; 0: off)")
     srv.add_argument("--max-prefill-batch", type=int, default=None,

@@ -224,3 +224,32 @@ def test_a_reader_behind_the_engine_reads_the_tokens_that_piled_up_as_one_event(
 
     assert asyncio.run(behind()) == [("tokens", [1, 2, 3, 4]), ("failed", "why"), ("tokens", [5]), ("done", "output")]
     assert asyncio.run(keeping_up()) == events
+
+
+@pytest.mark.loop
+def test_a_warm_up_without_the_sampled_programs_leaves_them_to_the_first_sampled_request(caplog):
+    """EngineRunner.warm_up(sampled=False) (--no-warmup-sampled): every stage greedy, and a sampled request
+    afterwards is still served, its programs compiled at its arrival (the control, sampled=True, warms both)."""
+    def stages(sampled: bool) -> list[str]:
+        runner = EngineRunner(target_and_drafts()[0], load_config(None))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="specjax.serve"):
+            runner.warm_up([1, 2, 3], sampled=sampled)
+        return runner, [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up ")]
+
+    runner, greedy_only = stages(False)
+    assert greedy_only and all("greedy" in line for line in greedy_only), greedy_only
+    assert any("sampled" in line for line in stages(True)[1])
+
+    async def one_sampled():
+        queue = runner.submit(Request.make("sampled", [1, 2, 3], 8, temperature=1.0, seed=3))
+        while (event := await queue.get())[0] != "done":
+            pass
+        return event[1]
+
+    runner.start()
+    try:
+        output = asyncio.run(one_sampled())
+    finally:
+        runner.stop()
+    assert output.finish_reason in ("length", "stop") and len(output.tokens) >= 1

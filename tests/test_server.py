@@ -23,7 +23,7 @@ from support.checkpoints import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
 from specjax import cli
-from specjax.serve import Detokenizer, ServeConfig, load_serve_config, spec_decode_metrics
+from specjax.serve import FLAGS, Detokenizer, ServeConfig, load_serve_config, spec_decode_metrics
 
 # One worker runs the whole file under `pytest -n 2 --dist loadgroup` (make test): its tests share the servers.
 pytestmark = pytest.mark.xdist_group("serve")
@@ -458,6 +458,12 @@ def test_the_config_from_yaml_flags_and_overrides(tmp_path):
         load_serve_config(None, {}, ["slots=3"])
     with pytest.raises(ValueError, match="has no method"):
         load_serve_config(None, {"num_speculative_tokens": 3})
+    # --no-warmup-sampled, through the command line's parser to the config
+    args = cli.build_parser().parse_args(["serve", "--no-warmup-sampled"])
+    assert load_serve_config(None, {name: getattr(args, name) for name in FLAGS}).warmup_sampled is False
+    assert ServeConfig().warmup_sampled is True
+    with pytest.raises(ValueError, match="ServeConfig.warmup_sampled = 3 is invalid: allowed true or false"):
+        load_serve_config(None, {}, ["warmup_sampled=3"])
 
 
 def test_spec_decode_metrics_levels():

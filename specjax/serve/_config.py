@@ -37,6 +37,10 @@ class ServeConfig:
     # batch and step bucket, greedy and sampled: Engine.warmup); None: only short requests are warmed, and the
     # first requests of other lengths or larger batches compile theirs (seconds each at the 8B shape).
     warmup_prompt_len: int | None = None
+    # Whether the warm-up compiles the sampled programs too (the greedy ones always): False leaves them to the
+    # first sampled request, which then waits for them (116 s at the 8B shape on the H200), for a server that
+    # expects greedy requests, or a benchmark sending only those (--no-warmup-sampled).
+    warmup_sampled: bool = True
     # Compute dtype of target and drafter (None: the checkpoints').
     dtype: str | None = None
     host: str = "127.0.0.1"  # --host
@@ -81,6 +85,8 @@ class ServeConfig:
                                                     and 1 <= self.warmup_prompt_len < self.max_model_len),
                 "ServeConfig", "warmup_prompt_len", self.warmup_prompt_len,
                 f"null or an integer in 1..{self.max_model_len - 1} (below max_model_len)")
+        require(isinstance(self.warmup_sampled, bool), "ServeConfig", "warmup_sampled", self.warmup_sampled,
+                "true or false")
         require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
                 "admit_wait_ms", self.admit_wait_ms, "milliseconds >= 0")
         require(isinstance(self.log_stats_interval_s, (int, float)) and self.log_stats_interval_s >= 0,
@@ -122,7 +128,7 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "per_request_spec_decode_metrics": "per_request_spec_decode_metrics",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
-         "warmup_prompt_len": "warmup_prompt_len", "admit_wait_ms": "admit_wait_ms",
+         "warmup_prompt_len": "warmup_prompt_len", "warmup_sampled": "warmup_sampled", "admit_wait_ms": "admit_wait_ms",
          "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",
          "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir", "engine_process": "engine_process"}
 

@@ -53,12 +53,12 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, name="specjax-engine-pipe", daemon=True)
         self._vocab_size: int | None = None
 
-    def warm_up(self, prompt: list[int], prompt_len: int | None = None) -> None:
+    def warm_up(self, prompt: list[int], prompt_len: int | None = None, sampled: bool = True) -> None:
         """Starts the child, which loads the models and warms its runner up (its log lines say how far); returns
         when it serves, or raises its error (a ConfigError for a bad setting)."""
         self._process.start()
         self._child_conn.close()  # the child's end lives in the child now: EOF here when it exits
-        self._send(("warm_up", (prompt, prompt_len)))
+        self._send(("warm_up", (prompt, prompt_len, sampled)))
         try:
             kind, value = self._conn.recv()
         except EOFError:
@@ -199,14 +199,14 @@ def _child(config: ServeConfig, engine_config: EngineConfig, conn) -> None:
         with send_lock:
             conn.send(message)
 
-    _, (prompt, prompt_len) = conn.recv()
+    _, (prompt, prompt_len, sampled) = conn.recv()
     try:
         model, _, drafter = load_models(config.model, None if config.spec is None else config.spec.method,
                                         config.drafter, config.dtype)
         config.check_model(model.config)
         runner = EngineRunner(model, engine_config, drafter, admit_wait_s=config.admit_wait_ms / 1e3,
                               log_stats_interval_s=config.log_stats_interval_s)
-        runner.warm_up(prompt, prompt_len)
+        runner.warm_up(prompt, prompt_len, sampled)
     except Exception as error:  # noqa: BLE001 - every start failure goes to the parent, which raises it
         send(("error", (isinstance(error, ConfigError), f"{type(error).__name__}: {error}")))
         return

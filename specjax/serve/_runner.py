@@ -135,16 +135,17 @@ class EngineRunner:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="specjax-engine", daemon=True)
 
-    def warm_up(self, prompt: list[int], prompt_len: int | None = None) -> None:
-        """Compiles (before start) the greedy and the sampled programs, and the prefill of each admission
-        batch size (powers of two), on short requests; with prompt_len, also every program that prompts of up
-        to that length run (Engine.warmup): the first clients wait for none of it. Logs each stage as it ends
-        (at a large shape the whole takes minutes)."""
+    def warm_up(self, prompt: list[int], prompt_len: int | None = None, sampled: bool = True) -> None:
+        """Compiles (before start) the greedy and (unless not sampled) the sampled programs, and the prefill of
+        each admission batch size (powers of two), on short requests; with prompt_len, also every program that
+        prompts of up to that length run (Engine.warmup): the first clients wait for none of it. Logs each stage
+        as it ends (at a large shape the whole takes minutes)."""
         start = time.monotonic()
-        stages = ([] if prompt_len is None else [(temperature, None) for temperature in (0.0, 1.0)])
+        temperatures = (0.0, 1.0) if sampled else (0.0,)
+        stages = ([] if prompt_len is None else [(temperature, None) for temperature in temperatures])
         most = min(self.engine.config.max_num_seqs, self.engine.config.max_prefill_batch)
         stages += [(temperature, batch) for batch in sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
-                   for temperature in (0.0, 1.0)]  # batches 1, 2, 4, ..., most
+                   for temperature in temperatures]  # batches 1, 2, 4, ..., most
         for done, (temperature, batch) in enumerate(stages, 1):
             kind = "greedy" if temperature == 0 else "sampled"
             if batch is None:

@@ -85,7 +85,7 @@ def serve(config: ServeConfig) -> int:
         f"{', ' + str(spec.num_draft_nodes) + '-node tree' if spec.drafts_tree else ''})")
     log.info("compiling the engine's programs for %s: %s, %d slots of %d tokens", config.model_name, what,
              config.max_num_seqs, config.max_model_len)
-    runner.warm_up(served.encode("def"), config.warmup_prompt_len)
+    runner.warm_up(served.encode("def"), config.warmup_prompt_len, config.warmup_sampled)
     runner.start()
     if not tokenizer.chat_template:
         log.info("the tokenizer has no chat template: chat prompts are 'role: content' lines, then 'assistant:'")
