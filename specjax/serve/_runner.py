@@ -268,9 +268,10 @@ class EngineRunner:
 
     def _log_stats(self, idle: bool = False) -> None:
         """Every log_stats_interval_s while working, one line of what the engine did since the last (as vLLM's
-        periodic stats): requests running and waiting, visits, steps a visit, slots stepped a step and how many
-        held a request, admission prefills, tokens/s, and the shares of time on the device and gathering. Going
-        idle logs what is left of the interval and stops the clock: no line averages over idle time."""
+        periodic stats): requests running and waiting (in the engine's queue, or arrived since the visit began),
+        visits, steps a visit, slots stepped a step and how many held a request, admission prefills, tokens/s,
+        and the shares of time on the device and gathering. Going idle logs what is left of the interval and
+        stops the clock: no line averages over idle time."""
         if not self.log_stats_interval_s:
             return
         now = time.monotonic()
@@ -288,9 +289,11 @@ class EngineRunner:
                 return
         d = {k: after[k] - before[k] for k in after}
         seconds, steps, visits = now - then, max(d["steps"], 1), max(d["visits"], 1)
+        with self._wake:  # arrived since the visit began: the engine takes them at the next
+            waiting = after["waiting"] + sum(kind == "add" for kind, _ in self._inbox)
         log.info("engine: %d running, %d waiting; %.1f visits/s, %.1f steps/visit, %.1f slots stepped/step "
                  "(%.1f busy), %d prefills of %.1f requests, %.0f tokens/s; device %.0f%%, gathering %.0f%% of "
-                 "the time", after["running"], after["waiting"], d["visits"] / seconds, d["steps"] / visits,
+                 "the time", after["running"], waiting, d["visits"] / seconds, d["steps"] / visits,
                  d["slot_steps"] / steps, d["busy_slot_steps"] / steps, d["prefill_calls"],
                  d["prefilled_requests"] / max(d["prefill_calls"], 1), d["tokens"] / seconds,
                  100 * d["device_wait_s"] / seconds, 100 * d["gather_s"] / seconds)
