@@ -12,7 +12,8 @@
 #                                                      # RUNNER=0: no engine-thread run; DETACH=1: start the
 #                                                      # server and return, leaving it warming up for the next
 #                                                      # call, which finds it and uses it; ENGINE_PROCESS=1:
-#                                                      # the server's engine in a child process; SERVER_WARMUP= : the
+#                                                      # the server's engine in a child process; SERVER_FLAGS=...:
+#                                                      # more flags for the server; SERVER_WARMUP= : the
 #                                                      # server without --warmup-prompt-len, whose measured
 #                                                      # points then compile: for debugging only)
 #     PYTHONPATH=. benchmarks/serve_8b.sh offload OUT  # DFlash K 15 tau 6 with draft KV offload on and off:
@@ -73,7 +74,8 @@ case $part in
         --max-num-seqs 256 --max-model-len 320 --max-prefill-batch 64 ${SERVER_WARMUP---warmup-prompt-len 128} \
         --no-warmup-sampled \
         --port 8765 --per-request-spec-decode-metrics summary --log-stats-interval 2 \
-        --profile-dir /tmp/specjax_serve_8b_profile ${ENGINE_PROCESS:+--engine-process} > $log 2>&1 < /dev/null &
+        --profile-dir /tmp/specjax_serve_8b_profile ${ENGINE_PROCESS:+--engine-process} ${SERVER_FLAGS:-} \
+        > $log 2>&1 < /dev/null &
       server=$!
     fi
     [ "${DETACH:-0}" = 0 ] || { echo "server $server left warming up for the next call"; exit 0; }

@@ -253,3 +253,30 @@ def test_a_warm_up_without_the_sampled_programs_leaves_them_to_the_first_sampled
     finally:
         runner.stop()
     assert output.finish_reason in ("length", "stop") and len(output.tokens) >= 1
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("end_on_finish", [True, False])
+def test_the_servers_engine_thread_ends_a_visit_when_a_request_ends_when_asked(end_on_finish):
+    """EngineRunner(end_on_finish=True) (--end-visits-on-finish): the two-token request ends the first visit
+    after one step though nothing waits; without it (the default, the control) that visit runs its 3 steps."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=2.0, admit_gap_s=0.5,
+                          end_on_finish=end_on_finish)
+    ended_after, step = {}, runner.engine.step
+
+    def recording(**kwargs):  # on the engine's thread: the steps run when each request's end was read
+        outputs = step(**kwargs)
+        ended_after.update({output.request_id: runner.engine.steps_run for output in outputs})
+        return outputs
+
+    runner.engine.step = recording
+
+    async def two_requests():
+        queues = [runner.submit(Request.make("short", [1, 2, 3], 2)),
+                  runner.submit(Request.make("long", [4, 5, 6], 40))]
+        for queue in queues:
+            while (await queue.get())[0] != "done":
+                pass
+
+    serve_clients(runner, two_requests())
+    assert ended_after["short"] == (1 if end_on_finish else runner.engine.config.steps_per_visit), ended_after

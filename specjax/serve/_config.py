@@ -54,6 +54,9 @@ class ServeConfig:
     # at an idle engine, until a 2 ms gap between arrivals (serve/_runner.py). 0: start each visit at once
     # (--admit-wait-ms).
     admit_wait_ms: float = 50.0
+    # End a visit when a request ends, as one does in process when requests wait, rather than after
+    # steps_per_visit: its replacement is on the way (EngineRunner's end_on_finish; --end-visits-on-finish).
+    end_visits_on_finish: bool = False
     # Requests admitted by one prefill call at most (the engine's max_prefill_batch; --max-prefill-batch).
     max_prefill_batch: int = 8
     # Seconds between the engine's stats lines in the log while it works (requests running and waiting, visits,
@@ -85,6 +88,8 @@ class ServeConfig:
                                                     and 1 <= self.warmup_prompt_len < self.max_model_len),
                 "ServeConfig", "warmup_prompt_len", self.warmup_prompt_len,
                 f"null or an integer in 1..{self.max_model_len - 1} (below max_model_len)")
+        require(isinstance(self.end_visits_on_finish, bool), "ServeConfig", "end_visits_on_finish",
+                self.end_visits_on_finish, "true or false")
         require(isinstance(self.warmup_sampled, bool), "ServeConfig", "warmup_sampled", self.warmup_sampled,
                 "true or false")
         require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
@@ -129,6 +134,7 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
          "warmup_prompt_len": "warmup_prompt_len", "warmup_sampled": "warmup_sampled", "admit_wait_ms": "admit_wait_ms",
+         "end_visits_on_finish": "end_visits_on_finish",
          "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",
          "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir", "engine_process": "engine_process"}
 

@@ -204,8 +204,7 @@ def _child(config: ServeConfig, engine_config: EngineConfig, conn) -> None:
         model, _, drafter = load_models(config.model, None if config.spec is None else config.spec.method,
                                         config.drafter, config.dtype)
         config.check_model(model.config)
-        runner = EngineRunner(model, engine_config, drafter, admit_wait_s=config.admit_wait_ms / 1e3,
-                              log_stats_interval_s=config.log_stats_interval_s)
+        runner = EngineRunner.for_server(model, engine_config, drafter, config)
         runner.warm_up(prompt, prompt_len, sampled)
     except Exception as error:  # noqa: BLE001 - every start failure goes to the parent, which raises it
         send(("error", (isinstance(error, ConfigError), f"{type(error).__name__}: {error}")))

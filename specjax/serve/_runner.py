@@ -113,14 +113,18 @@ class EngineRunner:
     - when work arrives at an idle engine, until none came for `admit_gap_s` (a burst), at most `admit_wait_s`.
     admit_wait_s 0 turns it off.
 
-    And since the requests that end are replaced, a visit ends when a row ends (Engine.step's end_on_finish),
-    as it does in process when requests wait: with whole visits a request's end reached its client, and its
+    end_on_finish: end a visit when a request ends (Engine.step's end_on_finish), as it does in process when
+    requests wait, since its replacement is coming: with whole visits a request's end reaches its client, and its
     slot a new request, only at the visit's last step (2026-12-04, 8B shape, 320 streamed clients on 256 slots:
-    a tenth to a third of the slots empty, each request's TPOT a third longer than in process)."""
+    a tenth to a third of the slots empty, each request's TPOT a third longer than in process). Off by default
+    until measured on the GPU with the one hand-over a visit: before it, ending visits early cost more host time
+    than the slots it filled gave back (docs/performance.md)."""
 
     def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.05,
-                 admit_gap_s: float = 0.002, admit_share: float = 0.05, log_stats_interval_s: float = 10.0):
+                 admit_gap_s: float = 0.002, admit_share: float = 0.05, log_stats_interval_s: float = 10.0,
+                 end_on_finish: bool = False):
         self.admit_wait_s, self.admit_gap_s, self.admit_share = admit_wait_s, admit_gap_s, admit_share
+        self.end_on_finish = end_on_finish
         self._last_step_s = 0.0  # the last engine.step()'s wall time
         self.log_stats_interval_s = log_stats_interval_s
         self.gather_s = 0.0  # seconds spent gathering arrivals before visits
@@ -134,6 +138,13 @@ class EngineRunner:
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="specjax-engine", daemon=True)
+
+    @classmethod
+    def for_server(cls, model, config: EngineConfig, drafter, serve_config, metrics=None) -> EngineRunner:
+        """The runner a ServeConfig asks for (admit_wait_ms, log_stats_interval_s, end_visits_on_finish)."""
+        return cls(model, config, drafter, metrics, admit_wait_s=serve_config.admit_wait_ms / 1e3,
+                   log_stats_interval_s=serve_config.log_stats_interval_s,
+                   end_on_finish=serve_config.end_visits_on_finish)
 
     def warm_up(self, prompt: list[int], prompt_len: int | None = None, sampled: bool = True) -> None:
         """Compiles (before start) the greedy and (unless not sampled) the sampled programs, and the prefill of
@@ -246,7 +257,7 @@ class EngineRunner:
                     engine.abort_request(item)
             try:
                 start = time.monotonic()
-                outputs = engine.step(end_on_finish=True)
+                outputs = engine.step(end_on_finish=self.end_on_finish)
                 self._last_step_s = time.monotonic() - start
             except Exception as error:  # the engine's state is unknown now: every request ends with the reason
                 log.exception("the engine failed")

@@ -77,8 +77,7 @@ def serve(config: ServeConfig) -> int:
     if config.engine_process:
         runner = EngineProcess(config, engine_config, metrics)
     else:
-        runner = EngineRunner(model, engine_config, drafter, metrics, admit_wait_s=config.admit_wait_ms / 1e3,
-                              log_stats_interval_s=config.log_stats_interval_s)
+        runner = EngineRunner.for_server(model, engine_config, drafter, config, metrics)
     served = Served(config, runner, tokenizer, metrics, engine_config.lookahead)
     what = "autoregressive" if spec is None else (
         f"{spec.method} K={spec.num_speculative_tokens} ({spec.rejection_sample_method} verification"
