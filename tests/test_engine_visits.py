@@ -5,6 +5,7 @@ stop ids, and its acceptance counts are the ones `generate` counts for its promp
 import asyncio
 import dataclasses
 import math
+import re
 import threading
 
 import pytest
@@ -133,6 +134,41 @@ def test_the_servers_engine_thread_waits_for_the_replacement_of_a_request_that_e
     assert (admitted_at["replacement"] == ended_at["short"]) == together, (admitted_at, ended_at)
 
 
+
+@pytest.mark.loop
+@pytest.mark.parametrize("admit_wait_s, together", [(2.0, True), (0.0, False)], ids=["gathering", "not_gathering"])
+def test_the_servers_engine_thread_waits_for_a_replacement_beyond_what_arrived_during_the_visit(admit_wait_s,
+                                                                                               together):
+    """A request arrives while the visit that ends another runs; the ended one's replacement comes 100 ms after
+    the end. The first is not the replacement: the thread still waits for it and admits both in one visit
+    (counted as the replacement, it started the visit at once and the replacement waited beside an empty slot).
+    Without gathering (the control) they land in different visits."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=admit_wait_s, admit_share=1e3)
+    admitted_at = admissions(runner)
+    step = runner.engine.step
+
+    def step_with_an_arrival(**kwargs):
+        outputs = step(**kwargs)
+        if any(output.request_id == "short" for output in outputs):  # arrives while this visit runs
+            runner.submit_to(Request.make("during", [5, 6, 7], 4), lambda event: None)
+        return outputs
+
+    runner.engine.step = step_with_an_arrival
+
+    async def closed_loop():
+        long = runner.submit(Request.make("long", [4, 5, 6], 40))
+        short = runner.submit(Request.make("short", [1, 2, 3], 2))
+        while (await short.get())[0] != "done":
+            pass
+        await asyncio.sleep(0.1)
+        replacement = runner.submit(Request.make("replacement", [7, 8, 9], 4))
+        for queue in (long, replacement):
+            while (await queue.get())[0] != "done":
+                pass
+
+    serve_clients(runner, closed_loop())
+    assert (admitted_at["replacement"] == admitted_at["during"]) == together, admitted_at
+
 @pytest.mark.loop
 def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     """The periodic stats line (vLLM's): one at least for a short burst of requests (going idle ends the last
@@ -150,6 +186,9 @@ def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
         serve_clients(runner, requests())
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")]
     assert lines and "steps/visit" in lines[-1], lines
+    # The time shares split the interval: device, the rest of engine.step, gathering, the runner's own.
+    shares = [float(x) for x in re.findall(r"(-?\d+)%", lines[-1].split("; device")[1])]
+    assert len(shares) == 4 and min(shares) >= 0 and 96 <= sum(shares) <= 104, lines[-1]
     assert runner.tokens_sent == len(received) > 0
     stats = runner.engine.stats()
     assert stats["steps"] > 0 and 0 < stats["busy_slot_steps"] <= stats["slot_steps"]
