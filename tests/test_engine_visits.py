@@ -117,22 +117,23 @@ def test_the_servers_engine_thread_waits_for_the_replacement_of_a_request_that_e
     runner = EngineRunner(target_and_drafts()[0], load_config(None), admit_wait_s=admit_wait_s, admit_share=1e3)
     admitted_at = admissions(runner)
     ended_at = {}
-
-    async def closed_loop():
-        long = runner.submit(Request.make("long", [4, 5, 6], 40))
-        short = runner.submit(Request.make("short", [1, 2, 3], 2))
-        while (await short.get())[0] != "done":
-            pass
-        ended_at["short"] = runner.engine.visits
-        await asyncio.sleep(0.1)
-        replacement = runner.submit(Request.make("replacement", [7, 8, 9], 4))
-        for queue in (long, replacement):
-            while (await queue.get())[0] != "done":
-                pass
-
-    serve_clients(runner, closed_loop())
+    serve_clients(runner, replaced_after_its_end(runner, ended_at))
     assert (admitted_at["replacement"] == ended_at["short"]) == together, (admitted_at, ended_at)
 
+
+async def replaced_after_its_end(runner: EngineRunner, ended_at: dict):
+    """A closed-loop client: 'short' (2 tokens) beside 'long' (40); 100 ms after short ends, its 'replacement'.
+    ended_at['short']: the engine's visit count when short's end reached the client."""
+    long = runner.submit(Request.make("long", [4, 5, 6], 40))
+    short = runner.submit(Request.make("short", [1, 2, 3], 2))
+    while (await short.get())[0] != "done":
+        pass
+    ended_at["short"] = runner.engine.visits
+    await asyncio.sleep(0.1)
+    replacement = runner.submit(Request.make("replacement", [7, 8, 9], 4))
+    for queue in (long, replacement):
+        while (await queue.get())[0] != "done":
+            pass
 
 
 @pytest.mark.loop
@@ -154,20 +155,9 @@ def test_the_servers_engine_thread_waits_for_a_replacement_beyond_what_arrived_d
         return outputs
 
     runner.engine.step = step_with_an_arrival
-
-    async def closed_loop():
-        long = runner.submit(Request.make("long", [4, 5, 6], 40))
-        short = runner.submit(Request.make("short", [1, 2, 3], 2))
-        while (await short.get())[0] != "done":
-            pass
-        await asyncio.sleep(0.1)
-        replacement = runner.submit(Request.make("replacement", [7, 8, 9], 4))
-        for queue in (long, replacement):
-            while (await queue.get())[0] != "done":
-                pass
-
-    serve_clients(runner, closed_loop())
+    serve_clients(runner, replaced_after_its_end(runner, {}))
     assert (admitted_at["replacement"] == admitted_at["during"]) == together, admitted_at
+
 
 @pytest.mark.loop
 def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
