@@ -108,17 +108,15 @@ class EngineRunner:
     at the first arrival runs with the others' slots empty, and the rest wait a whole visit. So the thread
     first gathers arrivals:
     - after n requests ended, until n more have arrived than had during the visit (a closed loop's replacements)
-      or the free slots are spoken for, for at most `admit_share` of the last visit's time (what waiting may cost, against the visit that a
-      late arrival would wait) and never more than `admit_wait_s`;
+      or the free slots are spoken for, for at most `admit_share` of the last visit's time (what waiting may
+      cost, against the visit that a late arrival would wait) and never more than `admit_wait_s`;
     - when work arrives at an idle engine, until none came for `admit_gap_s` (a burst), at most `admit_wait_s`.
     admit_wait_s 0 turns it off.
 
     end_on_finish: end a visit when a request ends (Engine.step's end_on_finish), as it does in process when
     requests wait, since its replacement is coming: with whole visits a request's end reaches its client, and its
-    slot a new request, only at the visit's last step (2026-12-04, 8B shape, 320 streamed clients on 256 slots:
-    a tenth to a third of the slots empty, each request's TPOT a third longer than in process). Off by default
-    until measured on the GPU with the one hand-over a visit: before it, ending visits early cost more host time
-    than the slots it filled gave back (docs/performance.md)."""
+    slot a new request, only at the visit's last step. Off by default: no measured workload gained from it
+    (docs/performance.md, serving at the 8B shape)."""
 
     def __init__(self, model, config: EngineConfig, drafter=None, metrics=None, admit_wait_s: float = 0.05,
                  admit_gap_s: float = 0.002, admit_share: float = 0.05, log_stats_interval_s: float = 10.0,
@@ -323,9 +321,8 @@ class EngineRunner:
                 self._gather_burst(start + self.admit_wait_s, free)
             else:
                 wait = min(self.admit_wait_s, self.admit_share * self._last_step_s)
-                # The replacements come on top of what arrived during the visit: counting those as replacements
-                # ended the wait at once, and the replacements then waited a whole visit beside empty slots, every
-                # visit after (2026-12-04, 8B shape, 320 streams on 256 slots: 218 busy, TTFT 1.3 visits).
+                # Replacements come on top of what arrived during the visit: counted as replacements, those would
+                # start the visit at once and leave the replacements a visit behind, beside empty slots.
                 arrived = sum(kind == "add" for kind, _ in self._inbox)
                 self._gather_replacements(start + wait, min(arrived + ended, free))
         finally:
