@@ -301,7 +301,7 @@ class EngineRunner:
         d = {k: after[k] - before[k] for k in after}
         seconds, steps, visits = now - then, max(d["steps"], 1), max(d["visits"], 1)
         with self._wake:  # arrived since the visit began: the engine takes them at the next
-            waiting = after["waiting"] + sum(kind == "add" for kind, _ in self._inbox)
+            waiting = after["waiting"] + self._arrivals()
         log.info("engine: %d running, %d waiting; %.1f visits/s, %.1f steps/visit, %.1f slots stepped/step "
                  "(%.1f busy), %d prefills of %.1f requests, %.0f tokens/s; device %.0f%%, engine host %.0f%%, "
                  "gathering %.0f%%, the rest %.0f%% of the time", after["running"], waiting, d["visits"] / seconds,
@@ -323,7 +323,7 @@ class EngineRunner:
                 wait = min(self.admit_wait_s, self.admit_share * self._last_step_s)
                 # Replacements come on top of what arrived during the visit: counted as replacements, those would
                 # start the visit at once and leave the replacements a visit behind, beside empty slots.
-                arrived = sum(kind == "add" for kind, _ in self._inbox)
+                arrived = self._arrivals()
                 self._gather_replacements(start + wait, min(arrived + ended, free))
         finally:
             self.gather_s += time.monotonic() - start
@@ -337,9 +337,13 @@ class EngineRunner:
             seen = len(self._inbox)
 
     def _gather_replacements(self, deadline: float, expected: int) -> None:
-        while (not self._stopping and sum(kind == "add" for kind, _ in self._inbox) < expected
+        while (not self._stopping and self._arrivals() < expected
                and (now := time.monotonic()) < deadline):
             self._wake.wait(deadline - now)
+
+    def _arrivals(self) -> int:
+        """Requests in the inbox (the caller holds self._wake)."""
+        return sum(kind == "add" for kind, _ in self._inbox)
 
     def _on_tokens(self, new: dict[str, list[int]]) -> None:
         with self._wake:  # the warm-up's requests have no stream
