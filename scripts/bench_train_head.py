@@ -48,7 +48,7 @@ from specjax.models.eagle import default_fuse_layers
 from specjax.models.transformer import Hidden, init_model
 from specjax.training import loop
 from specjax.training.eagle import (TargetVocabulary, build_head, eagle1_head_loss, eagle1_loss, eagle3_head_loss,
-                                    eagle3_loss, target_hidden)
+                                    eagle3_loss, feature_noise, target_hidden)
 from specjax.training.lm import fit
 
 MODES = ("online", "offline")
@@ -160,22 +160,20 @@ def measure(args, mode: str, batch_size: int, remat: str, work: Path) -> dict:
         if args.offline_source == "device":
             hidden = jax.device_put(hidden)
     head = build_head(config, target_config, tokens.reshape(-1))  # draft vocabulary: the pool's most frequent ids
-    # EAGLE-1's feature noise, drawn once per pool batch: the host's drawing stays out of the step time
-    rng = np.random.default_rng([args.seed, 1])
-    noise = [rng.uniform(-config.feature_noise, config.feature_noise,
-                         (batch_size, args.seq_len, target_config.hidden_size)).astype(np.float32)
-             for _ in range(args.pool if head.config.version == 1 else 0)]
+    noise_shape = (args.seq_len, target_config.hidden_size)
 
     def batch_fn(step):
         i = step % args.pool
         batch = {"tokens": tokens[i]}
         if mode == "offline":
             batch["hidden"] = jax.tree.map(lambda x: x[i], hidden)
-        if head.config.version == 1:
-            batch["noise"] = noise[i]
+        if head.config.version == 1:  # the rows' ids for train_eagle's device-drawn feature noise
+            batch["noise_rows"] = np.arange(batch_size, dtype=np.uint32) + np.uint32(step * batch_size)
         return batch
 
     def loss_fn(head, batch, frozen):
+        if head.config.version == 1:
+            batch = {**batch, "noise": feature_noise(batch["noise_rows"], noise_shape, config.feature_noise, args.seed)}
         if mode == "online":
             loss, metrics = (eagle1_loss(head, frozen, batch["tokens"], batch["noise"]) if head.config.version == 1
                              else eagle3_loss(head, frozen, batch["tokens"], args.unroll_steps, config.step_decay))

@@ -34,8 +34,8 @@ class RunConfig:
     """target / drafter: folders (a draft model, EAGLE head or Medusa heads; none for ngram);
     `default:NAME` names a bundled model, and with target `default:target` the drafter defaults to the
     bundled one of spec.method.
-    Prompts come from prompts_file (a JSON list of strings) or, without one, from num_prompts windows
-    of prompt_len tokens of the held-out split of `corpus`."""
+    Prompts come from prompts_file (a JSON list of strings, or of token-id lists: prompts cut to an exact
+    length) or, without one, from num_prompts windows of prompt_len tokens of the held-out split of `corpus`."""
 
     target: str
     drafter: str | None = None
@@ -170,10 +170,15 @@ def training_sample(corpus: DataConfig, tokenizer) -> np.ndarray:
 
 def load_prompts(config: RunConfig, tokenizer) -> list[list[int]]:
     if config.prompts_file:
-        texts = json.loads(Path(config.prompts_file).read_text())
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise ConfigError(f"{config.prompts_file}: allowed a JSON list of prompt strings")
-        return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        prompts = json.loads(Path(config.prompts_file).read_text())
+        if isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts):
+            return [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        vocab = len(tokenizer)
+        if not (isinstance(prompts, list) and prompts and all(
+                isinstance(p, list) and p and all(isinstance(i, int) and 0 <= i < vocab for i in p) for p in prompts)):
+            raise ConfigError(f"RunConfig.prompts_file = {config.prompts_file!r}: allowed a non-empty JSON list of "
+                              f"prompt strings, or of non-empty lists of token ids in [0, {vocab})")
+        return prompts
     from specjax.data.corpus import read_texts
     from specjax.data.dataset import split_files
     from specjax.training.evaluation import held_out_prompts

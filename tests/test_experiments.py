@@ -123,6 +123,35 @@ def test_bad_run_configs_name_the_key_file_and_allowed_values(models, tmp_path, 
         load_run(run_config(models, tmp_path / "run.yaml", **changes))
 
 
+@pytest.mark.parametrize("prompts, message", [
+    ([[1, 2, 3], [4]], None),
+    (["def add(", "x ="], None),
+    ([[1, 2], [3, 10_000]], r"prompts.json': allowed a non-empty JSON list of prompt strings, or of non-empty lists "
+                            r"of token ids in \[0, 1000\)"),
+    ([[1, 2], []], r"allowed a non-empty JSON list"),
+    ([], r"allowed a non-empty JSON list"),
+])
+def test_a_prompts_file_gives_strings_or_token_ids_and_refuses_ids_outside_the_vocabulary(tmp_path, prompts, message):
+    """Token-id prompts reach the run as they are (Spec-Bench's categories cut them to one length)."""
+    from specjax.experiments import RunConfig, load_prompts
+
+    class Tokenizer:  # a vocabulary of 1,000 ids whose encoding of a string is its characters' codes
+        def __len__(self):
+            return 1000
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    config = RunConfig(target="unused", spec=SpecConfig(method="ngram"), prompts_file=str(tmp_path / "prompts.json"))
+    if message is not None:
+        with pytest.raises(ConfigError, match=message):
+            load_prompts(config, Tokenizer())
+    else:
+        expected = [[ord(c) for c in p] if isinstance(p, str) else p for p in prompts]
+        assert load_prompts(config, Tokenizer()) == expected
+
+
 def test_a_bad_grid_key_is_named(models, tmp_path):
     path = sweep_config(models, tmp_path / "sweep.yaml", tmp_path / "out")
     config = yaml.safe_load(path.read_text())

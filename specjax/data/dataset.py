@@ -5,6 +5,7 @@ file's path, a tokenizer, token ids in memory-mapped files, and batches that are
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -54,16 +55,18 @@ def prepare(config: DataConfig, out_dir: Path) -> tuple[PreTrainedTokenizerFast,
     return tokenizer, *arrays
 
 
-def _tokenize_to(path: Path, files: list[Path], tokenizer) -> np.ndarray:
-    """Files joined with the EOS token between them, written as uint32 and memory-mapped back."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for text in read_texts(files):
-        ids.extend(tokenizer.encode(text, add_special_tokens=False))
-        if eos is not None:
-            ids.append(eos)
+def _tokenize_to(path: Path, files: list[Path], tokenizer, chunk: int = 256) -> np.ndarray:
+    """Files joined with the EOS token between them, written as uint32 and memory-mapped back. Files go to
+    the tokenizer a chunk at a time: a fast tokenizer encodes a batch on every core (311 MB of
+    site-packages in minutes, not tens of them)."""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    texts = read_texts(files)
+    parts: list[np.ndarray] = []
+    while batch := list(itertools.islice(texts, chunk)):
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            parts.append(np.asarray(ids + eos, np.uint32))
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.asarray(ids, np.uint32).tofile(path)
+    np.concatenate(parts).tofile(path)
     return np.memmap(path, np.uint32, "r")
 
 

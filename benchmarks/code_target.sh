@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The ~100M-parameter code target and its drafters (issue 41), on the GPU machine, in one command:
+#     PYTHONPATH=. benchmarks/code_target.sh RUNS OUT
+# trains the target on the interpreter's site-packages (Python files outside tests; CORPUS_DIR to change),
+# then Medusa, EAGLE-1, EAGLE-3 and DFlash on it (scripts/train_default_models.sh with RECIPE=code:
+# configs/train/code_*.yaml; STAGES to choose, e.g. STAGES="target dspark mtp" for the other drafters), then
+# the Spec-Bench-style table (python -m specjax.spec_bench; SPEC_BENCH_FLAGS for more flags), and packs every metric, eval and table into OUT: code_target.md (what each
+# stage took and gave), spec_bench.md / .png, and code_target.tar.xz (the stages' metrics.jsonl, eval.json and
+# the table's rows). The weights stay in RUNS. Each stage's start and end are stamped in RUNS/pipeline.log.
+# The device's calls last 10 minutes at most and the whole run longer, so on that machine:
+#     benchmarks/code_target.sh start RUNS        # the pipeline in its own session (setsid), returning at once
+#     benchmarks/code_target.sh wait RUNS OUT [S] # waits for it at most S seconds (default 560), then packs OUT
+# each call made within the machine's idle release of the previous one. QUICK=1 is the CPU smoke test
+# (train_default_models.sh's; the table then takes SPEC_BENCH_FLAGS, e.g. --num-prompts 2 --new-tokens 8).
+# Time on the H200, from the 2026-12-04 dry run's stage times at 150 steps each
+# (benchmarks/results/code_target/2026-12-04_dry_run/): the target ~5 min (its corpus prepared in ~1.2 min, then
+# 0.16 s a step), EAGLE-1 ~2, EAGLE-3 ~3, Medusa ~2, DFlash ~5 (its 32,768 sequences regenerated in ~1.2 min),
+# the table ~7: about 25 minutes with the machine's start, one session's device time.
+set -uo pipefail
+mode=run
+case ${1:-} in start|wait|pack) mode=$1; shift ;; esac
+runs=${1:-runs/code}
+out=${2:-benchmarks/results/code_target}
+python=${PYTHON:-python3}
+corpus=${CORPUS_DIR:-$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")}
+stages=${STAGES:-target medusa eagle1 eagle3 dflash}
+log=$runs/pipeline.log
+stamp() { echo "$(date -u +%FT%TZ) $*" >> "$log"; }
+
+run_stage() {  # one stage of scripts/train_default_models.sh, its output in RUNS/STAGE.log
+  stamp "stage $1 start"
+  if RECIPE=code CORPUS_DIR=$corpus STAGES=$1 PYTHON=$python bash scripts/train_default_models.sh "$runs" \
+      > "$runs/$1.log" 2>&1; then
+    stamp "stage $1 end"
+  else
+    stamp "stage $1 failed"; return 1
+  fi
+}
+
+pipeline() {
+  mkdir -p "$runs"
+  stamp "pipeline start: corpus $corpus, stages $stages"
+  local status=0
+  [[ " $stages " != *" target "* ]] || run_stage target || { stamp "pipeline end (status 1)"; return 1; }
+  # The drafters side by side, each its own process on the one GPU (small models leave most of it idle: one
+  # alone keeps it busy a fraction of each step); DSpark and MTP after DFlash, whose regenerated text they reuse.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for wave in "medusa eagle1 eagle3 dflash" "dspark mtp"; do
+    local pids=()
+    for stage in $wave; do
+      [[ " $stages " == *" $stage "* ]] || continue
+      run_stage "$stage" & pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  done
+  stamp "stage spec_bench start"
+  # shellcheck disable=SC2086  # the flags are words
+  if "$python" -m specjax.spec_bench --runs "$runs" --corpus-dir "$corpus" --out "$runs/spec_bench" \
+      ${SPEC_BENCH_FLAGS:-} > "$runs/spec_bench.log" 2>&1; then
+    stamp "stage spec_bench end"
+  else
+    stamp "stage spec_bench failed"; status=1
+  fi
+  stamp "pipeline end (status $status)"
+  return $status
+}
+
+pack() {
+  mkdir -p "$out"
+  "$python" - "$runs" "$out" <<'EOF'
+import json, sys, tarfile
+from datetime import datetime
+from pathlib import Path
+
+runs, out = Path(sys.argv[1]), Path(sys.argv[2])
+lines = (runs / "pipeline.log").read_text().splitlines() if (runs / "pipeline.log").exists() else []
+starts, rows = {}, []
+for line in lines:
+    when, _, what = line.partition(" ")
+    words = what.split()
+    if words[:1] == ["stage"]:
+        if words[2] == "start":
+            starts[words[1]] = datetime.fromisoformat(when.replace("Z", "+00:00"))
+        else:
+            minutes = (datetime.fromisoformat(when.replace("Z", "+00:00")) - starts[words[1]]).total_seconds() / 60
+            evals = sorted((runs / words[1]).glob("*/eval.json"))
+            result = json.loads(evals[0].read_text()) if evals else {}
+            shown = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and len(str(v)) < 40}
+            rows.append(f"| {words[1]} | {words[2]} | {minutes:.1f} | {json.dumps(shown)} |")
+md = ["# The code target and its drafters", "", f"Runs: {runs}; the pipeline's log:", "", "```", *lines, "```", "",
+      "| stage | state | minutes | eval.json |", "|---|---|---|---|", *rows, ""]
+(out / "code_target.md").write_text("\n".join(md))
+with tarfile.open(out / "code_target.tar.xz", "w:xz") as tar:
+    for pattern in ("*/metrics.jsonl", "*/*/eval.json", "*/*/config.json", "spec_bench/spec_bench.*",
+                    "spec_bench/prompts.json", "*.log"):
+        for path in sorted(runs.glob(pattern)):
+            tar.add(path, arcname=str(path.relative_to(runs)))
+for name in ("spec_bench.md", "spec_bench.png"):
+    if (runs / "spec_bench" / name).exists():
+        (out / name).write_bytes((runs / "spec_bench" / name).read_bytes())
+print((out / "code_target.md").read_text())
+EOF
+}
+
+case $mode in
+  run) pipeline; status=$?; pack; exit $status ;;
+  start)
+    mkdir -p "$runs"
+    export -f pipeline run_stage stamp
+    export runs corpus stages log python
+    setsid bash -c pipeline > "$runs/pipeline.out" 2>&1 < /dev/null &
+    echo "pipeline started (pid $!), log $log"
+    ;;
+  wait)
+    for _ in $(seq "${3:-560}"); do
+      grep -q "pipeline end" "$log" 2> /dev/null && break
+      sleep 1
+    done
+    for stage_log in "$runs"/*.log; do echo "== $stage_log"; tail -c 600 "$stage_log"; echo; done; pack
+    ;;
+  pack) pack ;;
+esac

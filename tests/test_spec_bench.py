@@ -1,0 +1,105 @@
+"""The Spec-Bench-style table's prompt categories: where a function's body and docstring are cut, each
+category's prompts of one length from the right files (tests only from test folders, the rest held out), and the
+table's cells."""
+
+import numpy as np
+import pytest
+
+from specjax import default_models
+from specjax.config import DataConfig
+from specjax.data.dataset import split_files
+from specjax.spec_bench import CATEGORIES, category_prompts, function_cuts, table
+
+SOURCE = '''import os
+
+
+def documented(a, b):
+    """Adds — with a non-ASCII dash before the cut."""
+    total = a + b
+    return total
+
+
+def bare(x):
+    y = x * 2
+    return y
+
+
+def single_quoted(x):
+    'not triple quoted'
+    return x
+
+
+def too_short():
+    """Only a docstring."""
+
+
+class Holder:
+    async def method(self):
+        \'\'\'Inside a class.\'\'\'
+        await other()
+'''
+
+
+def test_function_cuts_open_docstrings_after_their_quotes_and_bodies_at_their_first_code_line():
+    data = SOURCE.encode()
+    cuts = function_cuts(SOURCE)
+    # too_short has no code after its docstring: no cut; single_quoted's docstring is not triple quoted.
+    assert len(cuts) == 4
+    documented, bare, single, method = cuts
+    assert data[:documented.docstring].endswith(b'def documented(a, b):\n    """')
+    assert data[documented.body:].startswith(b"    total = a + b\n")
+    assert bare.docstring is None and data[bare.body:].startswith(b"    y = x * 2\n")
+    assert single.docstring is None and data[single.body:].startswith(b"    return x\n")
+    assert data[:method.docstring].endswith(b"async def method(self):\n        '''")
+    assert data[method.body:].startswith(b"        await other()\n")
+    assert function_cuts("def broken(:\n") == []
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_models.tokenizer_folder(default_models.TARGET))
+
+
+def test_every_category_gives_its_prompts_at_one_length_from_the_files_it_names(tokenizer):
+    corpus = DataConfig(held_out_fraction=0.05)
+    prompts = category_prompts(corpus, tokenizer, num_prompts=6, prompt_len=48, long_prompt_len=200, seed=0)
+    assert list(prompts) == list(CATEGORIES)
+    for category, rows in prompts.items():
+        length = 200 if category == "long_context" else 48
+        assert len(rows) == 6 and all(len(row) == length for row in rows), category
+    # Cut at functions: the docstring prompts end in the quotes that open one, the body prompts at a line's start.
+    assert all(tokenizer.decode(row).endswith(('"""', "'''")) for row in prompts["docstring"])
+    assert all(tokenizer.decode(row).endswith("\n") for row in prompts["function_body"])
+    # Each window comes from its files' text: held-out windows from held-out files, test windows from test
+    # folders, which training never reads.
+    _, train, held_out = split_files(corpus)
+    held_out_text = "".join(path.read_text(encoding="utf-8", errors="replace") for path in held_out)
+    assert all(tokenizer.decode(row[1:-1]) in held_out_text for row in prompts["held_out"][:3])
+    assert not any(tokenizer.decode(row[1:-1]) in held_out_text for row in prompts["tests"][:3])
+    # A second call gives the same prompts (a resumed table keeps them), another seed others.
+    again = category_prompts(corpus, tokenizer, num_prompts=6, prompt_len=48, long_prompt_len=200, seed=0)
+    assert again == prompts
+    other = category_prompts(corpus, tokenizer, num_prompts=6, prompt_len=48, long_prompt_len=200, seed=1)
+    assert other["function_body"] != prompts["function_body"]
+
+
+def test_too_few_functions_for_the_prompts_asked_is_an_error_that_says_what_to_change(tokenizer):
+    with pytest.raises(ValueError, match=r"function_body prompts of 48 tokens, fewer than 500: use fewer prompts"):
+        category_prompts(DataConfig(max_files=60, held_out_fraction=0.3), tokenizer, num_prompts=500,
+                         prompt_len=48, long_prompt_len=64)
+
+
+def test_the_table_has_a_column_per_category_and_a_row_per_drafter_point():
+    def row(category, k, length, speedup, identical=None):
+        return {"category": category, "stage": "eagle1", "method": "eagle", "K": k, "temperature": 0.0,
+                "mean_acceptance_length": length, "speedup": speedup, "greedy_identical_rows": identical,
+                "prompts": 4}
+
+    rows = [row("held_out", 5, 3.5, 1.2, 4), row("tests", 5, 2.25, 0.9, 4), row("held_out", 6, 3.75, 1.25, 4),
+            {**row("tests", 6, np.nan, np.nan), "skipped": "unsupported"}]
+    lines = table(rows).splitlines()
+    assert lines[0] == "| drafter | run | K | T | held_out | tests | rows = AR |"
+    assert lines[2] == "| eagle | eagle1 | 5 | 0 | 3.50 (1.20x) | 2.25 (0.90x) | 4/4 |"
+    assert lines[3] == "| eagle | eagle1 | 6 | 0 | 3.75 (1.25x) |  | 4/4 |"
