@@ -2,6 +2,8 @@
 category's prompts of one length from the right files (tests only from test folders, the rest held out), and the
 table's cells."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -62,22 +64,47 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_models.tokenizer_folder(default_models.TARGET))
 
 
-def test_every_category_gives_its_prompts_at_one_length_from_the_files_it_names(tokenizer):
-    corpus = DataConfig(held_out_fraction=0.05)
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A package of 40 modules of documented functions and a tests/ folder beside them (not the interpreter's
+    standard library, whose test folders some distributions leave out)."""
+    root = tmp_path_factory.mktemp("corpus")
+    for m in range(40):
+        functions = "".join(
+            f'def scale_{m}_{f}(values, factor={f + 1}):\n    """Multiply each of the values by {f + 1} for module {m}."""\n'
+            f"    result = [value * factor for value in values]\n    return sum(result) + {m * f}\n\n\n"
+            for f in range(6))
+        (root / "package").mkdir(exist_ok=True)
+        (root / "package" / f"module_{m}.py").write_text(f"import math\n\nLIMIT = {m}\n\n\n{functions}")
+    (root / "package" / "tests").mkdir()
+    for m in range(8):
+        (root / "package" / "tests" / f"test_module_{m}.py").write_text("".join(
+            f"def test_case_{m}_{c}():\n    assert check({m}, {c}) == expected[{c}], 'case {c} of {m}'\n\n\n"
+            for c in range(30)))
+    return DataConfig(corpus_dir=str(root), held_out_fraction=0.3)
+
+
+def test_every_category_gives_its_prompts_at_one_length_from_the_files_it_names(tokenizer, corpus):
     prompts = category_prompts(corpus, tokenizer, num_prompts=6, prompt_len=48, long_prompt_len=200, seed=0)
     assert list(prompts) == list(CATEGORIES)
     for category, rows in prompts.items():
         length = 200 if category == "long_context" else 48
         assert len(rows) == 6 and all(len(row) == length for row in rows), category
-    # Cut at functions: the docstring prompts end in the quotes that open one, the body prompts at a line's start.
-    assert all(tokenizer.decode(row).endswith(('"""', "'''")) for row in prompts["docstring"])
-    assert all(tokenizer.decode(row).endswith("\n") for row in prompts["function_body"])
-    # Each window comes from its files' text: held-out windows from held-out files, test windows from test
-    # folders, which training never reads.
+    # Cut at functions: the docstring prompts end in the quotes that open one, the body prompts at a line's start
+    # (the line after the docstring).
+    assert all(tokenizer.decode(row).endswith(':\n    """') for row in prompts["docstring"])
+    assert all(tokenizer.decode(row).endswith('."""\n') for row in prompts["function_body"])
+    # Each prompt comes from its files: held-out ones name functions of held-out modules only (a window may span
+    # two files), test windows come from the tests folder, which training never reads.
     _, train, held_out = split_files(corpus)
-    held_out_text = "".join(path.read_text(encoding="utf-8", errors="replace") for path in held_out)
-    assert all(tokenizer.decode(row[1:-1]) in held_out_text for row in prompts["held_out"][:3])
-    assert not any(tokenizer.decode(row[1:-1]) in held_out_text for row in prompts["tests"][:3])
+    held_out_modules = {int(path.stem.split("_")[1]) for path in held_out}
+    assert held_out_modules and len(train) > len(held_out)
+    for category in ("held_out", "function_body", "docstring", "long_context"):
+        named = {int(m) for row in prompts[category] for m in re.findall(r"def scale_(\d+)_", tokenizer.decode(row))}
+        assert named and named <= held_out_modules, (category, named - held_out_modules)
+    for row in prompts["tests"]:
+        text = tokenizer.decode(row)
+        assert "assert check(" in text and "scale_" not in text
     # A second call gives the same prompts (a resumed table keeps them), another seed others.
     again = category_prompts(corpus, tokenizer, num_prompts=6, prompt_len=48, long_prompt_len=200, seed=0)
     assert again == prompts
@@ -85,10 +112,9 @@ def test_every_category_gives_its_prompts_at_one_length_from_the_files_it_names(
     assert other["function_body"] != prompts["function_body"]
 
 
-def test_too_few_functions_for_the_prompts_asked_is_an_error_that_says_what_to_change(tokenizer):
+def test_too_few_functions_for_the_prompts_asked_is_an_error_that_says_what_to_change(tokenizer, corpus):
     with pytest.raises(ValueError, match=r"function_body prompts of 48 tokens, fewer than 500: use fewer prompts"):
-        category_prompts(DataConfig(max_files=60, held_out_fraction=0.3), tokenizer, num_prompts=500,
-                         prompt_len=48, long_prompt_len=64)
+        category_prompts(corpus, tokenizer, num_prompts=500, prompt_len=48, long_prompt_len=64)
 
 
 def test_the_table_has_a_column_per_category_and_a_row_per_drafter_point():
