@@ -48,7 +48,7 @@ from specjax.models.eagle import default_fuse_layers
 from specjax.models.transformer import Hidden, init_model
 from specjax.training import loop
 from specjax.training.eagle import (TargetVocabulary, build_head, eagle1_head_loss, eagle1_loss, eagle3_head_loss,
-                                    eagle3_loss, feature_noise, target_hidden)
+                                    eagle3_loss, feature_noise, noise_rows, target_hidden)
 from specjax.training.lm import fit
 
 MODES = ("online", "offline")
@@ -167,8 +167,8 @@ def measure(args, mode: str, batch_size: int, remat: str, work: Path) -> dict:
         batch = {"tokens": tokens[i]}
         if mode == "offline":
             batch["hidden"] = jax.tree.map(lambda x: x[i], hidden)
-        if head.config.version == 1:  # the rows' ids for train_eagle's device-drawn feature noise
-            batch["noise_rows"] = np.arange(batch_size, dtype=np.uint32) + np.uint32(step * batch_size)
+        if head.config.version == 1:  # train_eagle's device-drawn feature noise
+            batch["noise_rows"] = noise_rows(step, batch_size)
         return batch
 
     def loss_fn(head, batch, frozen):

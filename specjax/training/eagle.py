@@ -157,10 +157,16 @@ def eagle3_head_loss(head: EagleHead, vocabulary: TargetVocabulary, batch, hidde
     return loss, metrics
 
 
+def noise_rows(step: int, batch_size: int) -> np.ndarray:
+    """The ids [batch_size] of a step's rows, which feature_noise draws from (uint32, wrapping)."""
+    return ((np.arange(batch_size, dtype=np.uint64) + step * batch_size) % 2 ** 32).astype(np.uint32)
+
+
 def feature_noise(rows, shape: tuple[int, int], amplitude: float, seed: int):
-    """EAGLE-1's feature noise, uniform in [-amplitude, amplitude), [B, *shape] for the rows' ids [B]: drawn on
-    the device (a host-drawn [64, 512, 768] array cost 150 ms a step at the code target's size), a function of
-    (seed, row id) so that a resumed run and each micro-batch of an accumulated step draw the same."""
+    """EAGLE-1's feature noise, uniform in [-amplitude, amplitude), [B, *shape] for the rows' ids [B] (noise_rows):
+    drawn on the device, since a host-drawn array of [batch, seq, hidden] float32 is a numpy draw and a transfer
+    every step; a function of (seed, row id), so that a resumed run and each micro-batch of an accumulated step
+    draw the same."""
     key = jax.random.key(seed)
     return jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row), shape, jnp.float32,
                                                    -amplitude, amplitude))(rows)
@@ -199,8 +205,8 @@ def train_eagle(config: HeadTrainConfig) -> dict:
 
     def batch_fn(step):
         batch = {"tokens": batch_at(train_tokens, step, data.batch_size, data.seq_len, config.seed)}
-        if head.config.version == 1:  # each row's feature noise drawn on the device from (seed, step, row)
-            batch["noise_rows"] = (np.arange(data.batch_size, dtype=np.uint64) + step * data.batch_size).astype(np.uint32)
+        if head.config.version == 1:
+            batch["noise_rows"] = noise_rows(step, data.batch_size)
         return batch
 
     trained = fit(head, loss_fn, batch_fn, config, output_dir, description=f"train-eagle ({config.kind})",
