@@ -268,18 +268,23 @@ def run(args: argparse.Namespace) -> list[dict]:
             grid = {"spec": [dict(p) for p in points], "sampling.temperature": temperatures}
             sweep = SweepConfig(base=base, grid=grid, output_dir=str(out / category / stage))
             rows += [{**row, "category": category, "stage": stage} for row in run_sweep(sweep, runner)]
+        write_report(rows, out, args, time.perf_counter() - start)  # after each category: a cut-short run has one
+    return rows
+
+
+def write_report(rows: list[dict], out: Path, args: argparse.Namespace, seconds: float) -> None:
+    """spec_bench.jsonl, .md (the table, its settings and command, the headline comparisons) and .png."""
     (out / "spec_bench.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     first = next((row for row in rows if "skipped" not in row), {})
-    header = [f"# Spec-Bench-style table: {runs}", "",
+    header = [f"# Spec-Bench-style table: {args.runs}", "",
               f"Device: {first.get('device')}; JAX {first.get('jax')}; {args.num_prompts} prompts a category (one "
               f"batch), {args.prompt_len} tokens ({args.long_prompt_len} for long_context), {args.new_tokens} new "
-              f"tokens, dtype {args.dtype}; {time.perf_counter() - start:.0f} s.", "",
+              f"tokens, dtype {args.dtype}; {seconds:.0f} s.", "",
               "Cells: mean acceptance length (speedup over autoregressive decoding of the same batch).", "",
               f"Command: `python -m specjax.spec_bench {' '.join(args.argv)}`", ""]
-    checks = ["", "At T 0 (issue 41's comparisons):", "", *headline(rows), ""]
+    checks = ["", "At T 0 (issue 41's comparisons):", "", *(headline(rows) or ["- none: their drafters did not run"]), ""]
     (out / "spec_bench.md").write_text("\n".join(header) + "\n" + table(rows) + "\n".join(checks) + "\n")
     plot(rows, out / "spec_bench.png")
-    return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
