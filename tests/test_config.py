@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+from support.checkpoints import REPO
 
 from specjax.config import ConfigError, HeadTrainConfig, ModelConfig, RopeScaling, SamplingConfig, SpecConfig, \
     dtype_from_name
@@ -111,3 +112,24 @@ def test_an_unknown_set_key_is_blamed_on_the_set(tmp_path):
     with pytest.raises(ConfigError, match=r"^--set max_tokens=3: unknown key 'max_tokens' \(RunConfig\)"):
         load_yaml(RunConfig, path, ["max_tokens=3"])
     assert load_yaml(RunConfig, path, ["spec.num_speculative_tokens=3"]).spec.num_speculative_tokens == 3
+
+
+# A training config's trainer by the end of its name (scripts/train_default_models.sh names them so).
+TRAINER_BY_SUFFIX = {"target": "train-lm", "draft": "train-lm", "lm": "train-lm", "eagle": "train-eagle",
+                     "eagle1": "train-eagle", "eagle3": "train-eagle", "medusa": "train-medusa",
+                     "dflash": "train-dflash", "dspark": "train-dspark", "mtp": "train-mtp"}
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_with_the_class_its_command_takes(path):
+    """A broken shipped config fails here, not on the GPU machine (the code recipe's configs are run only there)."""
+    from specjax import cli, config
+    from specjax.experiments import load_run, load_sweep
+
+    if path.parent.name == "train":
+        config_class = cli.TRAINERS[TRAINER_BY_SUFFIX[path.stem.rsplit("_", 1)[1]]][0]
+        loaded = config.load_yaml(getattr(config, config_class), path)
+        assert type(loaded).__name__ == config_class
+    else:
+        loader = load_sweep if "grid" in path.read_text() else load_run
+        assert loader(path) is not None
