@@ -77,6 +77,22 @@ from pathlib import Path
 runs, out = Path(sys.argv[1]), Path(sys.argv[2])
 lines = (runs / "pipeline.log").read_text().splitlines() if (runs / "pipeline.log").exists() else []
 starts, rows = {}, []
+
+
+def pace(stage):
+    """Seconds a step between the stage's first and last logged steps (the first log's steps hold the compilation;
+    a checkpoint in between counts), and tokens a second at its run_config.json's batch x seq_len."""
+    path = runs / stage / "metrics.jsonl"
+    logged = [r for r in map(json.loads, path.read_text().splitlines()) if "time" in r] if path.exists() else []
+    if len(logged) < 2:
+        return ""
+    step_s = (logged[-1]["time"] - logged[0]["time"]) / (logged[-1]["step"] - logged[0]["step"])
+    config = runs / stage / "run_config.json"
+    data = json.loads(config.read_text())["data"] if config.exists() else {}
+    tokens = data.get("batch_size", 0) * data.get("seq_len", 0)
+    return f"{step_s:.3f}" + (f", {tokens / step_s:,.0f}" if tokens else "")
+
+
 for line in lines:
     when, _, what = line.partition(" ")
     words = what.split()
@@ -88,12 +104,13 @@ for line in lines:
             evals = sorted((runs / words[1]).glob("*/eval.json"))
             result = json.loads(evals[0].read_text()) if evals else {}
             shown = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and len(str(v)) < 40}
-            rows.append(f"| {words[1]} | {words[2]} | {minutes:.1f} | {json.dumps(shown)} |")
+            rows.append(f"| {words[1]} | {words[2]} | {minutes:.1f} | {pace(words[1])} | {json.dumps(shown)} |")
 md = ["# The code target and its drafters", "", f"Runs: {runs}; the pipeline's log:", "", "```", *lines, "```", "",
-      "| stage | state | minutes | eval.json |", "|---|---|---|---|", *rows, ""]
+      "| stage | state | minutes | s a step, tokens/s (first to last logged step; run_config.json's batch x seq_len) | eval.json |",
+      "|---|---|---|---|---|", *rows, ""]
 (out / "code_target.md").write_text("\n".join(md))
 with tarfile.open(out / "code_target.tar.xz", "w:xz") as tar:
-    for pattern in ("*/metrics.jsonl", "*/*/eval.json", "*/*/config.json", "spec_bench/spec_bench.*",
+    for pattern in ("*/metrics.jsonl", "*/run_config.json", "*/*/eval.json", "*/*/config.json", "spec_bench/spec_bench.*",
                     "spec_bench/prompts.json", "*.log"):
         for path in sorted(runs.glob(pattern)):
             tar.add(path, arcname=str(path.relative_to(runs)))

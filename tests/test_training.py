@@ -132,6 +132,18 @@ def test_bad_training_configs_name_the_key_and_file(override, message):
         load_yaml(TrainConfig, CONFIG, [override])
 
 
+def test_the_run_config_is_written_beside_its_metrics_as_resolved(uninterrupted):
+    """run_config.json holds the file's values with the --set applied (output_dir here)."""
+    import yaml
+
+    written = json.loads((uninterrupted / "run_config.json").read_text())
+    source = yaml.safe_load(CONFIG.read_text())
+    assert written["class"] == "TrainConfig" and written["output_dir"] == str(uninterrupted)
+    assert written["optimizer"]["total_steps"] == source["optimizer"]["total_steps"] == TOTAL_STEPS
+    assert written["data"]["batch_size"] == source["data"]["batch_size"]
+    assert written["model"]["hidden_size"] == source["model"]["hidden_size"]
+
+
 def test_tensorboard_events_carry_the_logged_losses(uninterrupted):
     event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
     losses = {}

@@ -174,6 +174,10 @@ def fit(module: nnx.Module, loss_fn, batch_fn, run: TrainingRun, output_dir: Pat
                 raise TrainingOutOfMemory(out_of_memory_message(error, run, model_config)) from error
             raise
 
+    # The run's resolved config beside its metrics: what the figures were trained with, after every --set.
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / "run_config.json").write_text(
+        json.dumps({"class": type(run).__name__, **dataclasses.asdict(run)}, indent=2, default=str) + "\n")
     with jax.set_mesh(mesh):
         state = loop.run(state, step,
                          lambda step: sharding.put(batch_fn(step), mesh),
