@@ -47,13 +47,19 @@ pipeline() {
   # The drafters side by side, each its own process on the one GPU (small models leave most of it idle: one
   # alone keeps it busy a fraction of each step); DSpark and MTP after DFlash, whose regenerated text they reuse.
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  # Four processes can exhaust the GPU's memory between them (EAGLE-3 did on 2026-12-04), so a stage that fails
+  # in its wave is run once more alone after it.
   for wave in "medusa eagle1 eagle3 dflash" "dspark mtp"; do
-    local pids=()
+    local pids=() names=() failed=()
     for stage in $wave; do
       [[ " $stages " == *" $stage "* ]] || continue
-      run_stage "$stage" & pids+=($!)
+      run_stage "$stage" & pids+=($!); names+=("$stage")
     done
-    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    for i in "${!pids[@]}"; do wait "${pids[$i]}" || failed+=("${names[$i]}"); done
+    for stage in "${failed[@]}"; do
+      stamp "retrying $stage alone"
+      run_stage "$stage" || status=1
+    done
   done
   stamp "stage spec_bench start"
   # shellcheck disable=SC2086  # the flags are words
@@ -101,10 +107,11 @@ for line in lines:
             starts[words[1]] = datetime.fromisoformat(when.replace("Z", "+00:00"))
         else:
             minutes = (datetime.fromisoformat(when.replace("Z", "+00:00")) - starts[words[1]]).total_seconds() / 60
-            evals = sorted((runs / words[1]).glob("*/eval.json"))
+            evals = sorted((runs / words[1]).glob("*/eval.json")) if words[2] == "end" else []
             result = json.loads(evals[0].read_text()) if evals else {}
             shown = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and len(str(v)) < 40}
-            rows.append(f"| {words[1]} | {words[2]} | {minutes:.1f} | {pace(words[1])} | {json.dumps(shown)} |")
+            rows.append(f"| {words[1]} | {words[2]} | {minutes:.1f} | {pace(words[1]) if words[2] == 'end' else ''} | "
+                        f"{json.dumps(shown)} |")
 md = ["# The code target and its drafters", "", f"Runs: {runs}; the pipeline's log:", "", "```", *lines, "```", "",
       "| stage | state | minutes | s a step, tokens/s (first to last logged step; run_config.json's batch x seq_len) | eval.json |",
       "|---|---|---|---|---|", *rows, ""]
