@@ -266,6 +266,10 @@ class Runner:
             "per_position_acceptance": summary["per_position_acceptance"],
             # Drafts verified a step: K, or what adaptive verification chose on average.
             "mean_verified_width": summary["drafted"] / summary["steps"] if summary["steps"] else None,
+            # A batch's loop runs until its slowest row ends: its steps against a row's mean bound the speedup
+            # at a batch beyond what acceptance says (a continuous-batching engine refills the early-ended rows).
+            "loop_steps": int(result.metrics.steps.max()) if result.metrics.steps.size else 0,
+            "mean_row_steps": float(result.metrics.steps.mean()) if result.metrics.steps.size else 0.0,
             "ar_tokens_per_s": float(baseline.num_generated.sum()) / ar_seconds,
             "spec_tokens_per_s": float(result.num_generated.sum()) / spec_seconds,
             "speedup": ar_seconds / spec_seconds * float(result.num_generated.sum()) / float(

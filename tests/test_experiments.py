@@ -83,6 +83,8 @@ def test_a_killed_sweep_reruns_only_the_missing_points(models, tmp_path):
     assert cli.main(["sweep", str(reference)]) == 0
     expected = [json.loads(line) for line in (reference_dir / "results.jsonl").read_text().splitlines()]
     assert len(expected) == 6
+    # The batch's loop runs as many steps as its slowest row (loop_steps), a row on average mean_row_steps.
+    assert all(row["loop_steps"] >= row["mean_row_steps"] > 0 for row in expected)
 
     process = subprocess.Popen([sys.executable, "-m", "specjax.cli", "sweep", str(killed)], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
