@@ -12,10 +12,10 @@
 #     benchmarks/code_target.sh wait RUNS OUT [S] # waits for it at most S seconds (default 560), then packs OUT
 # each call made within the machine's idle release of the previous one. QUICK=1 is the CPU smoke test
 # (train_default_models.sh's; the table then takes SPEC_BENCH_FLAGS, e.g. --num-prompts 2 --new-tokens 8).
-# Time on the H200, from the 2026-12-04 dry run's stage times at 150 steps each
-# (benchmarks/results/code_target/2026-12-04_dry_run/): the target ~5 min (its corpus prepared in ~1.2 min, then
-# 0.16 s a step), EAGLE-1 ~2, EAGLE-3 ~3, Medusa ~2, DFlash ~5 (its 32,768 sequences regenerated in ~1.2 min),
-# the table ~7: about 25 minutes with the machine's start, one session's device time.
+# Time on the H200 (the full run of 2026-12-04, benchmarks/results/code_target/2026-12-04/): the target 4.9 minutes
+# (its corpus prepared in about one), the four drafters side by side 9.3 (DFlash's 4,000 steps and its regenerated
+# sequences the longest), the table 12.9: 27 minutes, one session's device time. DSpark and MTP
+# (STAGES="target dflash dspark mtp" SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp") need a session of their own.
 set -uo pipefail
 mode=run
 case ${1:-} in start|wait|pack) mode=$1; shift ;; esac
