@@ -183,7 +183,7 @@ def table(rows: list[dict]) -> str:
 
 def headline(rows: list[dict]) -> list[str]:
     """Issue 41's comparisons at T 0, per category where both sides ran: EAGLE-3 against EAGLE-1 at K 5, each
-    EAGLE-2 tree against its chain at the same depth, DFlash at K 15."""
+    EAGLE-2 tree against its chain at the same depth, DFlash and DSpark at K 15."""
     def length(stage, k, nodes=None, category="held_out"):
         row = next((r for r in rows if r["stage"] == stage and r["K"] == k and r["temperature"] == 0
                     and r.get("tree_nodes") == nodes and r["category"] == category and "skipped" not in r), None)
@@ -201,9 +201,11 @@ def headline(rows: list[dict]) -> list[str]:
                 tree = length(stage, 6, nodes, category)
                 if chain and tree:
                     found.append(f"{stage} {nodes}-node tree {tree / chain:.2f}x its K 6 chain")
-        dflash = length("dflash", 15, category=category)
+        dflash, dspark = length("dflash", 15, category=category), length("dspark", 15, category=category)
         if dflash:
             found.append(f"DFlash {dflash:.2f} at K 15")
+        if dspark:
+            found.append(f"DSpark {dspark:.2f} at K 15" + (f" ({dspark / dflash:.2f}x DFlash)" if dflash else ""))
         if found:
             lines.append(f"- {category}: " + "; ".join(found) + ".")
     return lines

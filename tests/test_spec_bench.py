@@ -10,7 +10,7 @@ import pytest
 from specjax import default_models
 from specjax.config import DataConfig
 from specjax.data.dataset import split_files
-from specjax.spec_bench import CATEGORIES, category_prompts, function_cuts, table
+from specjax.spec_bench import CATEGORIES, category_prompts, function_cuts, headline, table
 
 SOURCE = '''import os
 
@@ -129,3 +129,17 @@ def test_the_table_has_a_column_per_category_and_a_row_per_drafter_point():
     assert lines[0] == "| drafter | run | K | T | held_out | tests | rows = AR |"
     assert lines[2] == "| eagle | eagle1 | 5 | 0 | 3.50 (1.20x) | 2.25 (0.90x) | 4/4 |"
     assert lines[3] == "| eagle | eagle1 | 6 | 0 | 3.75 (1.25x) |  | 4/4 |"
+
+
+def test_the_headline_compares_eagle3_with_eagle1_trees_with_their_chain_and_dspark_with_dflash():
+    def row(stage, k, length, nodes=None, category="held_out"):
+        return {"category": category, "stage": stage, "K": k, "temperature": 0.0, "tree_nodes": nodes,
+                "mean_acceptance_length": length}
+
+    rows = [row("eagle1", 5, 4.0), row("eagle3", 5, 5.0), row("eagle1", 6, 4.0), row("eagle1", 6, 5.2, nodes=60),
+            row("dflash", 15, 6.0), row("dspark", 15, 6.6), row("dspark", 15, 3.0, category="tests"),
+            {**row("eagle3", 5, 9.0), "temperature": 1.0}]  # T 1: not a headline
+    assert headline(rows) == [
+        "- held_out: EAGLE-3 5.00 against EAGLE-1 4.00 at K 5 (1.25x); eagle1 60-node tree 1.30x its K 6 chain; "
+        "DFlash 6.00 at K 15; DSpark 6.60 at K 15 (1.10x DFlash).",
+        "- tests: DSpark 3.00 at K 15."]
