@@ -435,4 +435,4 @@ def test_negative_control_a_width_chosen_from_the_rows_own_sampled_draft_fails(m
     finally:
         speculative_loop.clear_cache()
     assert 0 < metrics.summary()["acceptance_rate"] < 1
-    assert chi_square_pvalue(counts[0], exact_joint(tiny_pair()[0], T1)) < 1e-6  # measured: below 1e-300
+    assert chi_square_pvalue(counts[0], exact_joint(tiny_pair()[0], T1)) < 1e-6  # measured: 2e-22 (8,192 rows)

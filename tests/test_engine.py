@@ -45,7 +45,7 @@ def test_every_request_gets_its_autoregressive_output_under_load(name):
 
 # ------------------------------------------------------------------------------ exact distribution
 
-ENGINE_ROWS = 8192  # requests of each sampling setting (the chi-square tests' size, a quarter of generate's)
+ENGINE_ROWS = 8192  # requests of each sampling setting (support.distributions.NUM_ROWS on the CPU)
 ENGINE_SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5))
 
 

@@ -1,6 +1,6 @@
 """Every drafter is lossless. Greedy: speculative output identical to autoregressive, token for token
 (ragged prompts, EOS inside blocks). Sampling: the joint distribution of the first three tokens over
-32,768 rows per setting (131,072 on a GPU) equals the target's enumerated one (chi-square), and negative
+8,192 rows per setting (131,072 on a GPU) equals the target's enumerated one (chi-square), and negative
 controls fail the same test. One test each, parametrised over drafters x drafting x settings; each
 drafter's own tests (layouts, checkpoints, what its drafts are) live in its file.
 
@@ -204,9 +204,9 @@ LOSSLESS_CASES = [
 
 
 # A lossless case fails below this p-value. With about 45 sampling settings checked, 1e-4 each keeps a false
-# alarm anywhere in a run below 0.5% (1e-3 would be 4%: seeds 0..32767 at T 0.7 give p = 5e-4 for the draft
+# alarm anywhere in a run below 0.5% (1e-3 would be 4%: seeds 0..32767 at T 0.7 gave p = 5e-4 for the draft
 # model with both verifiers, and 0.33-0.99 with three other seed sets: docs/testing.md); the negative
-# controls below fail with p < 1e-300 at the same size.
+# controls below fail with p = 1e-124 and below 1e-300 at the same size (support.distributions.NUM_ROWS).
 LOSSLESS_ALPHA = 1e-4
 GREEDY_ROWS = 64  # greedy rows in each batch: they must give the target's greedy tokens, whatever beside them
 
