@@ -96,8 +96,7 @@ def test_negative_control_the_engine_with_a_verifier_that_accepts_everything_fai
 # ------------------------------------------------------------------------------------ one program
 
 def without_eos(spec: SpecConfig) -> EngineConfig:
-    """The load tests' engine with no EOS id (its outputs run to their budgets): the refusal and mixed-sampling
-    cases share its programs."""
+    """The load tests' engine with no EOS id (its outputs run to their budgets)."""
     return load_config(spec, eos_token_ids=())
 
 
@@ -160,9 +159,10 @@ def test_engines_of_equal_settings_share_their_programs_and_another_setting_comp
 
 @pytest.fixture(scope="module")
 def refusing_engine():
-    """One engine for the refusal cases: a refused request leaves it serving the others, case after case."""
+    """One engine for the refusal cases: a refused request leaves it serving the others, case after case. The draft
+    model's load test engine (its programs; the good requests' 4 tokens hold no EOS)."""
     target, drafts = target_and_drafts()
-    return Engine(target, without_eos(SPECS["draft_model"]), drafter=drafts["perturbed"])
+    return Engine(target, load_config(SPECS["draft_model"]), drafter=drafts["perturbed"])
 
 
 @pytest.mark.loop
