@@ -62,6 +62,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(name) for name in FULL_TIER_MARKERS):
             item.add_marker(pytest.mark.fast)
+        # Under --dist loadgroup (make test) the cases of one parametrised test run on one worker, one after the
+        # other: they share programs (a reference loop, a loop whose verifier is data, a fixture's), which the
+        # two workers otherwise compiled at the same time, each a miss in the persistent cache.
+        if hasattr(item, "callspec") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("[")[0]))
+
+
+class XdistGroups:
+    """pytest-xdist (3.8) sends a group's tests to one worker by appending "@group" to their node ids through
+    `item._nodeid`, which pytest 9.2 no longer reads (Node.nodeid is str(item._id)): every xdist_group was
+    ignored, so each worker started the servers of tests/test_server.py and served the load runs. This sets it
+    where pytest reads it, after xdist's own hook."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                            for mark in item.iter_markers("xdist_group")})
+            if names and "@" not in item.nodeid.rpartition("]")[2]:
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(XdistGroups(), "specjax_xdist_groups")
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
