@@ -33,6 +33,9 @@ memory in use after a visit (the most over the point) and the process's peak so 
 None where the backend reports none). The peak never goes down within a process: for a peak per setting, run
 one setting (and one engine size, --max-num-seqs) per process.
 
+--async-scheduling off,on runs each point with the engine's visits read as they end and with each visit dispatched
+before the host reads the one before it (EngineConfig.async_scheduling; not with --draft-kv-offload on).
+
 --profile DIR traces each in-process point with JAX's profiler (DIR/<label>_<load>/, a perfetto trace that
 Perfetto's UI opens) and adds what the trace says (specjax.profiling): the device's busy share over the point and
 its idle time per step, the host's overhead the device did not hide (admission, scheduling, reading tokens between
@@ -70,7 +73,8 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("profiled_long_gaps", "profiled gaps >= 1 ms")]
 PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
                 "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
-OFFLOAD_MODES = {"off": False, "on": True}
+# The values of the switches run as an axis (--draft-kv-offload, --async-scheduling).
+ON_OFF = {"off": False, "on": True}
 CLIENT_STREAMS = 64  # requests in flight one HTTP client process keeps by default (--client-processes)
 CLIENT_START_TIMEOUT_S = 300.0  # how long client processes wait for each other (each imports JAX first)
 
@@ -472,6 +476,8 @@ def main(argv=None) -> None:
                         "EAGLE's last matched block dropped), keep (on, disable_eagle_block_drop)")
     parser.add_argument("--draft-kv-offload", default="off", help="comma-separated: off, on (the drafter's KV cache "
                         "in pinned host memory between visits, EngineConfig.draft_kv_offload)")
+    parser.add_argument("--async-scheduling", default="off", help="comma-separated: off, on (each visit dispatched "
+                        "before the host reads the one before it, EngineConfig.async_scheduling)")
     parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -517,9 +523,13 @@ def main(argv=None) -> None:
     if bad:
         parser.error(f"--prefix-caching {bad[0]!r} is invalid: allowed a comma-separated list of {list(PREFIX_MODES)}")
     offloads = args.draft_kv_offload.split(",")
-    bad = [mode for mode in offloads if mode not in OFFLOAD_MODES]
+    bad = [mode for mode in offloads if mode not in ON_OFF]
     if bad:
-        parser.error(f"--draft-kv-offload {bad[0]!r} is invalid: allowed a comma-separated list of {list(OFFLOAD_MODES)}")
+        parser.error(f"--draft-kv-offload {bad[0]!r} is invalid: allowed a comma-separated list of {list(ON_OFF)}")
+    scheds = args.async_scheduling.split(",")
+    bad = [mode for mode in scheds if mode not in ON_OFF]
+    if bad:
+        parser.error(f"--async-scheduling {bad[0]!r} is invalid: allowed a comma-separated list of {list(ON_OFF)}")
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream {args.requests_per_stream} is invalid: allowed 1 or more")
     if args.url is not None:
@@ -567,7 +577,9 @@ def main(argv=None) -> None:
         lookahead = 0 if spec is None else spec.num_draft_nodes + 1
         # Without speculation there is no drafter to offload: 'off' only (a drafter without a KV cache, Medusa's or
         # n-gram's, is refused by the engine, naming the field).
-        for mode, offload in [(m, o) for m in modes for o in offloads if o == "off" or spec is not None]:
+        # The engine refuses async scheduling with offload (its buffers move at each visit): not run together.
+        for mode, offload, sched in [(m, o, a) for m in modes for o in offloads for a in scheds
+                                     if (o == "off" or spec is not None) and "off" in (o, a)]:
             engine = runner = None
             for load in loads:
                 # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
@@ -581,7 +593,8 @@ def main(argv=None) -> None:
                                           max_prefill_batch=min(slots, args.max_prefill_batch),
                                           block_size=args.block_size, num_prefix_blocks=args.num_prefix_blocks,
                                           max_num_batched_tokens=args.max_num_batched_tokens,
-                                          draft_kv_offload=OFFLOAD_MODES[offload], **PREFIX_MODES[mode])
+                                          draft_kv_offload=ON_OFF[offload],
+                                          async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode])
                     if runner is not None:
                         runner.stop()
                     engine = runner = None  # the last one's caches go before the next one's are made
@@ -604,6 +617,7 @@ def main(argv=None) -> None:
                 label += " adaptive" if method.adaptive else ""
                 label += "" if len(modes) == 1 else f" prefix {mode}"
                 label += "" if len(offloads) == 1 else f" offload {offload}"
+                label += "" if len(scheds) == 1 else f" async {sched}"
                 if runner is None:
                     trace_dir = None if args.profile is None else \
                         Path(args.profile) / f"{label.replace(' ', '_').replace('=', '')}_{load}"
@@ -617,7 +631,8 @@ def main(argv=None) -> None:
                         point.update(profiled_point(trace_dir, point["steps"]))
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                              "label": label, "synthetic_tau": method.synthetic_tau, "slots": slots, "prefix_caching": mode,
-                             "adaptive": method.adaptive, "draft_kv_offload": offload, **point})
+                             "adaptive": method.adaptive, "draft_kv_offload": offload, "async_scheduling": sched,
+                             **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "
                       f"tau {point['mean_acceptance_length'] or 1:.2f}, hit rate {point['hit_rate'] or 0:.3f}, "

@@ -350,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ms a visit may wait for arriving requests (default: 50; 0: off)")
     srv.add_argument("--end-visits-on-finish", action="store_true", default=None,
                      help="end an engine visit when a request ends, not after its steps (docs/serving.md)")
+    srv.add_argument("--async-scheduling", action="store_true", default=None,
+                     help="dispatch each engine visit before reading the one before it (docs/serving.md)")
     srv.add_argument("--max-prefill-batch", type=int, default=None,
                      help="requests admitted by one prefill call at most (default: 8)")
     srv.add_argument("--log-stats-interval", type=float, default=None,

@@ -34,11 +34,13 @@ def without_nan(metrics: dict) -> dict:
 
 
 @pytest.mark.loop
-def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_each_visit_streams_its_tokens_and_the_counts_are_those_of_generate(async_scheduling):
+    """With async scheduling too (EngineConfig.async_scheduling: a visit's tokens are read while the next runs)."""
     target, _ = target_and_drafts()
     spec = SPECS["eagle"]
     streamed = {}
-    config = load_config(spec)  # the load tests' engine: its programs
+    config = load_config(spec, async_scheduling=async_scheduling)  # the load tests' engine: its programs
     engine = Engine(target, config, drafter=drafter_for("eagle"),
                     on_tokens=lambda new: [streamed.setdefault(i, []).append(list(ids)) for i, ids in new.items()])
     requests = with_stop_ids_inside(target, random_requests(16, seed=1))

@@ -16,6 +16,7 @@ alone, and one compiled program serves greedy and sampled requests together.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -83,6 +84,11 @@ class EngineConfig:
     # copy of the stepped rows' draft cache each way per visit. Needs a drafter that keeps a KV cache and a device
     # with a pinned_host memory kind.
     draft_kv_offload: bool = False
+    # Async scheduling (vLLM's name): each visit is dispatched, from a thread of the engine's (on a GPU the call
+    # returns only when its loop has ended), before the host reads the visit before it, so that reading tokens,
+    # ending requests and streaming them overlap the device's next visit. A request's end is known, and its slot
+    # refilled, one visit later; outputs are the same. Not with draft_kv_offload (its buffers move at each visit).
+    async_scheduling: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch", "block_size",
@@ -94,7 +100,7 @@ class EngineConfig:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"EngineConfig.max_num_batched_tokens = {value!r} is invalid: allowed None or an "
                              "integer >= 1")
-        for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload"):
+        for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
         if self.disable_eagle_block_drop and not self.enable_prefix_caching:
@@ -103,6 +109,9 @@ class EngineConfig:
         if self.draft_kv_offload and self.spec is None:
             raise ValueError("EngineConfig.draft_kv_offload = True is invalid without speculation (spec = None): "
                              "allowed only with a spec whose drafter keeps a KV cache")
+        if self.async_scheduling and self.draft_kv_offload:
+            raise ValueError("EngineConfig.async_scheduling = True is invalid with draft_kv_offload = True: allowed "
+                             "with one of them at most")
 
     @property
     def lookahead(self) -> int:
@@ -145,6 +154,7 @@ class _Running:
     stopped: bool = False  # emitted one of the request's stop ids (which the device does not know)
     blocks: list = dataclasses.field(default_factory=list)  # prefix cache blocks it holds (released at its end)
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache (vLLM's num_cached_tokens)
+    ended: bool = False  # its output is made (a visit dispatched before its end may still hold its slot)
 
 
 @dataclasses.dataclass
@@ -158,6 +168,15 @@ class _Chunked:
     keys: list  # its prefix cache block keys, matched blocks, held blocks
     matched: int
     blocks: list
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A visit dispatched and not yet read (async scheduling), with what the host knew when it went."""
+
+    result: concurrent.futures.Future  # of (the visit's summary on the host, the state after it, its counters)
+    running: dict  # slot -> _Running at dispatch: the rows the summary's slots hold
+    rows: int  # slots it steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,33 +221,36 @@ def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None, *
 
 
 @functools.partial(jax.jit, static_argnames=("program", "rows", "width", "axes", "layout"), donate_argnums=1)
-def run_steps(weights, state, draft, method, max_steps, stop_at_done, costs, *, program: _Program, rows: int,
+def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, *, program: _Program, rows: int,
               width: int, axes: tuple[int, ...], layout: DraftKVLayout | None):
     """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
-    stop_at_done of them done (a free slot to fill); the other slots are left as they are. With draft KV
+    stop_after_ends of them ended in this visit (a slot to fill); the other slots are left as they are. With draft KV
     offload (layout), draft holds those slots' host buffers: in for the steps, back out after them. method: the
     lossless rule of sampled rows; costs: adaptive verification's cost of a step of `rows` slots at each verify
     width (None without it); axes: the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the
-    visit's summary of those slots, `width` tokens a row (what the host reads), the state, and the draft buffers."""
+    visit's summary of those slots, `width` tokens a row (what the host reads), the state, the draft buffers, and
+    the acceptance counters after the visit (a copy, which the host reads when requests end: the state itself may be
+    in the next visit by then; None without speculation)."""
     def cond(carry):
         steps, state = carry
         done = _decode(state).done
-        return (steps < max_steps) & ~jnp.all(done) & (jnp.sum(done) < stop_at_done)
+        return (steps < max_steps) & ~jnp.all(done) & (jnp.sum(done) - done_before < stop_after_ends)
 
     leaves, treedef = jax.tree.flatten(state)
     busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
     if layout is not None:
         busy = layout.unpack(layout.to_device(draft), busy)
     busy = jax.tree.unflatten(treedef, busy)
-    before = _decode(busy).num_generated
+    before, done_before = _decode(busy).num_generated, jnp.sum(_decode(busy).done)
     steps, busy = jax.lax.while_loop(
         cond, lambda carry: (carry[0] + 1, program.step(weights, carry[1], method, costs)), (jnp.int32(0), busy))
     visit = _Visit.of(steps, _decode(busy), before, width)
+    counters = None if isinstance(busy, decoding.DecodeState) else jax.tree.map(jnp.copy, busy.counters)
     busy = jax.tree.leaves(busy)
     draft = None if layout is None else layout.to_host(layout.pack(busy))
     leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
               for x, part, a in zip(leaves, busy, axes)]
-    return visit, jax.tree.unflatten(treedef, leaves), draft
+    return visit, jax.tree.unflatten(treedef, leaves), draft, counters
 
 
 @functools.partial(jax.jit, static_argnames=("program", "batch"))
@@ -289,6 +311,11 @@ class Engine:
         # Draft KV offload: the layout of the drafter's K and V in the state, and the slots' host buffers.
         self._draft_layout: DraftKVLayout | None = None
         self.draft_kv: DraftKVSlots | None = None
+        # Async scheduling: the visit in flight, the thread that makes its call, and the slots of requests that
+        # ended in the visit read last (released when the state is the engine's again, at the next step).
+        self._dispatched: _Dispatched | None = None
+        self._dispatcher: concurrent.futures.ThreadPoolExecutor | None = None
+        self._unreleased: list[int] = []
         if config.draft_kv_offload:
             # The engine runs on one device, JAX's default.
             self._device = jax.config.jax_default_device or jax.devices()[0]
@@ -321,7 +348,8 @@ class Engine:
         self.aborted.add(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finished or self.aborted or self.chunked)
+        return bool(self.waiting or self.running or self.finished or self.aborted or self.chunked
+                    or self._dispatched or self._unreleased)
 
     def stats(self) -> dict:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
@@ -377,20 +405,60 @@ class Engine:
         program = self._program(mode)  # first: the first program binds the weights
         return init_rows(self._weights, *arrays, prefix, program=program)
 
-    def _run(self, mode: SamplingMode, max_steps: int, stop_at_done: int, rows: int) -> _Visit:
-        """run_steps over the first `rows` slots of the state (one program per power-of-two count)."""
-        program, layout = self._program(mode), self._draft_layout
+    def _run(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int) -> tuple:
+        """run_steps over the first `rows` slots of the state, now: (the visit's summary, the counters after it)."""
+        layout = self._draft_layout
         draft = None if layout is None else self.draft_kv.take(rows)
-        compiled = run_steps._cache_size()
-        visit, self.state, draft = run_steps(
-            self._weights, self.state, draft, self._method, np.int32(max_steps), np.int32(stop_at_done),
-            self._verify_costs(rows, program.proposer), program=program, rows=rows,
-            width=self.config.steps_per_visit * max(self.config.lookahead, 1), axes=self._axes, layout=layout)
-        key = (mode, rows)
-        self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
+        visit, self.state, draft, counters = self._run_steps(
+            mode, max_steps, stop_after_ends, rows, self._verify_costs(rows, self._program(mode).proposer),
+            self.state, draft)
         if layout is not None:
             self.draft_kv.put(draft)
-        return visit
+        return visit, counters
+
+    def _run_steps(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, costs, state,
+                   draft) -> tuple:
+        """run_steps over the first `rows` slots of `state` (one program per power-of-two count); touches no other
+        engine field than the compile count, so that the dispatch thread may make it."""
+        program = self._program(mode)
+        compiled = run_steps._cache_size()
+        width = self.config.steps_per_visit * max(self.config.lookahead, 1)
+        out = run_steps(self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends),
+                        costs, program=program, rows=rows, width=width, axes=self._axes, layout=self._draft_layout)
+        key = (mode, rows)
+        self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
+        return out
+
+    def _dispatch(self, mode: SamplingMode, stop_after_ends: int, rows: int) -> None:
+        """Async scheduling: starts a visit from the dispatch thread; the state is the visit's until _land."""
+        if self._dispatcher is None:
+            self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-visit")
+        costs = self._verify_costs(rows, self._program(mode).proposer)
+        state, self.state = self.state, None  # donated to the visit
+
+        def visit():
+            summary, after, _, counters = self._run_steps(mode, self.config.steps_per_visit, stop_after_ends, rows,
+                                                          costs, state, None)
+            return jax.device_get(summary), after, counters
+
+        self._dispatched = _Dispatched(result=self._dispatcher.submit(visit), running=dict(self.running), rows=rows)
+
+    def _land(self) -> tuple:
+        """Async scheduling: waits for the visit in flight, whose state becomes the engine's again; returns what
+        _collect reads of it."""
+        dispatched, self._dispatched = self._dispatched, None
+        wait = time.perf_counter()
+        visit, self.state, counters = dispatched.result.result()
+        self.device_wait_s += time.perf_counter() - wait
+        self._count(visit, dispatched.rows, len(dispatched.running))
+        return visit, dispatched.running, counters
+
+    def _count(self, visit: _Visit, rows: int, busy: int) -> None:
+        steps = int(visit.steps)
+        self.steps_run += steps
+        self.visits += 1
+        self.slot_steps += rows * steps
+        self.busy_slot_steps += busy * steps
 
     def _verify_costs(self, rows: int, proposer):
         """Adaptive verification's costs for a step of `rows` slots (None without it), found once per count."""
@@ -497,7 +565,8 @@ class Engine:
         The call runs steps_per_visit steps, or until a row ends while requests wait. end_on_finish: until a row
         ends even though none waits, for a caller whose requests arrive while it runs (a server, whose clients
         replace each request that ends: its slot would otherwise stay empty, and its end unsent, until the
-        visit's last step)."""
+        visit's last step). With async_scheduling the call is dispatched and the step returns what the visit
+        before it gave (the host reads that one while the device runs this one)."""
         start = time.perf_counter()
         try:
             return self._step(end_on_finish)
@@ -506,6 +575,11 @@ class Engine:
 
     def _step(self, end_on_finish: bool) -> list[RequestOutput]:
         ended, self.finished = self.finished, []
+        landed = None if self._dispatched is None else self._land()
+        if self._unreleased:
+            self._release(self._unreleased)
+            self._unreleased = []
+        self._compact()
         if self.aborted:
             ended += self._abort()
         free = [slot for slot in range(self.config.max_num_seqs) if slot not in self.running]
@@ -520,30 +594,33 @@ class Engine:
             budget -= used
             if not used:
                 break
-        if not self.running:
-            return ended
+        if self.running:
+            ended += self._visit(end_on_finish, prefilled)
+        if landed is not None:
+            ended += self._collect(*landed)
+        return ended
+
+    def _visit(self, end_on_finish: bool, prefilled: list) -> list[RequestOutput]:
+        """Runs (or with async scheduling dispatches) a visit of the running slots; what it ended."""
         mode = SamplingMode.of([r.request.sampling for r in self.running.values()])
         if not self.mode.covers(mode):
             self.mode = self.mode.union(mode)
         # All-greedy rows run the greedy program; sampled ones the one that covers every mode seen.
         mode = GREEDY if not mode.sampled else self.mode
         rows = self._rows_to_step()
-        done_now = rows - len(self.running)
-        stop_at = done_now + 1 if self.waiting or end_on_finish else rows + 1
+        stop_after_ends = 1 if self.waiting or end_on_finish else rows + 1
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
+        if self.config.async_scheduling:
+            self._dispatch(mode, stop_after_ends, rows)
+            return []
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        visit = self._run(mode, self.config.steps_per_visit, stop_at, rows)
+        visit, counters = self._run(mode, self.config.steps_per_visit, stop_after_ends, rows)
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
-        self.steps_run += int(visit.steps)
-        self.visits += 1
-        self.slot_steps += rows * int(visit.steps)
-        self.busy_slot_steps += len(self.running) * int(visit.steps)
-        ended += self._collect(visit)
-        self._compact()
-        return ended
+        self._count(visit, rows, len(self.running))
+        return self._collect(visit, dict(self.running), counters)
 
     def _admit(self, free: list[int], budget: float, prefilled: list) -> int:
         """Prefills the first waiting requests that fit in `budget` prompt tokens into the free slots; the
@@ -720,9 +797,10 @@ class Engine:
         if self.on_tokens is not None:
             self.on_tokens(first)
 
-    def _collect(self, visit: _Visit) -> list[RequestOutput]:
-        """Reads each running slot's new tokens from the visit's summary; ends requests that are done or hit a
-        stop id."""
+    def _collect(self, visit: _Visit, running_at: dict[int, _Running], counters) -> list[RequestOutput]:
+        """Reads the new tokens of each request the visit stepped (running_at: slot -> request when it began) from
+        its summary; ends requests that are done or hit a stop id. Their slots are released now, or with async
+        scheduling at the next step (the state is in the next visit)."""
         now = time.perf_counter()
         if visit.count.size and visit.count.max() > visit.tokens.shape[1]:  # _Visit's width bounds a visit
             raise RuntimeError(f"a row emitted {visit.count.max()} tokens in a visit: the summary holds "
@@ -730,7 +808,9 @@ class Engine:
         counts, done = visit.count.tolist(), visit.done.tolist()
         ending = []  # (slot, running, index of a stop id in its tokens of this visit or None)
         emitted = {}  # request id -> its new tokens
-        for slot, running in self.running.items():
+        for slot, running in running_at.items():
+            if running.ended:  # ended by the host after this visit was dispatched (async scheduling, aborts)
+                continue
             count, hit = counts[slot], None
             if running.stopped:  # its first token was a stop id: what the device emitted after it is dropped
                 hit, count = 0, 0
@@ -752,7 +832,8 @@ class Engine:
             return []
         eos = set(self.config.eos_token_ids)
         ended, released = [], []
-        for (slot, running, hit), metrics in zip(ending, self._metrics([slot for slot, _, _ in ending])):
+        where = {id(running): slot for slot, running in self.running.items()}  # slots move between visits (_compact)
+        for (slot, running, hit), metrics in zip(ending, self._metrics(counters, [slot for slot, _, _ in ending])):
             request = running.request
             reason = "stop" if hit is not None or (running.tokens and running.tokens[-1] in eos) else "length"
             ended.append(RequestOutput(request_id=request.request_id, tokens=tuple(running.tokens),
@@ -766,19 +847,22 @@ class Engine:
                 log.debug("finished %s: %d tokens (%s)%s", request.request_id, len(running.tokens), reason,
                           "" if metrics is None else
                           f", mean acceptance length {metrics['mean_acceptance_length']:.2f}")
-            del self.running[slot]
+            running.ended = True
+            del self.running[where[id(running)]]
             if not done[slot]:
-                released.append(slot)
-        if released:
+                released.append(where[id(running)])
+        if self.config.async_scheduling:
+            self._unreleased += released
+        elif released:
             self._release(released)
         return ended
 
-    def _metrics(self, slots: list[int]) -> list[dict | None]:
-        """The acceptance counts of the requests in these slots (None each without speculation): one read of
-        the counters, at visits where requests end."""
+    def _metrics(self, counters, slots: list[int]) -> list[dict | None]:
+        """The acceptance counts of the requests in these slots of a visit (None each without speculation), from
+        its counters: one read, at visits where requests end."""
         if self.config.spec is None:
             return [None] * len(slots)
-        counters = jax.device_get(self.state.counters)
+        counters = jax.device_get(counters)
         rows = AcceptanceMetrics(**{f.name: np.asarray(getattr(counters, f.name))[slots].astype(np.int64)
                                     for f in dataclasses.fields(counters)})
         return [metrics | rows.per_step(row) for row, metrics in enumerate(rows.per_request())]
@@ -799,6 +883,7 @@ class Engine:
         slots = [slot for slot, running in self.running.items() if running.request.request_id in aborted]
         for slot in slots:
             running = self.running.pop(slot)
+            running.ended = True
             ended.append(RequestOutput(request_id=running.request.request_id, tokens=tuple(running.tokens),
                                        finish_reason="abort", arrival_time=running.arrival,
                                        first_token_time=running.first_token_time, finish_time=now,

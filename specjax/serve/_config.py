@@ -57,6 +57,9 @@ class ServeConfig:
     # End a visit when a request ends, as one does in process when requests wait, rather than after
     # steps_per_visit: its replacement is on the way (EngineRunner's end_on_finish; --end-visits-on-finish).
     end_visits_on_finish: bool = False
+    # The engine's async scheduling (vLLM's --async-scheduling; specjax.engine.EngineConfig): each visit dispatched
+    # before the host reads the one before it, so that streaming and bookkeeping overlap the device's next visit.
+    async_scheduling: bool = False
     # Requests admitted by one prefill call at most (the engine's max_prefill_batch; --max-prefill-batch).
     max_prefill_batch: int = 8
     # Seconds between the engine's stats lines in the log while it works (requests running and waiting, visits,
@@ -90,6 +93,8 @@ class ServeConfig:
                 f"null or an integer in 1..{self.max_model_len - 1} (below max_model_len)")
         require(isinstance(self.end_visits_on_finish, bool), "ServeConfig", "end_visits_on_finish",
                 self.end_visits_on_finish, "true or false")
+        require(isinstance(self.async_scheduling, bool), "ServeConfig", "async_scheduling", self.async_scheduling,
+                "true or false")
         require(isinstance(self.warmup_sampled, bool), "ServeConfig", "warmup_sampled", self.warmup_sampled,
                 "true or false")
         require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
@@ -134,7 +139,7 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
          "warmup_prompt_len": "warmup_prompt_len", "warmup_sampled": "warmup_sampled", "admit_wait_ms": "admit_wait_ms",
-         "end_visits_on_finish": "end_visits_on_finish",
+         "end_visits_on_finish": "end_visits_on_finish", "async_scheduling": "async_scheduling",
          "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",
          "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir", "engine_process": "engine_process"}
 
