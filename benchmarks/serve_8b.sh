@@ -20,6 +20,9 @@
 #                                                      # throughput, TPOT, device memory in use and peak
 #     PYTHONPATH=. benchmarks/serve_8b.sh profile OUT  # the engine's host overhead from a profiler trace (EAGLE-1
 #                                                      # K 5 tau 4 at 64 and 256 requests; METHODS=... for others)
+#     PYTHONPATH=. benchmarks/serve_8b.sh async OUT    # async scheduling off and on, EAGLE-1 K 5 tau 4 at 1, 64,
+#                                                      # 256 and 320 requests: in process, then through the
+#                                                      # server's engine thread (no HTTP: its packages do not fit)
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
 # The http part needs fastapi, uvicorn, prometheus_client and httpx; the GPU machine's image lacks the first two and
@@ -120,5 +123,13 @@ case $part in
     python3 scripts/bench_serve.py "${common[@]}" --methods ${METHODS:-eagle:5:4} --concurrency 64,256 \
       --requests-per-stream 2 --profile /tmp/specjax_serve_8b_profile --name bench_serve_8b_profile --output "$out"
     ;;
-  *) echo "usage: $0 load|methods|http|offload|profile [OUT]"; exit 2 ;;
+  async)
+    common+=(--requests-per-stream ${REQUESTS_PER_STREAM:-8})
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
+    for through in engine runner; do
+      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency ${LOADS:-1,64,256,320} \
+        --through $through --async-scheduling off,on --name bench_serve_8b_async_$through --output "$out"
+    done
+    ;;
+  *) echo "usage: $0 load|methods|http|offload|profile|async [OUT]"; exit 2 ;;
 esac
