@@ -66,6 +66,7 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
            ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
+           ("async_scheduling", "async scheduling"),
            ("draft_kv_mib_per_slot", "draft KV MiB/slot"), ("moved_mib_per_visit", "moved MiB/visit"),
            ("device_in_use_gib", "device GiB in use"), ("device_peak_gib", "device GiB peak"),
            ("client_start_spread_ms", "client start spread ms"),
