@@ -147,8 +147,9 @@ def main():
     parser.add_argument("--work-file", type=Path, default=Path("build/bench_peer_hf.work.json"))
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
-    default_models = Path(__file__).resolve().parent.parent / "specjax/default_models"
-    target_dir, draft_dir = default_models / "target", default_models / "draft"
+    from specjax import default_models
+
+    target_dir, draft_dir = default_models.path("target"), default_models.path("draft")
 
     work = json.loads(args.work_file.read_text()) if args.only in ("hf", "compare") else {}
     if args.only in (None, "specjax"):

@@ -25,7 +25,8 @@ def main():
                                         dtype="bfloat16")
     save_mtp(load_mtp(args.run / "mtp", target_config), args.out)
     shutil.copy(args.run / "mtp/eval.json", args.out / "eval.json")
-    size = sum(p.stat().st_size for p in args.out.iterdir()) / 1e6
+    default_models.pack(args.out)  # as the package ships it
+    size = default_models.shipped_bytes(args.out) / 1e6
     if size > args.max_mb:
         shutil.rmtree(args.out)
         raise SystemExit(f"{args.run}: the modules take {size:.1f} MB in bfloat16, more than --max-mb {args.max_mb}")

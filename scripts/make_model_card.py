@@ -26,7 +26,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from specjax import benchmarking
+from specjax import benchmarking, default_models
 from specjax.config import DataConfig, SpecConfig
 from specjax.data.dataset import prepare
 from specjax.experiments import Runner, grid_points, load_sweep
@@ -50,10 +50,23 @@ DFLASH_GOAL_POINT = {"sampling.temperature": 0.0, "spec.dflash_full_block": Fals
 
 
 def folder_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
+    """MB the package ships for the models in path (weights packed: specjax.default_models.pack)."""
+    return default_models.shipped_bytes(path) / 1e6
 
 
-def install(runs: Path, out: Path, max_mb: float) -> None:
+def ship(out: Path, max_mb: float) -> None:
+    """Packs every model folder's weights as the package ships them (and unpacks what only came packed, a fresh
+    clone's); refuses more than max_mb MB in all."""
+    for name in default_models.NAMES:
+        if (out / name).is_dir():
+            default_models.pack(out / name)
+            default_models.unpack(out / name)
+    total_mb = folder_mb(out)
+    if total_mb > max_mb:
+        raise SystemExit(f"the default models take {total_mb:.1f} MB: allowed at most {max_mb} MB")
+
+
+def install(runs: Path, out: Path) -> None:
     target = hf.load(runs / "target/model", param_dtype="bfloat16")
     tokenizer = AutoTokenizer.from_pretrained(runs / "target/model")
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -70,17 +83,14 @@ def install(runs: Path, out: Path, max_mb: float) -> None:
         if name not in BLOCK_DRAFTERS:
             shutil.copy(runs / folder / "eval.json", out / name / "eval.json")
     for name in BLOCK_DRAFTERS:
-        install_block_drafter(name, runs / name, out, max_mb)
+        install_block_drafter(name, runs / name, out)
 
 
-def install_block_drafter(name: str, run: Path, out: Path, max_mb: float) -> None:
+def install_block_drafter(name: str, run: Path, out: Path) -> None:
     """A DFlash or DSpark run's drafter, in bfloat16, installed as out/NAME."""
     load, save = BLOCK_DRAFTERS[name]
     save(load(run / "drafter", dtype="bfloat16"), out / name)
     shutil.copy(run / "drafter/eval.json", out / name / "eval.json")
-    total_mb = folder_mb(out)
-    if total_mb > max_mb:
-        raise SystemExit(f"the default models take {total_mb:.1f} MB: allowed at most {max_mb} MB")
 
 
 def dflash_sweep_point(out: Path) -> dict:
@@ -107,10 +117,11 @@ def main():
     out = args.out
     if args.runs:
         out.mkdir(parents=True, exist_ok=True)
-        install(args.runs, out, args.max_mb)
+        install(args.runs, out)
     for name, run in (("dflash", args.dflash_run), ("dspark", args.dspark_run)):
         if run:
-            install_block_drafter(name, run, out, args.max_mb)
+            install_block_drafter(name, run, out)
+    ship(out, args.max_mb)
 
     target = hf.load(out / "target")
     draft = hf.load(out / "draft")
@@ -169,7 +180,7 @@ def render(card: dict) -> str:
         "Trained by `scripts/train_default_models.sh` (configs `configs/train/default_*.yaml`) on the Python "
         "standard library sources (tests excluded; a file's split is a hash of its path), with a byte-level BPE "
         f"tokenizer trained on the training split ({card['vocab_size']} tokens; {tokens / 1e6:.2f}M training and "
-        f"{t['held_out_tokens'] / 1e6:.2f}M held-out tokens). Stored in bfloat16, {card['size_MB']} MB in all. "
+        f"{t['held_out_tokens'] / 1e6:.2f}M held-out tokens). Stored in bfloat16, xz-packed: {card['size_MB']} MB in all. "
         f"Measured on {env['device']} with JAX {env['jax']}, {env['date']}.", "",
         "Load them by name: `default:target`, `default:draft`, `default:eagle1`, `default:eagle3`, "
         "`default:medusa`, `default:dflash`, `default:dspark`, `default:mtp` in configs and on the command line, or "

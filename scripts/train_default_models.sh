@@ -60,7 +60,7 @@ own_text() {  # own_text STAGE: the DFlash stage's regenerated text copied for a
 # The drafters' target: the one trained here, or where its stage did not run here, the bundled one.
 target_model=$runs/target/model
 if [ "$stages" != all ] && [[ " $stages " != *" target "* ]] && [ ! -e "$target_model/config.json" ]; then
-  target_model=specjax/default_models/target
+  target_model=default:target
 fi
 
 train target train-lm --set output_dir="$runs/target" \

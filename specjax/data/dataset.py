@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from specjax import default_models
 from specjax.config import DataConfig
 from specjax.data.corpus import read_texts, source_files, stdlib_dir
 from specjax.data.tokenizer import train_bpe_tokenizer
@@ -46,7 +47,7 @@ def prepare(config: DataConfig, out_dir: Path) -> tuple[PreTrainedTokenizerFast,
                 np.memmap(held_out_path, np.uint32, "r"))
     _, train_files, held_out_files = split_files(config)
     if config.tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(default_models.tokenizer_folder(config.tokenizer))
     else:
         tokenizer = train_bpe_tokenizer(read_texts(train_files), config.vocab_size)
     arrays = [_tokenize_to(path, files, tokenizer) for path, files in
