@@ -35,7 +35,7 @@ mkdir -p "$out/dspark_run" "$out/default_models"
 cp "$runs"/dspark/drafter/* "$out/dspark_run/"
 # The stage installs it; on 2026-12-04 the device's copy came back without it (cause not found), so install again
 # where it is missing rather than lose the run.
-[ -f specjax/default_models/dspark/model.safetensors ] || \
+[ -f specjax/default_models/dspark/model.safetensors.xz ] || \
   "$python" scripts/make_model_card.py --dspark-run "$runs/dspark" --out specjax/default_models
 cp -r specjax/default_models/dspark specjax/default_models/MODEL_CARD.md specjax/default_models/model_card.json \
   "$out/default_models/"

@@ -22,7 +22,7 @@
 #                                                      # K 5 tau 4 at 64 and 256 requests; METHODS=... for others)
 #     PYTHONPATH=. benchmarks/serve_8b.sh async OUT    # async scheduling off and on, EAGLE-1 K 5 tau 4 at 1, 64,
 #                                                      # 256 and 320 requests: in process, then through the
-#                                                      # server's engine thread (no HTTP: its packages do not fit)
+#                                                      # server's engine thread (no HTTP)
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
 # The http part needs fastapi, uvicorn, prometheus_client and httpx; the GPU machine's image lacks the first two and
