@@ -95,8 +95,6 @@ def autoregressive_text():
 def test_every_registered_method_prints_the_autoregressive_text_by_default(method, autoregressive_text, capsys):
     """Greedy speculative decoding prints the autoregressive text, then its acceptance summary: the CLI computes
     in float32 on the CPU as runs do (in the checkpoints' bfloat16 they differed)."""
-    if method == "dspark" and not (REPO / "specjax/default_models/dspark/config.json").exists():
-        pytest.skip("default:dspark is not installed yet (scripts/train_default_models.sh's dspark stage)")
     out = generate_text(capsys, "--method", method)
     assert out.startswith(autoregressive_text) and "speculative: K=4" in out[len(autoregressive_text):]
 
