@@ -17,6 +17,14 @@ starts at its batch mates' (a request the engine admits learns nothing from scra
 after a few tests, and a position the width stopped verifying falls back to the batch's view, not to certainty
 (benchmarks/probes/adaptive_policy_sim.py replays it on measured cost curves; docs/performance.md has figures).
 
+Width 0 verifies no draft: the step is the target's one-position forward, an autoregressive step. A drafter that
+can skip drafting (Proposer.skips_drafting: every chain drafter) then drafts nothing: the width is
+chosen twice, first before drafting from the counts alone (a confidence head is not read yet), and if that choice
+is 0 the drafter only idles (Proposer.idle: it writes the last step's features to its cache), so that where drafting
+costs more than it returns (a large batch) the loop runs at autoregressive speed instead of paying the drafter for
+nothing; otherwise it drafts and the width is chosen again with the drafter's confidence where it has one. While
+it skips, the discounted counts fade toward the prior and a later step drafts again to test it.
+
 cost(W) is a step's seconds at this batch and width, from a cost curve (CostCurve): measured on the device once
 per model, drafter, shape, batch and device and kept on disk, or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
 compiled widths: a program's shapes are static) and every active row verifies its first W drafts.
@@ -183,9 +191,13 @@ class CostCurve:
 
     @classmethod
     def analytic(cls, batches: Sequence[int], widths: Sequence[int], ridge_tokens: float = RIDGE_TOKENS,
-                 draft_cost: float = DRAFT_COST) -> CostCurve:
-        """1 + tokens scored / ridge_tokens + draft_cost per step (the constants' comment)."""
-        seconds = tuple(tuple(1.0 + b * (w + 1) / ridge_tokens + draft_cost for w in widths) for b in batches)
+                 draft_cost: float = DRAFT_COST, skips_drafting: bool = False) -> CostCurve:
+        """1 + tokens scored / ridge_tokens + draft_cost per step (the constants' comment); no draft_cost at width 0
+        for a drafter that skips drafting there (Proposer.skips_drafting)."""
+        def draft(w):
+            return 0.0 if skips_drafting and w == 0 else draft_cost
+
+        seconds = tuple(tuple(1.0 + b * (w + 1) / ridge_tokens + draft(w) for w in widths) for b in batches)
         return cls(tuple(batches), tuple(widths), seconds)
 
     def costs(self, batch: int, widths: Sequence[int]) -> np.ndarray:
@@ -218,6 +230,13 @@ class DraftTiming:
 
     key: str
     seconds: Callable[[int], float]
+    # A drafter that skips drafting at width 0 (Proposer.skips_drafting): how to time its idle at a batch, what a
+    # width-0 step costs instead of the propose; None where it cannot skip.
+    idle_seconds: Callable[[int], float] | None = None
+
+    @property
+    def skips_drafting(self) -> bool:
+        return self.idle_seconds is not None
 
 
 def curve_key(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter_key: str = "") -> str:
@@ -253,20 +272,26 @@ def verify_seconds(model: Any, batch: int, width: int, cache_size: int,
 def profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
             iterations: int = PROFILE_ITERATIONS) -> CostCurve:
     """A step's seconds at each width: the target's verify forward (verify_seconds) plus the drafter's propose,
-    which is the same at every width (timed by `drafter`; without one, DRAFT_COST times the narrowest forward)."""
+    which is the same at every width (timed by `drafter`; without one, DRAFT_COST times the narrowest forward), or at
+    width 0 its idle where it skips drafting there."""
     # A forward too small to time (a tiny model on the CPU) can measure at or below zero: floored, not refused.
     seconds = [max(verify_seconds(model, batch, width, cache_size, iterations), 1e-9) for width in widths]
     draft = DRAFT_COST * seconds[0] if drafter is None else drafter.seconds(batch)
+    skips = drafter is not None and drafter.skips_drafting
     device = jax.devices()[0]
     what = "the drafter's propose" if drafter is not None else f"{DRAFT_COST} x the narrowest forward for the drafter"
-    return CostCurve((batch,), tuple(widths), (tuple(s + draft for s in seconds),),
+    what += " (at width 0, which skips drafting, its idle)" if skips else ""
+    idle = drafter.idle_seconds(batch) if skips and widths[0] == 0 else 0.0
+    steps = tuple(s + (idle if skips and w == 0 else draft) for w, s in zip(widths, seconds))
+    return CostCurve((batch,), tuple(widths), (steps,),
                      source=f"profiled on {device.device_kind} ({device.platform}): verify forwards + {what}")
 
 
 def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
                    directory: Path | None = None) -> CostCurve:
     """profile(...), measured once per model, shape, batch, widths, drafter and device, then read from disk."""
-    key = curve_key(model, batch, widths, cache_size, "" if drafter is None else drafter.key)
+    drafter_key = "" if drafter is None else drafter.key + (" skipping at width 0" if drafter.skips_drafting else "")
+    key = curve_key(model, batch, widths, cache_size, drafter_key)
     path = (directory or cost_curve_dir()) / f"{key}.json"
     if path.exists():
         return CostCurve.from_json(json.loads(path.read_text()))
@@ -281,7 +306,7 @@ def default_cost_curve(model: Any, batch: int, widths: Sequence[int], cache_size
     """The cost curve adaptive verification uses when none is given: analytic on the CPU (whose timings say
     nothing of an accelerator's, and which the tests run on), profiled and cached elsewhere."""
     if jax.default_backend() == "cpu":
-        return CostCurve.analytic((batch,), widths)
+        return CostCurve.analytic((batch,), widths, skips_drafting=drafter is not None and drafter.skips_drafting)
     return cached_profile(model, batch, widths, cache_size, drafter)
 
 

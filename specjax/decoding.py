@@ -238,7 +238,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
 
     With adaptive verification (state.adaptive) the forward scores the first W + 1 positions only, W the
     width of spec.verify_widths chosen from the state's estimates and verify_costs (a step's cost at each
-    width; default the analytic curve), and every active row verifies its first W drafts (specjax.adaptive)."""
+    width; default the analytic curve), and every active row verifies its first W drafts (specjax.adaptive); at
+    width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing."""
     spec, num_draft = proposer.settings.spec, proposer.settings.spec.num_speculative_tokens
     decode, active = state.decode, ~state.decode.done
     batch = decode.tokens.shape[0]
@@ -246,7 +247,28 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     step_keys = jax.vmap(jax.random.fold_in)(decode.streams[:, 1], state.counters.steps)
     draft_keys, verify_keys = split_streams(step_keys)
     context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
-    draft_tokens, draft_probs, proposer_state = proposer.propose(draft_params, state.proposer, context, draft_keys)
+    widths = spec.verify_widths
+    if state.adaptive is not None and verify_costs is None:
+        verify_costs = jnp.asarray(adaptive.CostCurve.analytic((batch,), widths, skips_drafting=proposer.skips_drafting)
+                                   .costs(batch, widths))
+
+    def drafted():
+        return proposer.propose(draft_params, state.proposer, context, draft_keys)
+
+    skip = False
+    if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
+        # Width 0 chosen before drafting, from the counts alone: draft nothing (adaptive's docstring).
+        before = adaptive.conditional_acceptance(spec, state.adaptive, None, active)
+        skip = adaptive.choose_width(before, active, widths, verify_costs) == 0
+
+        def idle():
+            tokens, probs, _ = jax.eval_shape(drafted)
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (tokens, probs))
+            return (*zeros, proposer.idle(draft_params, state.proposer, context))
+
+        draft_tokens, draft_probs, proposer_state = jax.lax.cond(skip, idle, drafted)
+    else:
+        draft_tokens, draft_probs, proposer_state = drafted()
 
     last = decode.tokens[rows, decode.lengths - 1]
     block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1], or [B, N + 1] for a tree
@@ -262,12 +284,9 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
         logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
                                       attention_mask=mask)
     else:  # chains only (SpecConfig refuses trees)
-        widths = spec.verify_widths
-        if verify_costs is None:
-            verify_costs = jnp.asarray(adaptive.CostCurve.analytic((batch,), widths).costs(batch, widths))
         confidence = proposer.draft_confidence(proposer_state)
         conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
-        choice = adaptive.choose_width(conditional, active, widths, verify_costs)
+        choice = jnp.where(skip, 0, adaptive.choose_width(conditional, active, widths, verify_costs))
 
         def scored(width):  # the forward over the block's first width + 1 positions, padded to K + 1
             logits, hidden, cache = model(block[:, :width + 1], positions[:, :width + 1], decode.cache,
@@ -528,14 +547,16 @@ def draft_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> a
     """The drafter's side of adaptive verification's cost profile: keyed by the proposer's spec and its weights'
     shapes, timed by draft_step_seconds."""
     shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(draft_params)]
-    return adaptive.DraftTiming(key=repr((proposer.settings.spec, shapes)),
-                                seconds=functools.partial(draft_step_seconds, model, draft_params, proposer))
+    timed = functools.partial(draft_step_seconds, model, draft_params, proposer)
+    return adaptive.DraftTiming(key=repr((proposer.settings.spec, shapes)), seconds=timed,
+                                idle_seconds=functools.partial(timed, idle=True) if proposer.skips_drafting else None)
 
 
-def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int) -> float:
-    """Device seconds of one propose at `batch` rows, after a prefill of half the proposer's cache (the context
-    adaptive.verify_seconds times the target at), inside a jitted loop that carries the proposer's state (its
-    cache written in place: benchmarking.time_in_loop)."""
+def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int,
+                       idle: bool = False) -> float:
+    """Device seconds of one propose (with idle, one Proposer.idle) at `batch` rows, after a prefill of half the
+    proposer's cache (the context adaptive.verify_seconds times the target at), inside a jitted loop that carries
+    the proposer's state (its cache written in place: benchmarking.time_in_loop)."""
     prompt_len = proposer.settings.cache_size // 2
     tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
     sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
@@ -547,6 +568,9 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
     context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
 
     def propose(params, proposer_state, context, keys):
+        if idle:  # an element of every leaf out, so that no part of the idle's work is dead
+            proposer_state = proposer.idle(params, proposer_state, context)
+            return [leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)], (proposer_state, context, keys)
         drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
         return drafts, (proposer_state, context, keys)
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from support.distributions import chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
-from support.models import EOS, dflash_config, target_and_drafts, trained_dflash
+from support.models import EOS, dflash_config, head_for, mtp_modules, target_and_drafts, trained_dflash
 from support.requests import autoregressive_outputs, ragged_requests
 
-from specjax import adaptive
+from specjax import adaptive, decoding
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
 from specjax.models.dflash import init_dflash
@@ -212,6 +212,8 @@ def test_a_verifier_cut_to_w_drafts_is_the_verifier_of_the_first_w_drafts(rule, 
 def test_cost_curves_analytic_and_profiled_once_then_read_from_disk(tmp_path, monkeypatch):
     curve = adaptive.CostCurve.analytic((1, 64), (0, 1, 3))
     np.testing.assert_allclose(curve.costs(64, (0, 3)), [1 + 64 / 300 + 0.2, 1 + 256 / 300 + 0.2], rtol=1e-6)
+    skipping = adaptive.CostCurve.analytic((1, 64), (0, 1, 3), skips_drafting=True)  # width 0 drafts nothing
+    np.testing.assert_allclose(skipping.costs(64, (0, 3)), [1 + 64 / 300, 1 + 256 / 300 + 0.2], rtol=1e-6)
     assert adaptive.CostCurve.from_json(curve.to_json()) == curve
     with pytest.raises(ValueError, match="CostCurve.seconds"):
         adaptive.CostCurve(batches=(1,), widths=(0, 1), seconds=((1.0,),))
@@ -225,6 +227,9 @@ def test_cost_curves_analytic_and_profiled_once_then_read_from_disk(tmp_path, mo
     adaptive.cached_profile(model, 8, (0, 1, 3), 32, directory=tmp_path)  # another batch: profiled again
     adaptive.cached_profile(model, 4, (0, 1, 3), 32, timing, directory=tmp_path)  # another drafter: again
     assert len(calls) == 3 and calls[-1][-1] is timing
+    adaptive.cached_profile(model, 4, (0, 1, 3), 32, dataclasses.replace(timing, idle_seconds=lambda batch: 0.1),
+                            directory=tmp_path)  # a drafter that skips at width 0 has a curve of its own
+    assert len(calls) == 4
 
 
 def test_a_profile_times_each_width_and_the_drafters_propose():
@@ -244,6 +249,11 @@ def test_a_profile_times_each_width_and_the_drafters_propose():
     curve = adaptive.profile(target, 2, (0, 2), 32, timed, iterations=2)
     assert curve.batches == (2,) and curve.widths == (0, 2) and calls == [2]
     assert all(1.0 < s < 1.5 for s in curve.seconds[0]) and curve.source.startswith("profiled on")
+    assert 0 < timing.idle_seconds(2) < 1  # the draft model skips drafting at width 0: its idle is timed
+    idled = []
+    skipping = adaptive.profile(target, 2, (0, 2), 32, dataclasses.replace(
+        timed, idle_seconds=lambda batch: idled.append(batch) or 0.25), iterations=2)
+    assert 0.25 < skipping.seconds[0][0] < 0.75 < 1.0 < skipping.seconds[0][1] and idled == [2]  # width 0: idle
     assert timing.key != draft_timing(target, params, build_proposer(
         SpecConfig(num_speculative_tokens=3, enable_adaptive_verification=True), SamplingConfig(), 32, draft)).key
 
@@ -284,6 +294,10 @@ def drafter_for(method: str):
         return drafts["perturbed"]
     if method == "dflash":
         return trained_dflash()
+    if method == "eagle":
+        return head_for("eagle")
+    if method == "mtp":  # two modules: K 3 runs both, then the last again
+        return mtp_modules(target.config, 2)
     from support.models import dspark_drafter  # random heads: drafts accepted now and then
 
     return dspark_drafter(target.config, block_size=8, rank=8)
@@ -299,7 +313,8 @@ METHODS = {"draft_model": 4, "dflash": 4, "dspark": 4}
 @pytest.mark.loop
 @pytest.mark.parametrize("method", list(METHODS))
 def test_greedy_output_is_identical_to_autoregressive(method):
-    """56 ragged prompts, budgets 1-24, EOS inside blocks; the width chosen per step changes (asserted)."""
+    """56 ragged prompts, budgets 1-24, EOS inside blocks; the width chosen per step changes (asserted), and DFlash's
+    and DSpark's steps of width 0 draft nothing (Proposer.skips_drafting)."""
     target, _ = target_and_drafts()
     prompts, budgets = ragged_requests()
     spec = SpecConfig(method=method, num_speculative_tokens=METHODS[method], enable_adaptive_verification=True)
@@ -345,6 +360,53 @@ def test_the_engine_serves_each_request_its_autoregressive_output(method):
             assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason), request_id
             assert repr(got.metrics) == repr(want.metrics), request_id  # repr: a row without steps has NaN rates
         assert offloaded.stats()["draft_kv_offload"]["bytes_to_device"] > 0
+
+
+def skip_twice_then_draft(method: str, proposer_kind: str):
+    """The state after two steps at width 0, then one at K (the widths' costs are data: 0, then K, is the cheapest),
+    for a drafter whose proposer skips drafting at width 0 ('skips'), drafts there and verifies nothing ('drafts'),
+    or skips with an idle that leaves the state as it is ('forgets': the negative control)."""
+    target, _ = target_and_drafts()
+    spec = SpecConfig(method=method, num_speculative_tokens=3, enable_adaptive_verification=True,
+                      adaptive_verify_widths=(0, 3))
+    args, static = speculative_loop_args(target, drafter_for(method), [[5, 9, 2, 7], [3] * 11], 8, spec,
+                                         SamplingConfig())
+    skipping = static["proposer"]
+    assert skipping.skips_drafting
+    fields = {field.name: getattr(skipping, field.name) for field in dataclasses.fields(skipping)}
+    proposer = {"skips": skipping, "drafts": type("Drafts", (type(skipping),), {"skips_drafting": False})(**fields),
+                "forgets": type("Forgets", (type(skipping),), {"idle": lambda self, params, state, context: state})(
+                    **fields)}[proposer_kind]
+    *loop_args, method_arg = args
+    init = functools.partial(decoding.speculative_init, proposer=proposer, eos_token_ids=static["eos_token_ids"])
+    state = jax.jit(init)(*loop_args)
+    step = jax.jit(functools.partial(decoding.speculative_step, **dict(static, proposer=proposer)))
+    for costs in ([1.0, 100.0], [1.0, 100.0], [100.0, 1.0]):
+        state = step(*args[:2], state, method_arg, verify_costs=jnp.array(costs))
+    assert (state.counters.per_step_drafted[:, :3] == jnp.array([0, 0, 3])).all()  # the widths asked for
+    return state
+
+
+def host_leaves(state) -> list:
+    """(path, host array) of every leaf, keys as their data."""
+    def host(x):
+        return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+
+    return [(jax.tree_util.keystr(path), host(x)) for path, x in jax.tree_util.tree_leaves_with_path(state)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "dflash", "mtp"])  # DSpark's idle is DFlash's
+def test_steps_that_skip_drafting_leave_the_drafter_as_steps_that_drafted_and_verified_none(method):
+    """Proposer.idle does what propose does to the state besides drafting: after two steps that skipped, the next
+    step drafts, verifies and leaves everything (tokens, counts, the drafter's cache) exactly as after two steps that
+    drafted for nothing; an idle that leaves the state as it is (the skipped positions never reach the drafter's
+    cache) is caught."""
+    skipped, drafted = (host_leaves(skip_twice_then_draft(method, kind)) for kind in ("skips", "drafts"))
+    for (path, a), (_, b) in zip(skipped, drafted):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+    forgot = host_leaves(skip_twice_then_draft(method, "forgets"))
+    assert [path for (path, a), (_, b) in zip(forgot, drafted) if not np.array_equal(a, b)]
 
 
 @pytest.mark.loop

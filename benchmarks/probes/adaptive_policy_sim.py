@@ -13,6 +13,9 @@ all costed by the row's profiled curve, and adaptive's ratio to the best fixed w
 --profile (repeatable; default `measured`): `measured` is the results file's profile, `geometric:A` has
 P(L >= i) = A^i (EAGLE-like: a flat conditional acceptance A), `P|Q` gives the even rows profile P and the odd
 rows Q (a heterogeneous batch; batch 1 is one row of P).
+--skip: width 0 skips drafting (a drafter with Proposer.idle): its cost is the row's autoregressive forward
+(t_ar_forward_s) instead of the curve's drafter plus one-position forward, so that "fixed width 0" is
+autoregressive decoding and the ratio is to the best of it and every fixed width.
 --estimator (repeatable; default `counts` and `moving-average`): `counts[:DISCOUNT,ROW,PRIOR,PRIOR_TESTS]` is the
 loop's estimator (adaptive.AdaptiveState) with its constants optionally replaced; `moving-average[:RATE,RELAX,
 PRIOR]` is the estimator before issue 39's (each row's exponential moving average of a position's outcomes,
@@ -134,14 +137,15 @@ def adaptive_step(estimator, widths):
     return jax.jit(estimator.traced(step))
 
 
-def simulate_adaptive(step, estimator, rates, widths, costs, steps, seed):
+def simulate_adaptive(step, estimator, rates, widths, costs, new_tokens, seed):
+    """Steps until the batch has emitted new_tokens a row on average (a step that skips drafting emits one a row)."""
     rng = np.random.default_rng(seed)
     batch, k = rates.shape
     state, active = estimator.init(batch, k), jnp.ones((batch,), bool)
     costs_array = jnp.asarray(costs, jnp.float32)
     tokens = seconds = 0.0
     chosen = []
-    for _ in range(steps):
+    while tokens < batch * new_tokens:
         state, index, accepted = step(state, active, costs_array, jnp.asarray(lengths(rng, rates), jnp.int32))
         index = int(index)
         tokens += batch + int(accepted)
@@ -157,6 +161,8 @@ def main():
     parser.add_argument("--profile", action="append", default=[], help="measured, geometric:A, or P|Q (see above)")
     parser.add_argument("--estimator", action="append", default=[],
                         help="counts[:DISCOUNT,ROW,PRIOR,PRIOR_TESTS] or moving-average[:RATE,RELAX,PRIOR]")
+    parser.add_argument("--skip", action="store_true",
+                        help="width 0 skips drafting: costed as the row's autoregressive forward")
     parser.add_argument("--new-tokens", type=int, default=None, help="the generation's length (default: the row's)")
     args = parser.parse_args()
     estimators = [estimator_of(spec) for spec in (args.estimator or ["moving-average", "counts"])]
@@ -166,6 +172,8 @@ def main():
         for row in data["rows"]:
             name = next(key for key in row if key.endswith("_adaptive_curve"))
             curve = {int(w): s for w, s in row[name].items()}
+            if args.skip:
+                curve[0] = row["t_ar_forward_s"]
             widths = tuple(sorted(curve))
             costs = [curve[w] for w in widths]
             steps_by = {}
@@ -180,7 +188,7 @@ def main():
                       + ", ".join(f"{w}: {v:,.0f}" for w, v in fixed.items()))
                 for estimator in estimators:
                     step = steps_by.setdefault(estimator.label, adaptive_step(estimator, widths))
-                    runs = [simulate_adaptive(step, estimator, rates, widths, costs, steps, s)
+                    runs = [simulate_adaptive(step, estimator, rates, widths, costs, args.new_tokens or row["new"], s)
                             for s in range(args.seeds)]
                     rate = np.mean([r[0] for r in runs])
                     print(f"  {estimator.label}: {rate:,.0f} tok/s at mean width {np.mean([r[1] for r in runs]):.1f}"

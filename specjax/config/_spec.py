@@ -122,7 +122,8 @@ class SpecConfig:
       speculative_token_tree or total_tokens).
     adaptive_verify_widths: the verify widths (drafts scored per row) compiled into the loop, from which
       adaptive verification chooses each step by a `lax.switch` over target forwards of width + 1
-      positions; increasing, in 0..K, with K last. null: 0, the powers of two below K, and K. [K] alone
+      positions; increasing, in 0..K, with K last. null: 0, the powers of two below K, and K. Width 0 is an
+      autoregressive step: the drafter then drafts nothing (Proposer.skips_drafting). [K] alone
       verifies the whole block with per-row masks, which saves nothing (docs/design.md, "Adaptive
       verification"). Only with enable_adaptive_verification.
     """

@@ -6,7 +6,9 @@ over a state pytree:
   propose(params, state, context, keys[B]) -> (draft_tokens[B,K], draft_probs[B,K,V] | None, state)
   accept(state, num_accepted[B], next_token[B], target_out) -> state
 and, to prefill from an offset (prefix caching, chunked prefill), `new_cache` / `extend` (init is extend
-from an empty cache) and `prefix_cache`.
+from an empty cache) and `prefix_cache`; where drafting can be skipped (`skips_drafting`), `idle`:
+  idle(params, state, context) -> state: propose's effect on the state without drafting, for a step that
+  verifies no draft (adaptive verification's width 0), after which accept sees one scored position.
 `params` are the drafter's weights (a draft model, EAGLE or Medusa heads; None for n-gram lookup),
 as `bind` made them. draft_probs None means a deterministic draft (one-hot to the verifier).
 
@@ -124,6 +126,9 @@ class Proposer:
     # x_{i+1})): a prefix cache's last matched block was written with whatever token followed it then, so the
     # engine recomputes it unless EngineConfig.disable_eagle_block_drop (vLLM's EAGLE last-block drop).
     draft_kv_reads_next_token: ClassVar[bool] = False
+    # True where `idle` is defined: adaptive verification then skips drafting at width 0 (a step that verifies no
+    # draft costs the target's one-position forward alone). Elsewhere width 0 drafts and verifies none.
+    skips_drafting: ClassVar[bool] = False
     # The drafter options (SpecConfig fields) this drafter reads, each with the off values another method
     # may hold in it (OPTION_IGNORED: any, as n-gram's lookup sizes, which ride along in sweeps of every
     # method); check_options says what this drafter allows in them (check_spec runs both).
@@ -207,6 +212,11 @@ class Proposer:
     def accept(self, state: Any, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> Any:
         raise NotImplementedError
+
+    def idle(self, params: Any, state: Any, context: Context) -> Any:
+        """The state a propose leaves, less its drafts, for a step that drafts nothing (skips_drafting): the next
+        accept and propose then find it as after a step whose every draft was rejected."""
+        raise NotImplementedError(f"{type(self).__name__} cannot skip drafting (skips_drafting is False)")
 
     def draft_confidence(self, state: Any) -> Float[Array, "B K"] | None:
         """The drafter's own estimate, per draft of the last propose, that it is accepted given the one before

@@ -67,6 +67,7 @@ class DFlashProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:dflash"
     checkpoint_kind: ClassVar[str] = "a DFlash drafter"
     takes_draft_vocabulary: ClassVar[bool] = True
+    skips_drafting: ClassVar[bool] = True  # idle writes the pending features, the block's first act
     # dflash_full_block: whether the drafter drafts its whole trained block (null: auto, the whole block where
     # K + 1 is smaller than it). True: it runs its whole trained block (block_size - 1 mask positions) and
     # proposes the first K drafts. False: the anchor and K mask positions (vLLM's meaning of
@@ -184,11 +185,7 @@ class DFlashProposer(Proposer):
         num_draft = self.settings.spec.num_speculative_tokens
         rows = jnp.arange(context.lengths.shape[0])
         anchor_slot = context.lengths - 1  # the last committed token's position; its feature is not known yet
-        # Rows that finished keep their committed length, so their cache stays inside its slots.
-        cache = state.cache.with_lengths(anchor_slot - state.num_pending)
-        offsets = jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
-        cache = drafter.write_context(drafter.context(state.pending), cache.lengths[:, None] + offsets, cache)
-        cache = cache.with_lengths(anchor_slot)  # the window's unused part is overwritten by the block
+        cache = self.idle(params, state, context).cache  # the window's unused part is overwritten by the block
         block_offsets = jnp.arange(self.num_masks(drafter) + 1, dtype=jnp.int32)[None, :]
         block = jnp.full((rows.shape[0], block_offsets.shape[1]), drafter.config.mask_token_id, jnp.int32)
         block = block.at[:, 0].set(context.tokens[rows, anchor_slot])
@@ -197,6 +194,17 @@ class DFlashProposer(Proposer):
         state = dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),  # the block's entries dropped
                                     num_pending=jnp.zeros_like(state.num_pending))
         return hidden[:, first:first + num_draft], state
+
+    def idle(self, params: DFlashParams, state: DFlashState, context: Context) -> DFlashState:
+        """The pending features (the last step's committed positions) written to the cache, none pending."""
+        drafter, width = params.drafter, self.settings.spec.num_speculative_tokens + 1
+        anchor_slot = context.lengths - 1
+        # Rows that finished keep their committed length, so their cache stays inside its slots.
+        cache = state.cache.with_lengths(anchor_slot - state.num_pending)
+        offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
+        cache = drafter.write_context(drafter.context(state.pending), cache.lengths[:, None] + offsets, cache)
+        return dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),
+                                   num_pending=jnp.zeros_like(state.num_pending))
 
     def logits(self, params: DFlashParams, hidden: Float[Array, "B K D"]) -> Float[Array, "B K V"]:
         """The drafts' logits through the target's LM head; with a draft vocabulary (FR-Spec), through its

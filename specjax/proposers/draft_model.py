@@ -47,6 +47,7 @@ class DraftModelProposer(Proposer):
     checkpoint_kind: ClassVar[str] = "a draft model (a Hugging Face LM)"
     drafts_trees: ClassVar[bool] = True
     drafts_dynamic_trees: ClassVar[bool] = True
+    skips_drafting: ClassVar[bool] = True  # idle: the two-token window, a fraction of a propose
     # use_heterogeneous_vocab: draft and target with different tokenizers (vLLM's TLI; a HeterogeneousDraft):
     # greedy drafting only.
     options: ClassVar[dict[str, Any]] = {"use_heterogeneous_vocab": (False,)}
@@ -145,13 +146,7 @@ class DraftModelProposer(Proposer):
             return self.propose_dynamic_tree(params, state, context)
         draft, bridge = self._split(params)
         num_draft = self.settings.spec.num_speculative_tokens
-        rows = jnp.arange(context.tokens.shape[0])
-        start = context.lengths - 2  # >= 0: every row holds its prompt and the prefill's token
-        window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
-        if bridge is not None:
-            window = bridge.draft_ids(window)
-        positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
-        logits, _, cache = draft(window, positions, state.cache.with_lengths(start))
+        logits, cache = self.run_window(params, state, context)
 
         def draw(carry, step_key):  # in the draft's own ids
             logits = carry[1]
@@ -166,6 +161,23 @@ class DraftModelProposer(Proposer):
         if bridge is not None:  # greedy drafting only (check_options refuses the rest): no probabilities to map
             draft_tokens = bridge.target_ids(draft_tokens)
         return draft_tokens, draft_probs, DraftModelState(cache=cache)
+
+    def run_window(self, params, state: DraftModelState, context: Context):
+        """The draft over the last two committed tokens (the one before the last may be a draft it never ran, or a
+        token it drafted otherwise): (its logits [B, 2, V], the cache holding every committed token)."""
+        draft, bridge = self._split(params)
+        rows = jnp.arange(context.tokens.shape[0])
+        start = context.lengths - 2  # >= 0: every row holds its prompt and the prefill's token
+        window = jnp.stack([context.tokens[rows, start], context.tokens[rows, start + 1]], axis=1)
+        if bridge is not None:
+            window = bridge.draft_ids(window)
+        positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)[None, :]
+        logits, _, cache = draft(window, positions, state.cache.with_lengths(start))
+        return logits, cache
+
+    def idle(self, params, state: DraftModelState, context: Context) -> DraftModelState:
+        """The window run (a two-token forward of the draft), nothing drafted: each committed token stays cached."""
+        return dataclasses.replace(state, cache=self.run_window(params, state, context)[1])
 
     def propose_tree(self, params, state: DraftModelState, context: Context):
         """The static tree, depth by depth: the root's logits rank its children; each depth's nodes then

@@ -74,6 +74,7 @@ class EagleProposer(Proposer):
 
     version: ClassVar[int] = 1
     drafts_dynamic_trees: ClassVar[bool] = True
+    skips_drafting: ClassVar[bool] = True  # idle: the head over the pending pairs, a fraction of a propose
     draft_kv_reads_next_token: ClassVar[bool] = True  # pair j is (f_j, x_{j+1})
 
     def __init_subclass__(cls, **kwargs):
@@ -178,14 +179,23 @@ class EagleProposer(Proposer):
     def prefix_cache(self, state: EagleState) -> KVCache:
         return state.cache
 
-    def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
-        head, num_draft = params.head, self.settings.spec.num_speculative_tokens
-        rows = jnp.arange(state.tokens.shape[0])
-        width = state.tokens.shape[1]
+    def commit_pending(self, params: EagleParams, state: EagleState):
+        """The head over the pending pairs: (its outputs [B, W, D], the cache with them written, pairs committed)."""
+        head, width = params.head, state.tokens.shape[1]
         positions = state.committed[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
         out, cache = head(state.tokens, head.fuse(state.hidden), positions, state.cache.with_lengths(state.committed),
                           params.embed)
-        committed = state.committed + state.num_pending
+        return out, cache, state.committed + state.num_pending
+
+    def idle(self, params: EagleParams, state: EagleState, context: Context) -> EagleState:
+        """The pending pairs committed to the head's cache (one head forward over them), nothing drafted."""
+        _, cache, committed = self.commit_pending(params, state)
+        return dataclasses.replace(state, cache=cache.with_lengths(committed), committed=committed)
+
+    def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
+        head, num_draft = params.head, self.settings.spec.num_speculative_tokens
+        rows = jnp.arange(state.tokens.shape[0])
+        out, cache, committed = self.commit_pending(params, state)
         feature = out[rows, state.num_pending - 1]
         if self.settings.spec.total_tokens is not None:
             drafts, parents, log_probs = self.draft_tree(params, feature, cache.with_lengths(committed))

@@ -51,6 +51,7 @@ class MedusaProposer(Proposer):
     default_drafter: ClassVar[str | None] = "default:medusa"
     checkpoint_kind: ClassVar[str] = "Medusa heads"
     drafts_trees: ClassVar[bool] = True
+    skips_drafting: ClassVar[bool] = True  # propose leaves the state as it is
 
     @classmethod
     def load(cls, folder: Path, target: Transformer, dtype: str | None, model_shards: int) -> MedusaHeads:
@@ -123,6 +124,9 @@ class MedusaProposer(Proposer):
             qs.append(jnp.where(total > 0, q / jnp.maximum(total, 1e-30), jax.nn.one_hot(token, q.shape[-1])))
             tokens.append(token)
         return jnp.stack(tokens, 1).astype(jnp.int32), jnp.stack(qs, 1)
+
+    def idle(self, params: BoundMedusa, state: MedusaState, context: Context) -> MedusaState:
+        return state
 
     def accept(self, state: MedusaState, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> MedusaState:

@@ -79,6 +79,7 @@ class MTPProposer(Proposer):
     checkpoint_kind: ClassVar[str] = ("MTP modules (num_nextn_predict_layers with model.mtp_layers.*, MiMo's layout, "
                                       "or model.layers.{num_hidden_layers + k}.eh_proj etc., DeepSeek-V3's)")
     drafts_dynamic_trees: ClassVar[bool] = True
+    skips_drafting: ClassVar[bool] = True  # idle: the modules over the window, without the drafts' LM heads
     # mtp_hidden_state: what feeds module k > 1, 'chained' (the previous module's output, DeepSeek-V3's
     # recursion) or 'target' (the target's hidden state at every module, as MiMo was trained); null: the
     # checkpoint's default (specjax.models.mtp).
@@ -154,17 +155,37 @@ class MTPProposer(Proposer):
         extra = min(num_draft, modules.config.num_modules) - 1 if self.settings.spec.total_tokens is not None else 0
         return num_draft + 1 + extra
 
+    def window_slots(self, state: MTPState, context: Context):
+        """(n, the last committed token's index; start; the window's slots [B, W], also its positions; the target
+        hidden state of each slot) of the entries a propose recomputes."""
+        width = state.hidden.shape[1]
+        n = context.lengths - 1
+        start = jnp.maximum(n - width, 0)  # short rows: the window runs past n - 1, those entries are rewritten later
+        slots = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        kept = jnp.clip(slots - (n[:, None] - width), 0, width - 1)  # slot s is state.hidden[:, s - (n - W)]
+        return n, start, slots, jnp.take_along_axis(state.hidden, kept[..., None], axis=1)
+
+    def idle(self, params: MTPParams, state: MTPState, context: Context) -> MTPState:
+        """The window's entries recomputed by every module a propose runs, nothing drafted: each entry is computed
+        again, from committed tokens, while it is in the window (an entry whose token is not committed yet holds
+        whatever the context has there until then, as after a propose it holds a draft's)."""
+        modules = params.modules
+        n, start, slots, target_hidden = self.window_slots(state, context)
+        cache, previous = state.cache, target_hidden
+        chained = self.hidden_state(modules) == "chained"
+        for module in range(min(self.settings.spec.num_speculative_tokens, modules.config.num_modules)):
+            index = jnp.clip(slots + module + 1, 0, context.tokens.shape[1] - 1)
+            tokens = jnp.take_along_axis(context.tokens, index, axis=1)
+            fed = previous if chained and module > 0 else target_hidden
+            _, previous, cache = modules(module, tokens, fed, slots, cache.with_lengths(start), params.embed)
+        return dataclasses.replace(state, cache=cache)
+
     def propose(self, params: MTPParams, state: MTPState, context: Context, keys: PRNGKeyArray):
         modules, settings = params.modules, self.settings
         num_draft, num_modules = settings.spec.num_speculative_tokens, modules.config.num_modules
-        width = state.hidden.shape[1]
         tree = settings.spec.total_tokens is not None
         rows = jnp.arange(context.lengths.shape[0])
-        n = context.lengths - 1  # the last committed token's index
-        start = jnp.maximum(n - width, 0)  # short rows: the window runs past n - 1, those entries are rewritten later
-        slots = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, W], also the positions
-        kept = jnp.clip(slots - (n[:, None] - width), 0, width - 1)  # slot s is state.hidden[:, s - (n - W)]
-        target_hidden = jnp.take_along_axis(state.hidden, kept[..., None], axis=1)
+        n, start, slots, target_hidden = self.window_slots(state, context)
         query = n - 1 - start  # the window index of slot n - 1
         step_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys).swapaxes(0, 1)  # [K, B]
         chained = self.hidden_state(modules) == "chained"

@@ -60,6 +60,7 @@ def ngram_draft(tokens: Int[Array, "B S"], lengths: Int[Array, " B"], num_draft:
 class NgramProposer(WeightlessProposer):
     # prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first.
     options: ClassVar[dict[str, Any]] = {"prompt_lookup_min": OPTION_IGNORED, "prompt_lookup_max": OPTION_IGNORED}
+    skips_drafting: ClassVar[bool] = True  # no state: the lookup reads the committed tokens
 
     @classmethod
     def check_options(cls, spec: SpecConfig) -> None:
@@ -80,6 +81,9 @@ class NgramProposer(WeightlessProposer):
         draft = ngram_draft(context.tokens, context.lengths, spec.num_speculative_tokens, spec.prompt_lookup_min,
                             spec.prompt_lookup_max)
         return draft, None, state
+
+    def idle(self, params, state: tuple, context: Context) -> tuple:
+        return state
 
     def accept(self, state: tuple, num_accepted, next_token, target_out) -> tuple:
         return state
