@@ -7,11 +7,13 @@ import pytest
 from specjax import default_models
 from specjax.config import DataConfig
 from specjax.data.corpus import read_texts
+from specjax.data import dataset
 from specjax.data.dataset import prepare, split_files
 
 
-@pytest.mark.parametrize("files", [3, 300])  # one chunk of 256 files, and two
-def test_token_files_equal_one_file_at_a_time_with_eos_between(tmp_path, files):
+@pytest.mark.parametrize("files", [3, 10])  # one chunk of 4 files, and three
+def test_token_files_equal_one_file_at_a_time_with_eos_between(tmp_path, files, monkeypatch):
+    monkeypatch.setattr(dataset, "TOKENIZE_CHUNK", 4)  # 256 in use: chunks of 4 test the same joins in less time
     config = DataConfig(max_files=files + 4, held_out_fraction=0.1, tokenizer=str(
         default_models.tokenizer_folder(default_models.TARGET)))
     tokenizer, train, held_out = prepare(config, tmp_path)

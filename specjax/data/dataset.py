@@ -56,14 +56,18 @@ def prepare(config: DataConfig, out_dir: Path) -> tuple[PreTrainedTokenizerFast,
     return tokenizer, *arrays
 
 
-def _tokenize_to(path: Path, files: list[Path], tokenizer, chunk: int = 256) -> np.ndarray:
-    """Files joined with the EOS token between them, written as uint32 and memory-mapped back. Files go to
-    the tokenizer a chunk at a time: a fast tokenizer encodes a batch on every core (311 MB of
-    site-packages in minutes, not tens of them)."""
+# Files a tokenizer call encodes: a fast tokenizer encodes a batch on every core (311 MB of site-packages in
+# minutes, not tens of them).
+TOKENIZE_CHUNK = 256
+
+
+def _tokenize_to(path: Path, files: list[Path], tokenizer) -> np.ndarray:
+    """Files joined with the EOS token between them, written as uint32 and memory-mapped back; they go to the
+    tokenizer TOKENIZE_CHUNK at a time."""
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     texts = read_texts(files)
     parts: list[np.ndarray] = []
-    while batch := list(itertools.islice(texts, chunk)):
+    while batch := list(itertools.islice(texts, TOKENIZE_CHUNK)):
         for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
             parts.append(np.asarray(ids + eos, np.uint32))
     path.parent.mkdir(parents=True, exist_ok=True)
