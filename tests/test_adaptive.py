@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.distributions import chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
+from support.distributions import NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
 from support.models import EOS, dflash_config, head_for, mtp_modules, target_and_drafts, trained_dflash
 from support.requests import autoregressive_outputs, ragged_requests
@@ -447,17 +447,19 @@ def tiny_spec(method: str, verifier: str) -> SpecConfig:
 def tiny_drafter(method: str):
     if method == "draft_model":
         return tiny_pair()[1]
+    if method == "dflash":  # the tiny target has one layer: its output (the final hidden state)
+        return init_dflash(dflash_config(TINY, (0,), block_size=4), seed=5)
     from test_dspark import tiny_dspark
 
     return tiny_dspark()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["draft_model", "dspark"])
+@pytest.mark.parametrize("method", ["draft_model", "dflash", "dspark"])
 def test_speculative_sampling_is_lossless(method):
-    """Standard and block verification, T 1 and T 0.7 top-k 5 rows beside greedy rows, widths below K chosen
-    (asserted): a draft model's probabilistic drafts (the moving average decides) and DSpark's greedy drafts
-    (its confidence head decides)."""
+    """Standard and block verification, T 1 and T 0.7 top-k 5 rows beside greedy rows, widths below K chosen and
+    steps that skip drafting (asserted): a draft model's and DFlash's probabilistic drafts (the counts decide) and
+    DSpark's greedy drafts (its confidence head decides once it has drafted)."""
     target = tiny_pair()[0]
     expected_greedy = generate(target, [[1, 5, 2]], max_new_tokens=3).tokens[0]
     for verifier in ("standard", "block"):
@@ -466,10 +468,32 @@ def test_speculative_sampling_is_lossless(method):
                                                                   cost_curve=CUT)
         assert 0 < metrics.summary()["acceptance_rate"] < 1
         assert set(np.unique(metrics.per_step_drafted)) - {0, 3}, "no step cut the block"
+        within = np.arange(metrics.per_step_drafted.shape[1])[None, :] < metrics.steps[:, None]  # the rows' steps
+        assert (metrics.per_step_drafted[within] == 0).any(), "no step skipped drafting"
         assert (greedy_tokens == expected_greedy).all(), verifier
         for sampling, sampling_counts in zip(SAMPLINGS, counts):
             p_value = chi_square_pvalue(sampling_counts, exact_joint(target, sampling))
             assert p_value > LOSSLESS_ALPHA, (method, verifier, sampling, p_value)
+
+
+@pytest.mark.loop
+@pytest.mark.slow
+def test_sampled_requests_in_the_engine_follow_the_target_distribution():
+    """The engine (rows admitted among others start from their batch mates' estimates): DFlash's probabilistic
+    drafts, T 1 and T 0.7 top-k 5 requests beside greedy ones, 2,048 slots, widths cut and steps that skip drafting
+    (asserted); test_engine.py's chi-square with adaptive verification on."""
+    from test_engine import ENGINE_SAMPLINGS, engine_joint_counts
+
+    target = tiny_pair()[0]
+    parts, greedy, outputs = engine_joint_counts(tiny_spec("dflash", "standard"), tiny_drafter("dflash"),
+                                                 cost_curve=CUT)
+    assert (greedy == generate(target, [PROMPT], max_new_tokens=NUM_TOKENS).tokens[0]).all()
+    widths = {w for output in outputs.values() for w in output.metrics["per_step_drafted"]}
+    assert 0 in widths and widths - {0, 3}, widths  # steps that skipped drafting, and blocks cut
+    for sampling, codes in zip(ENGINE_SAMPLINGS, parts):
+        counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
+        p_value = chi_square_pvalue(counts, exact_joint(target, sampling))
+        assert p_value > LOSSLESS_ALPHA, (sampling, p_value)
 
 
 @pytest.mark.slow

@@ -90,11 +90,18 @@ def autoregressive_text():
     return out.getvalue()
 
 
+# A drafter of each kind: a head on the target's features, a block drafter, modules from the target's own checkpoint.
+# The CLI loads every method's bundled drafter as load_models does (experiments.load_drafter), whose greedy output
+# tests/test_default_models.py checks for every bundled drafter; what is the CLI's own (its dtype, the text it
+# prints) does not depend on the method.
+CLI_METHODS = ["dflash", "eagle3", "mtp"]
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("method", sorted(PROPOSERS))
-def test_every_registered_method_prints_the_autoregressive_text_by_default(method, autoregressive_text, capsys):
+@pytest.mark.parametrize("method", CLI_METHODS)
+def test_a_drafter_of_each_kind_prints_the_autoregressive_text_by_default(method, autoregressive_text, capsys):
     """Greedy speculative decoding prints the autoregressive text, then its acceptance summary: the CLI computes
-    in float32 on the CPU as runs do (in the checkpoints' bfloat16 they differed)."""
+    in float32 on the CPU as runs do (in the checkpoints' bfloat16 every method printed the same other text)."""
     out = generate_text(capsys, "--method", method)
     assert out.startswith(autoregressive_text) and "speculative: K=4" in out[len(autoregressive_text):]
 

@@ -127,7 +127,7 @@ class Proposer:
     # engine recomputes it unless EngineConfig.disable_eagle_block_drop (vLLM's EAGLE last-block drop).
     draft_kv_reads_next_token: ClassVar[bool] = False
     # True where `idle` is defined: adaptive verification then skips drafting at width 0 (a step that verifies no
-    # draft costs the target's one-position forward alone). Elsewhere width 0 drafts and verifies none.
+    # draft costs the target's one-position forward and the idle). Elsewhere width 0 drafts and verifies none.
     skips_drafting: ClassVar[bool] = False
     # The drafter options (SpecConfig fields) this drafter reads, each with the off values another method
     # may hold in it (OPTION_IGNORED: any, as n-gram's lookup sizes, which ride along in sweeps of every
