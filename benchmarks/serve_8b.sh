@@ -22,7 +22,8 @@
 #                                                      # K 5 tau 4 at 64 and 256 requests; METHODS=... for others)
 #     PYTHONPATH=. benchmarks/serve_8b.sh async OUT    # async scheduling off and on, EAGLE-1 K 5 tau 4 at 1, 64,
 #                                                      # 256 and 320 requests: in process, then through the
-#                                                      # server's engine thread (no HTTP)
+#                                                      # server's engine thread (no HTTP); STEPS=4: visits of 4
+#                                                      # steps (async's refill lag is a visit: a quarter of 16's)
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
 # The http part needs fastapi, uvicorn, prometheus_client and httpx; the GPU machine's image lacks the first two and
@@ -128,7 +129,8 @@ case $part in
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
     for through in engine runner; do
       python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency ${LOADS:-1,64,256,320} \
-        --through $through --async-scheduling off,on --name bench_serve_8b_async_$through --output "$out"
+        --through $through --async-scheduling off,on --steps-per-visit ${STEPS:-16} \
+        --name bench_serve_8b_async_${through}_s${STEPS:-16} --output "$out"
     done
     ;;
   *) echo "usage: $0 load|methods|http|offload|profile|async [OUT]"; exit 2 ;;

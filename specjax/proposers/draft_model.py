@@ -163,8 +163,9 @@ class DraftModelProposer(Proposer):
         return draft_tokens, draft_probs, DraftModelState(cache=cache)
 
     def run_window(self, params, state: DraftModelState, context: Context):
-        """The draft over the last two committed tokens (the one before the last may be a draft it never ran, or a
-        token it drafted otherwise): (its logits [B, 2, V], the cache holding every committed token)."""
+        """The draft over the last two committed tokens, the last of which its cache never holds and the one before
+        it may not (an accepted last draft it never ran): (its logits [B, 2, V], the cache holding every committed
+        token)."""
         draft, bridge = self._split(params)
         rows = jnp.arange(context.tokens.shape[0])
         start = context.lengths - 2  # >= 0: every row holds its prompt and the prefill's token
