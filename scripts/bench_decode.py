@@ -217,6 +217,8 @@ def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int
     predicted_s = float(np.mean(curve.costs(batch, widths))) if steps else None
     measured_s = float(np.sum(metrics.emitted)) / tok_s / steps if steps else None  # tokens_per_s: emitted / time
     return {f"{name}_adaptive_tok_s": tok_s, f"{name}_adaptive_width": metrics.drafted.sum() / metrics.steps.sum(),
+            # Steps at width 0: autoregressive steps, which skip drafting where the drafter can (skips_drafting).
+            f"{name}_adaptive_width0_share": float(np.mean(widths == 0)) if steps else None,
             f"{name}_adaptive_vs_fixed": tok_s / fixed_tok_s,
             f"{name}_adaptive_step_predicted_ms": None if predicted_s is None else predicted_s * 1e3,
             f"{name}_adaptive_step_measured_ms": None if measured_s is None else measured_s * 1e3,
@@ -399,6 +401,7 @@ def main():
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR"),
                         *([(f"{method}_tau{tau}_adaptive_tok_s", "adaptive tok/s"),
                            (f"{method}_tau{tau}_adaptive_width", "adaptive mean width"),
+                           (f"{method}_tau{tau}_adaptive_width0_share", "steps at width 0"),
                            (f"{method}_tau{tau}_adaptive_vs_fixed", "adaptive / fixed K"),
                            (f"{method}_tau{tau}_adaptive_step_predicted_ms", "step ms predicted"),
                            (f"{method}_tau{tau}_adaptive_step_measured_ms", "step ms measured")]
