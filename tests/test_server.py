@@ -479,11 +479,29 @@ def test_spec_decode_metrics_levels():
     assert detailed["mean_acceptance_length"] == pytest.approx(1 + 5 / 3)
 
 
-def test_streamed_text_never_breaks_a_character(tokenizer):
+@pytest.mark.parametrize("streams", [True, False], ids=["DecodeStream", "prefix"])
+def test_streamed_text_never_breaks_a_character(tokenizer, streams):
+    """Both ways of detokenizing (tokenizers' DecodeStream, and decoding the prefix again where a tokenizer cannot
+    stream): multi-byte characters held back until whole, a character cut off at the end rendered as decode renders
+    it, and a page of code in visits of a few ids joining to its decode."""
     text = "naïve café ✓ — 日本語 😀 done"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > len(text.split())  # multi-byte characters span several ids
-    detokenizer = Detokenizer(tokenizer)
-    pieces = [detokenizer.add([i]) for i in ids] + [detokenizer.add([], final=True)]
+
+    def detokenizer():
+        made = Detokenizer(tokenizer)
+        assert (made.stream is not None) or not streams  # the bundled tokenizer streams
+        if not streams:
+            made.stream = None
+        return made
+
+    one = detokenizer()
+    pieces = [one.add([i]) for i in ids] + [one.add([], final=True)]
     assert "".join(pieces) == tokenizer.decode(ids) and not any("\ufffd" in piece for piece in pieces)
     assert "" in pieces[:-1]  # some ids ended inside a character and were held back
+    cut = detokenizer()  # the output ends inside the emoji's bytes
+    assert cut.add(ids[:-2]) + cut.add([], final=True) == tokenizer.decode(ids[:-2])
+    code = tokenizer.encode(Path(detokenizer.__code__.co_filename).read_text()[:4000], add_special_tokens=False)
+    visits = detokenizer()
+    pieces = [visits.add(code[i:i + 5]) for i in range(0, len(code), 5)] + [visits.add([], final=True)]
+    assert "".join(pieces) == tokenizer.decode(code)
