@@ -162,10 +162,13 @@ def test_the_servers_engine_thread_waits_for_a_replacement_beyond_what_arrived_d
 
 
 @pytest.mark.loop
+@pytest.mark.xdist_group("load-eagle")  # the load tests' EAGLE engine: its programs
 def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     """The periodic stats line (vLLM's): one at least for a short burst of requests (going idle ends the last
-    interval), with the counters behind it: the tokens the streams received, slots stepped."""
-    runner = EngineRunner(target_and_drafts()[0], load_config(None), log_stats_interval_s=1e-3)
+    interval), with the counters behind it: the tokens the streams received, slots stepped; and the speculative
+    line's acceptance, the ended requests' counts summed."""
+    runner = EngineRunner(target_and_drafts()[0], load_config(SPECS["eagle"]), drafter=drafter_for("eagle"),
+                          log_stats_interval_s=1e-3)
     received = []
 
     async def requests():
@@ -184,6 +187,10 @@ def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     assert runner.tokens_sent == len(received) > 0
     stats = runner.engine.stats()
     assert stats["steps"] > 0 and 0 < stats["busy_slot_steps"] <= stats["slot_steps"]
+    spec_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("speculative, ")]
+    counts = runner.spec_counts
+    assert counts["spec_steps"] > 0 and counts["spec_drafted"] == 3 * counts["spec_steps"]  # K 3 at every step
+    assert spec_lines and f"{counts['spec_drafted'] / counts['spec_steps']:.1f} drafts verified" in spec_lines[-1]
 
 
 @pytest.mark.loop

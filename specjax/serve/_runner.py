@@ -127,6 +127,9 @@ class EngineRunner:
         self.log_stats_interval_s = log_stats_interval_s
         self.gather_s = 0.0  # seconds spent gathering arrivals before visits
         self.tokens_sent = 0  # tokens streamed to requests (the warm-up's not counted)
+        # The ended requests' speculative counts, summed (their steps, drafts verified, drafts accepted, steps that
+        # verified none: adaptive verification's width 0, which skips drafting): the stats line's acceptance.
+        self.spec_counts = dict.fromkeys(("spec_steps", "spec_drafted", "spec_accepted", "spec_width0_steps"), 0)
         self._last_stats: tuple[float, dict] | None = None  # (when, the counters then) of the last stats line
         self.engine = Engine(model, config, drafter, on_tokens=self._on_tokens)
         self.metrics = metrics  # a ServerMetrics that counts every ended request, or None
@@ -262,6 +265,7 @@ class EngineRunner:
                 self._fail(f"the engine failed: {type(error).__name__}: {error}")
                 return
             ended, idle = len(outputs), False
+            self._count_speculation(outputs)
             self._log_stats()
             with self._wake:
                 streams = [(self._streams.pop(output.request_id, None), output) for output in outputs]
@@ -273,7 +277,16 @@ class EngineRunner:
 
     def _counters(self) -> dict:
         return {**{k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))},
-                "gather_s": self.gather_s, "tokens": self.tokens_sent}
+                "gather_s": self.gather_s, "tokens": self.tokens_sent, **self.spec_counts}
+
+    def _count_speculation(self, outputs) -> None:
+        for output in outputs:
+            if output.metrics:
+                counts, widths = output.metrics, output.metrics.get("per_step_drafted", ())
+                for key, value in (("spec_steps", counts["steps"]), ("spec_drafted", counts["drafted"]),
+                                   ("spec_accepted", counts["accepted"]),
+                                   ("spec_width0_steps", sum(1 for width in widths if width == 0))):
+                    self.spec_counts[key] += value
 
     def _log_stats(self, idle: bool = False) -> None:
         """Every log_stats_interval_s while working, one line of what the engine did since the last (as vLLM's
@@ -309,6 +322,11 @@ class EngineRunner:
                  d["prefilled_requests"] / max(d["prefill_calls"], 1), d["tokens"] / seconds,
                  100 * d["device_wait_s"] / seconds, 100 * (d["step_s"] - d["device_wait_s"]) / seconds,
                  100 * d["gather_s"] / seconds, 100 * (seconds - d["step_s"] - d["gather_s"]) / seconds)
+        if d["spec_steps"]:  # vLLM's SpecDecoding line, counted as requests end
+            log.info("speculative, requests ended in the interval: mean acceptance length %.2f, acceptance rate "
+                     "%.2f, %.1f drafts verified a step, %.0f%% of steps verifying none",
+                     1 + d["spec_accepted"] / d["spec_steps"], d["spec_accepted"] / max(d["spec_drafted"], 1),
+                     d["spec_drafted"] / d["spec_steps"], 100 * d["spec_width0_steps"] / d["spec_steps"])
         if not idle:
             self._last_stats = (now, after)
 
