@@ -151,6 +151,8 @@ def padded(tree: Any, length: int) -> Any:
     to `length`: a narrow forward's outputs in the shape the loop's state and verifiers keep. Nothing reads
     past the verified width (zero logits are a uniform distribution, finite everywhere)."""
     def pad(x):
+        if x.shape[-2] == length:
+            return x
         widths = [(0, 0)] * x.ndim
         widths[-2] = (0, length - x.shape[-2])
         return jnp.pad(x, widths)

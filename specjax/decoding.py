@@ -279,30 +279,41 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     else:  # each node sees the cache, the root and its ancestors, at position fill + depth
         positions = masks.block_positions(row_parents, fill)
         mask = masks.tree_mask(row_parents)
+    synthetic_rates = spec.synthetic_rates if spec.rejection_sample_method == SYNTHETIC else None
+    verify = functools.partial(verify_drafts, keys=verify_keys, sampling=decode.sampling,
+                               mode=proposer.settings.sampling, verifiers=verifiers, method=method)
+
+    def scored(width, num_valid=None, attention_mask=None):
+        """The forward over the block's first width + 1 positions, and its drafts verified: (path, accepted, next
+        token, the forward's logits and hidden states, the cache)."""
+        logits, hidden, cache = model(block[:, :width + 1], positions[:, :width + 1], decode.cache,
+                                      hidden_layers=proposer.hidden_layers, attention_mask=attention_mask)
+        if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
+            logits = constrain(logits, BATCH)
+        span = max(width, 1)  # a verifier takes a draft at least: at width 0 it is cut to none (num_valid)
+        verified = verify(adaptive.padded(logits, span + 1), draft_tokens[:, :span],
+                          None if draft_probs is None else draft_probs[:, :span], parents=row_parents,
+                          synthetic_rates=None if synthetic_rates is None else synthetic_rates[:span],
+                          num_valid=num_valid)
+        return *verified, logits, hidden, cache
+
     num_valid = None
     if state.adaptive is None:
-        logits, hidden, cache = model(block, positions, decode.cache, hidden_layers=proposer.hidden_layers,
-                                      attention_mask=mask)
+        path, num_accepted, next_token, logits, hidden, cache = scored(block.shape[1] - 1, attention_mask=mask)
     else:  # chains only (SpecConfig refuses trees)
         confidence = proposer.draft_confidence(proposer_state)
         conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
         choice = jnp.where(skip, 0, adaptive.choose_width(conditional, active, widths, verify_costs))
-
-        def scored(width):  # the forward over the block's first width + 1 positions, padded to K + 1
-            logits, hidden, cache = model(block[:, :width + 1], positions[:, :width + 1], decode.cache,
-                                          hidden_layers=proposer.hidden_layers)
-            return adaptive.padded((logits, hidden), num_draft + 1), cache
-
-        branches = [functools.partial(scored, width) for width in widths]
-        (logits, hidden), cache = jax.lax.switch(choice, branches) if len(branches) > 1 else branches[0]()
         num_valid = jnp.where(active, jnp.asarray(widths, jnp.int32)[choice], 0)
-    if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
-        logits = constrain(logits, BATCH)
-    synthetic_rates = spec.synthetic_rates if spec.rejection_sample_method == SYNTHETIC else None
-    path, num_accepted, next_token = verify_drafts(
-        logits, draft_tokens, draft_probs, verify_keys, row_parents, sampling=decode.sampling,
-        mode=proposer.settings.sampling, verifiers=verifiers, method=method, synthetic_rates=synthetic_rates,
-        num_valid=num_valid)
+
+        def at_width(width):  # verified in the branch: the verifier's work, as the forward's, scales with the width
+            _, accepted, token, _, hidden, cache = scored(width, num_valid)
+            return accepted, token, adaptive.padded(hidden, num_draft + 1), cache
+
+        branches = [functools.partial(at_width, width) for width in widths]
+        num_accepted, next_token, hidden, cache = (jax.lax.switch(choice, branches) if len(branches) > 1
+                                                   else branches[0]())
+        path, logits = None, None  # no proposer reads the logits of a verify (TargetOutput.logits)
     if path is not None:  # the accepted path into contiguous slots; from here on it reads as a chain
         path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
         cache = masks.move_path(cache, fill, path, num_accepted)
