@@ -125,9 +125,15 @@ def conditional_acceptance(spec: SpecConfig, state: AdaptiveState, confidence: F
     """c[b, i]: the drafter's confidence head where it has one and its drafts are deterministic (greedy
     drafting: the drafts, hence the head, are functions of the committed tokens), else the counts' estimate.
     A sampled draft's confidence would make the width depend on the draft (the module's docstring)."""
-    if confidence is not None and spec.draft_sample_method == "greedy":
+    if reads_confidence(spec, confidence):
         return confidence.astype(jnp.float32)
     return state.estimate(active)
+
+
+def reads_confidence(spec: SpecConfig, confidence: Float[Array, "B K"] | None) -> bool:
+    """Whether conditional_acceptance reads the drafter's confidence (static: the width chosen from the counts
+    alone, before drafting, is otherwise the step's)."""
+    return confidence is not None and spec.draft_sample_method == "greedy"
 
 
 def expected_tokens(conditional: Float[Array, "B K"], active: Bool[Array, " B"],

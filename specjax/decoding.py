@@ -255,11 +255,12 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     def drafted():
         return proposer.propose(draft_params, state.proposer, context, draft_keys)
 
-    skip = False
+    skip, counted = False, None
+    if state.adaptive is not None:  # the width the counts choose, before drafting (adaptive's docstring)
+        counted = adaptive.choose_width(adaptive.conditional_acceptance(spec, state.adaptive, None, active), active,
+                                        widths, verify_costs)
     if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
-        # Width 0 chosen before drafting, from the counts alone: draft nothing (adaptive's docstring).
-        before = adaptive.conditional_acceptance(spec, state.adaptive, None, active)
-        skip = adaptive.choose_width(before, active, widths, verify_costs) == 0
+        skip = counted == 0  # draft nothing
 
         def idle():
             tokens, probs, _ = jax.eval_shape(drafted)
@@ -302,8 +303,10 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
         path, num_accepted, next_token, logits, hidden, cache = scored(block.shape[1] - 1, attention_mask=mask)
     else:  # chains only (SpecConfig refuses trees)
         confidence = proposer.draft_confidence(proposer_state)
-        conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
-        choice = jnp.where(skip, 0, adaptive.choose_width(conditional, active, widths, verify_costs))
+        choice = counted  # chosen again only where the drafter's confidence is read, now that it has drafted
+        if adaptive.reads_confidence(spec, confidence):
+            conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
+            choice = jnp.where(skip, 0, adaptive.choose_width(conditional, active, widths, verify_costs))
         num_valid = jnp.where(active, jnp.asarray(widths, jnp.int32)[choice], 0)
 
         def at_width(width):  # verified in the branch: the verifier's work, as the forward's, scales with the width
