@@ -28,7 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from specjax.config import DTYPES, SamplingConfig, SpecConfig, dtype_from_name
 from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import Transformer
+from specjax.models.transformer import PromptChunks, Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
 from specjax import adaptive, benchmarking, sharding
 from specjax.trees import masks, sizing, structure
@@ -146,17 +146,84 @@ def prefill(model: Transformer, prompt_tokens: Int[Array, "B T"], prompt_lengths
     return state, TargetOutput(logits=None, hidden=hidden)
 
 
-def decode_step(model: Transformer, state: DecodeState, *, mode: SamplingMode,
-                eos_token_ids: tuple[int, ...]) -> DecodeState:
-    """One autoregressive token for every active row."""
+def decode_step(model: Transformer, state: DecodeState, *, mode: SamplingMode, eos_token_ids: tuple[int, ...],
+                chunks: ChunkPlan | None = None) -> DecodeState:
+    """One autoregressive token for every active row; with `chunks`, prompt chunks of rows waiting for their
+    prefill (admit_prompts) run in the same forward (mixed prefill), and a row whose prompt they finish gets its
+    first token, drawn as `prefill` draws it, and decodes from the next step."""
     rows = jnp.arange(state.tokens.shape[0])
     last = state.tokens[rows, state.lengths - 1]
-    logits, _, cache = model(last[:, None], (state.lengths - 1)[:, None], state.cache)
+    if chunks is None:
+        logits, _, cache = model(last[:, None], (state.lengths - 1)[:, None], state.cache)
+    else:
+        prompt_chunks = chunks.of(state.tokens)
+        logits, final_chunks, cache = model.mixed(last[:, None], (state.lengths - 1)[:, None], state.cache,
+                                                  prompt_chunks)
     cache = cache.with_lengths(jnp.where(state.done, state.cache.lengths, cache.lengths))
     token = sample(logits[:, 0], token_keys(state), state.sampling, mode)
     state, _ = commit(dataclasses.replace(state, cache=cache), token[:, None], jnp.ones_like(state.budgets),
                       eos_token_ids)
+    if chunks is not None:
+        state = _prompts_prefilled(model, state, prompt_chunks, final_chunks, mode, eos_token_ids)
     return state
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "starts"), meta_fields=("width",))
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    """The prompt chunks of one mixed-prefill step: chunk r is row rows[r]'s prompt from position starts[r],
+    `width` tokens (a row past the batch: no chunk)."""
+
+    rows: Int[Array, " R"]
+    starts: Int[Array, " R"]
+    width: int
+
+    def of(self, tokens: Int[Array, "B S"]) -> PromptChunks:
+        """The chunks' tokens, read from the rows' token buffers (past the buffer: its last column, unused)."""
+        positions = self.starts[:, None] + jnp.arange(self.width, dtype=jnp.int32)[None, :]
+        rows = jnp.minimum(self.rows, tokens.shape[0] - 1)
+        chunk_tokens = tokens[rows[:, None], jnp.minimum(positions, tokens.shape[1] - 1)]
+        return PromptChunks(tokens=chunk_tokens, rows=self.rows, starts=self.starts)
+
+
+def _prompts_prefilled(model: Transformer, state: DecodeState, chunks: PromptChunks, final: Float[Array, "R C D"],
+                       mode: SamplingMode, eos_token_ids: tuple[int, ...]) -> DecodeState:
+    """The chunks' rows after them: the cache filled up to the chunk's end or the prompt's, and a row whose prompt
+    ended in its chunk active with its first token (fold_in(its token stream, 0), as `prefill` draws it)."""
+    batch, width = state.tokens.shape[0], chunks.tokens.shape[1]
+    rows = jnp.minimum(chunks.rows, batch - 1)
+    prompt_len = state.lengths[rows]  # a waiting row's tokens are its prompt
+    lengths = state.cache.lengths.at[chunks.rows].max(jnp.minimum(chunks.starts + width, prompt_len), mode="drop")
+    ends = (chunks.rows < batch) & (chunks.starts + width >= prompt_len)
+    hidden = final[jnp.arange(rows.shape[0]), jnp.clip(prompt_len - 1 - chunks.starts, 0, width - 1)]
+    sampling = jax.tree.map(lambda x: x if x.ndim == 0 else x[rows], state.sampling)
+    first = sample(model.unembed(hidden), token_keys(state)[rows], sampling, mode)
+    started = jnp.where(ends, chunks.rows, batch)  # past the batch: dropped
+    done = state.done.at[started].set(state.budgets[rows] <= 0, mode="drop")
+    block = jnp.zeros((batch, 1), jnp.int32).at[started, 0].set(first, mode="drop")
+    count = jnp.zeros((batch,), jnp.int32).at[started].set(1, mode="drop")
+    state = dataclasses.replace(state, done=done, cache=state.cache.with_lengths(lengths))
+    return commit(state, block, count, eos_token_ids)[0]
+
+
+def admit_prompts(state: DecodeState, slots: Int[Array, " N"], prompt_tokens: Int[Array, "N T"],
+                  prompt_lengths: Int[Array, " N"], budgets: Int[Array, " N"], keys: PRNGKeyArray,
+                  sampling: SamplingParams) -> DecodeState:
+    """state with rows waiting for their prompts' prefill in `slots` (a slot past the batch: dropped): each row's
+    prompt, budget, key streams and sampling settings, nothing in its cache, done until decode_step's chunks
+    have prefilled its prompt (mixed prefill; the engine's)."""
+    def put(full, part):
+        return full.at[slots].set(part if part.dtype == full.dtype else part.astype(full.dtype), mode="drop")
+
+    width = prompt_tokens.shape[1]
+    tokens = state.tokens.at[slots, :width].set(prompt_tokens, mode="drop")
+    sampling = jax.tree.map(put, state.sampling, sampling)
+    return dataclasses.replace(
+        state, tokens=tokens, lengths=put(state.lengths, prompt_lengths),
+        num_generated=put(state.num_generated, jnp.zeros_like(budgets)), done=put(state.done, jnp.ones_like(slots, bool)),
+        cache=state.cache.with_lengths(put(state.cache.lengths, jnp.zeros_like(budgets))),
+        budgets=put(state.budgets, budgets), streams=put(state.streams, jnp.stack(split_streams(keys), axis=1)),
+        sampling=sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "eos_token_ids", "cache_size", "cache_dtype"))

@@ -89,17 +89,32 @@ class EngineConfig:
     # ending requests and streaming them overlap the device's next visit. A request's end is known, and its slot
     # refilled, one visit later; outputs are the same. Not with draft_kv_offload (its buffers move at each visit).
     async_scheduling: bool = False
+    # Mixed prefill (vLLM's chunked prefill, where one step's batch holds decode tokens and prompt chunks): an
+    # admitted request waits in its slot while each decode step also prefills up to mixed_prefill_chunks chunks of
+    # mixed_prefill_tokens prompt tokens in the same forward (their projections and MLP share the step's weight
+    # reads: a memory-bound step prefills for about the compute), and decodes from the step after its prompt's last
+    # chunk. None: prompts are prefilled in calls of their own between visits. Without speculation only, and not
+    # with prefix caching or max_num_batched_tokens.
+    mixed_prefill_tokens: int | None = None
+    mixed_prefill_chunks: int = 1  # prompt chunks a mixed step prefills at most
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch", "block_size",
-                     "num_prefix_blocks"):
+                     "num_prefix_blocks", "mixed_prefill_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed an integer >= 1")
-        value = self.max_num_batched_tokens
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"EngineConfig.max_num_batched_tokens = {value!r} is invalid: allowed None or an "
-                             "integer >= 1")
+        for name in ("max_num_batched_tokens", "mixed_prefill_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed None or an integer >= 1")
+        if self.mixed_prefill_tokens is not None:
+            for name, value, allowed in (("spec", self.spec, "None (mixed prefill runs without speculation)"),
+                                         ("enable_prefix_caching", self.enable_prefix_caching, "False"),
+                                         ("max_num_batched_tokens", self.max_num_batched_tokens, "None")):
+                if value not in (None, False):
+                    raise ValueError(f"EngineConfig.{name} = {value!r} is invalid with mixed_prefill_tokens = "
+                                     f"{self.mixed_prefill_tokens}: allowed {allowed}")
         for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
@@ -155,6 +170,7 @@ class _Running:
     blocks: list = dataclasses.field(default_factory=list)  # prefix cache blocks it holds (released at its end)
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache (vLLM's num_cached_tokens)
     ended: bool = False  # its output is made (a visit dispatched before its end may still hold its slot)
+    prefilled: int | None = None  # mixed prefill: prompt tokens in its cache while it waits for the rest; None: all
 
 
 @dataclasses.dataclass
@@ -177,6 +193,7 @@ class _Dispatched:
     result: concurrent.futures.Future  # of (the visit's summary on the host, the state after it, its counters)
     running: dict  # slot -> _Running at dispatch: the rows the summary's slots hold
     rows: int  # slots it steps
+    planned: list  # its prompt chunks (mixed prefill): _Engine._plan's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +208,7 @@ class _Program:
     cache_size: int  # EngineConfig.max_model_len
     cache_dtype: str | None  # the target's cache dtype (EngineConfig.kv_cache_dtype)
     verifiers: tuple[Verifier, ...] | None  # the lossless rules a step switches among; None without speculation
+    prefill_chunk: int | None = None  # EngineConfig.mixed_prefill_tokens
 
     def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
         """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
@@ -204,11 +222,11 @@ class _Program:
                                          proposer=self.proposer, eos_token_ids=self.eos_token_ids,
                                          cache_dtype=self.cache_dtype, prefix=prefix)
 
-    def step(self, weights: tuple, state, method, costs):
-        """One step of every row of the state (a done row is left as it is)."""
+    def step(self, weights: tuple, state, method, costs, chunks: decoding.ChunkPlan | None = None):
+        """One step of every row of the state (a done row is left as it is), prefilling `chunks` (mixed prefill)."""
         model, draft_params = weights
         if self.proposer is None:
-            return decoding.decode_step(model, state, mode=self.mode, eos_token_ids=self.eos_token_ids)
+            return decoding.decode_step(model, state, mode=self.mode, eos_token_ids=self.eos_token_ids, chunks=chunks)
         return decoding.speculative_step(model, draft_params, state, method, proposer=self.proposer,
                                          verifiers=self.verifiers, eos_token_ids=self.eos_token_ids,
                                          verify_costs=costs)
@@ -220,30 +238,52 @@ def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None, *
     return program.init(weights, tokens, lengths, budgets, seeds, sampling, prefix)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "starts", "count"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A visit's prompt chunks (mixed prefill): step i < count prefills chunks rows[i, r] from starts[i, r]."""
+
+    rows: jax.Array  # [steps_per_visit, mixed_prefill_chunks]: slots (past the state's rows: no chunk)
+    starts: jax.Array  # [steps_per_visit, mixed_prefill_chunks]
+    count: jax.Array  # steps that prefill
+
+    def at(self, step, width: int) -> decoding.ChunkPlan:
+        step = jnp.minimum(step, self.rows.shape[0] - 1)
+        return decoding.ChunkPlan(rows=self.rows[step], starts=self.starts[step], width=width)
+
+
 @functools.partial(jax.jit, static_argnames=("program", "rows", "width", "axes", "layout"), donate_argnums=1)
-def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, *, program: _Program, rows: int,
-              width: int, axes: tuple[int, ...], layout: DraftKVLayout | None):
+def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, plan: _Plan | None = None, *,
+              program: _Program, rows: int, width: int, axes: tuple[int, ...], layout: DraftKVLayout | None):
     """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
     stop_after_ends of them ended in this visit (a slot to fill); the other slots are left as they are. With draft KV
     offload (layout), draft holds those slots' host buffers: in for the steps, back out after them. method: the
     lossless rule of sampled rows; costs: adaptive verification's cost of a step of `rows` slots at each verify
-    width (None without it); axes: the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the
+    width (None without it); plan: the prompt chunks its first steps prefill (mixed prefill; None without); axes: the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the
     visit's summary of those slots, `width` tokens a row (what the host reads), the state, the draft buffers, and
     the acceptance counters after the visit (a copy, which the host reads when requests end: the state itself may be
     in the next visit by then; None without speculation)."""
     def cond(carry):
         steps, state = carry
         done = _decode(state).done
-        return (steps < max_steps) & ~jnp.all(done) & (jnp.sum(done) - done_before < stop_after_ends)
+        busy = ~jnp.all(done) if plan is None else ~jnp.all(done) | (steps < plan.count)
+        return (steps < max_steps) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
+
+    def step(carry):
+        steps, state = carry
+        if plan is None:
+            return steps + 1, program.step(weights, state, method, costs)
+        chunks = plan.at(steps, program.prefill_chunk)
+        return steps + 1, jax.lax.cond(steps < plan.count, lambda s: program.step(weights, s, method, costs, chunks),
+                                       lambda s: program.step(weights, s, method, costs), state)
 
     leaves, treedef = jax.tree.flatten(state)
     busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
     if layout is not None:
         busy = layout.unpack(layout.to_device(draft), busy)
     busy = jax.tree.unflatten(treedef, busy)
-    before, done_before = _decode(busy).num_generated, jnp.sum(_decode(busy).done)
-    steps, busy = jax.lax.while_loop(
-        cond, lambda carry: (carry[0] + 1, program.step(weights, carry[1], method, costs)), (jnp.int32(0), busy))
+    before, done_before = _decode(busy).num_generated, _decode(busy).done
+    steps, busy = jax.lax.while_loop(cond, step, (jnp.int32(0), busy))
     visit = _Visit.of(steps, _decode(busy), before, width)
     counters = None if isinstance(busy, decoding.DecodeState) else jax.tree.map(jnp.copy, busy.counters)
     busy = jax.tree.leaves(busy)
@@ -251,6 +291,12 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
     leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
               for x, part, a in zip(leaves, busy, axes)]
     return visit, jax.tree.unflatten(treedef, leaves), draft, counters
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def admit_waiting(state: decoding.DecodeState, slots, tokens, lengths, budgets, seeds, sampling) -> decoding.DecodeState:
+    """decoding.admit_prompts into the engine's state (donated: written in place): rows waiting for mixed prefill."""
+    return decoding.admit_prompts(state, slots, tokens, lengths, budgets, _keys(seeds), sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("program", "batch"))
@@ -284,6 +330,7 @@ class Engine:
         self.busy_slot_steps = 0  # ... of which the slot held a request when its visit began
         self.prefill_calls = 0  # admission prefills (each of up to max_prefill_batch requests)
         self.prefilled_requests = 0
+        self.prefill_chunks = 0  # prompt chunks prefilled by decode steps (mixed prefill)
         # Seconds of step() spent waiting on the device (the loop's call, reading its results, and reading the
         # prefills' first tokens, which waits for the prefills), and all of it: the difference is host work
         # between device calls (admission, bookkeeping, streaming).
@@ -353,11 +400,12 @@ class Engine:
 
     def stats(self) -> dict:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
-        requests), seconds in step() and waiting on the device, and the prefix cache's (hits and queries in
+        requests; prompt chunks of mixed prefill), seconds in step() and waiting on the device, and the prefix cache's (hits and queries in
         tokens and blocks, hit_rate; None when prefix caching is off)."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
-                "prefilled_requests": self.prefilled_requests, "step_s": self.step_s,
+                "prefilled_requests": self.prefilled_requests, "prefill_chunks": self.prefill_chunks,
+                "step_s": self.step_s,
                 "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
                 "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats()}
@@ -387,7 +435,7 @@ class Engine:
             self._weights = (self.model, None if proposer is None else proposer.bind(self.drafter, self.model))
         program = _Program(proposer=proposer, mode=mode, eos_token_ids=tuple(config.eos_token_ids),
                            cache_size=config.max_model_len, cache_dtype=config.kv_cache_dtype,
-                           verifiers=self._verifiers)
+                           verifiers=self._verifiers, prefill_chunk=config.mixed_prefill_tokens)
         self._programs[mode] = program
         if self._axes is None:  # the state's layout, the same in every mode's
             rows_at = functools.partial(init_rows, self._weights, program=program)
@@ -405,31 +453,31 @@ class Engine:
         program = self._program(mode)  # first: the first program binds the weights
         return init_rows(self._weights, *arrays, prefix, program=program)
 
-    def _run(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int) -> tuple:
+    def _run(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan=None) -> tuple:
         """run_steps over the first `rows` slots of the state, now: (the visit's summary, the counters after it)."""
         layout = self._draft_layout
         draft = None if layout is None else self.draft_kv.take(rows)
         visit, self.state, draft, counters = self._run_steps(
             mode, max_steps, stop_after_ends, rows, self._verify_costs(rows, self._program(mode).proposer),
-            self.state, draft)
+            self.state, draft, plan)
         if layout is not None:
             self.draft_kv.put(draft)
         return visit, counters
 
     def _run_steps(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, costs, state,
-                   draft) -> tuple:
+                   draft, plan) -> tuple:
         """run_steps over the first `rows` slots of `state` (one program per power-of-two count); touches no other
         engine field than the compile count, so that the dispatch thread may make it."""
         program = self._program(mode)
         compiled = run_steps._cache_size()
         width = self.config.steps_per_visit * max(self.config.lookahead, 1)
         out = run_steps(self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends),
-                        costs, program=program, rows=rows, width=width, axes=self._axes, layout=self._draft_layout)
+                        costs, plan, program=program, rows=rows, width=width, axes=self._axes, layout=self._draft_layout)
         key = (mode, rows)
         self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
         return out
 
-    def _dispatch(self, mode: SamplingMode, stop_after_ends: int, rows: int) -> None:
+    def _dispatch(self, mode: SamplingMode, stop_after_ends: int, rows: int, plan, planned: list) -> None:
         """Async scheduling: starts a visit from the dispatch thread; the state is the visit's until _land."""
         if self._dispatcher is None:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-visit")
@@ -438,10 +486,11 @@ class Engine:
 
         def visit():
             summary, after, _, counters = self._run_steps(mode, self.config.steps_per_visit, stop_after_ends, rows,
-                                                          costs, state, None)
+                                                          costs, state, None, plan)
             return jax.device_get(summary), after, counters
 
-        self._dispatched = _Dispatched(result=self._dispatcher.submit(visit), running=dict(self.running), rows=rows)
+        self._dispatched = _Dispatched(result=self._dispatcher.submit(visit), running=dict(self.running), rows=rows,
+                                       planned=planned)
 
     def _land(self) -> tuple:
         """Async scheduling: waits for the visit in flight, whose state becomes the engine's again; returns what
@@ -450,11 +499,16 @@ class Engine:
         wait = time.perf_counter()
         visit, self.state, counters = dispatched.result.result()
         self.device_wait_s += time.perf_counter() - wait
-        self._count(visit, dispatched.rows, len(dispatched.running))
+        self._count(visit, dispatched.rows, len(dispatched.running), dispatched.planned)
         return visit, dispatched.running, counters
 
-    def _count(self, visit: _Visit, rows: int, busy: int) -> None:
+    def _count(self, visit: _Visit, rows: int, busy: int, planned: list) -> None:
+        """Counts the visit's steps; moves on the prompts whose chunks it prefilled (mixed prefill)."""
         steps = int(visit.steps)
+        for running, step, filled in planned:
+            if step < steps:
+                running.prefilled = None if filled >= len(running.request.prompt) else filled
+                self.prefill_chunks += 1
         self.steps_run += steps
         self.visits += 1
         self.slot_steps += rows * steps
@@ -499,15 +553,20 @@ class Engine:
         self.mode = self.mode.union(mode)
         self._ensure_state(mode)
         width = min(decoding.bucket(prompt_len, decoding.MIN_PROMPT_BUCKET), self.config.max_model_len)
+        nowhere = self.config.max_num_seqs  # a target past the rows: every move and release is dropped
         batch = 1
-        while batch <= decoding.bucket(min(self.config.max_prefill_batch, self.config.max_num_seqs)):
+        while self.config.mixed_prefill_tokens is None and batch <= decoding.bucket(
+                min(self.config.max_prefill_batch, self.config.max_num_seqs)):
             rows = self._init(mode, _free_rows(batch, width))
-            self._insert(rows, [self.config.max_num_seqs] * batch)  # every row dropped
+            self._insert(rows, [nowhere] * batch)  # every row dropped
             self._warm_widths.setdefault((mode, batch), set()).add(width)
             batch *= 2
+        for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):
+            if self.config.mixed_prefill_tokens is not None:  # the admissions' programs, every row dropped
+                arrays = _free_rows(count, self.config.max_model_len)
+                self.state = admit_waiting(self.state, padded_slots([nowhere] * count, nowhere), *arrays)
         for rows in self._row_buckets():
-            self._run(mode, 0, rows + 1, rows)
-        nowhere = self.config.max_num_seqs  # a target past the rows: every move and release is dropped
+            self._run(mode, 0, rows + 1, rows, self._plan()[0])
         for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):  # padded_slots' counts
             self.state = move_rows(self.state, padded_slots([0] * count, 0), padded_slots([nowhere] * count, nowhere),
                                    axes=self._axes)
@@ -588,7 +647,10 @@ class Engine:
         if self.chunked is not None:
             budget -= self._next_chunk(budget, free, prefilled)
             free = [slot for slot in free if slot not in self.running]
-        while self.waiting and len(free) > (self.chunked is not None) and budget > 0:
+        if self.config.mixed_prefill_tokens is not None and self.waiting and free:
+            self._admit_waiting(free)
+        while (self.waiting and len(free) > (self.chunked is not None) and budget > 0
+               and self.config.mixed_prefill_tokens is None):
             used = self._admit(free[:len(free) - (self.chunked is not None)], budget, prefilled)
             free = [slot for slot in free if slot not in self.running]
             budget -= used
@@ -612,14 +674,15 @@ class Engine:
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
+        plan, planned = self._plan()
         if self.config.async_scheduling:
-            self._dispatch(mode, stop_after_ends, rows)
+            self._dispatch(mode, stop_after_ends, rows, plan, planned)
             return []
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        visit, counters = self._run(mode, self.config.steps_per_visit, stop_after_ends, rows)
+        visit, counters = self._run(mode, self.config.steps_per_visit, stop_after_ends, rows, plan)
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
-        self._count(visit, rows, len(self.running))
+        self._count(visit, rows, len(self.running), planned)
         return self._collect(visit, dict(self.running), counters)
 
     def _admit(self, free: list[int], budget: float, prefilled: list) -> int:
@@ -653,6 +716,40 @@ class Engine:
             # Its last chunk when the blocks its batch mates just stored leave few enough tokens: then a slot.
             used += self._next_chunk(budget - used, free[len(admitted):], prefilled)
         return used
+
+    def _admit_waiting(self, free: list[int]) -> None:
+        """Mixed prefill: the first waiting requests into the free slots, their prompts to be prefilled by the
+        next steps' chunks (_plan)."""
+        admitted = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+        self._mode_of([request for request, _ in admitted])  # widens the modes seen; builds the state at first
+        slots = padded_slots(free[:len(admitted)], self.config.max_num_seqs)
+        arrays = self._row_arrays(admitted, len(slots), self.config.max_model_len)
+        self.state = admit_waiting(self.state, slots, *arrays)
+        self.prefilled_requests += len(admitted)
+        for slot, (request, arrival) in zip(free, admitted):
+            self._start(slot, request, arrival, [], 0)
+            self.running[slot].prefilled = 0
+
+    def _plan(self) -> tuple[_Plan | None, list]:
+        """The visit's prompt chunks (mixed prefill): the next chunks of the prompts waiting in their slots, in the
+        order they arrived, mixed_prefill_chunks a step for up to steps_per_visit steps; and (the request, the step,
+        its prompt tokens in the cache after the chunk) for each, which _count applies when the visit's steps are
+        known. (None, []) without mixed prefill."""
+        config = self.config
+        width = config.mixed_prefill_tokens
+        if width is None:
+            return None, []
+        shape = (config.steps_per_visit, config.mixed_prefill_chunks)
+        rows, starts = np.full(shape, config.max_num_seqs, np.int32), np.zeros(shape, np.int32)
+        planned = []
+        waiting = sorted(((slot, r) for slot, r in self.running.items() if r.prefilled is not None),
+                         key=lambda item: item[1].arrival)
+        chunks = ((slot, running, start) for slot, running in waiting
+                  for start in range(running.prefilled, len(running.request.prompt), width))
+        for index, (slot, running, start) in zip(range(rows.size), chunks):
+            rows.flat[index], starts.flat[index] = slot, start
+            planned.append((running, index // shape[1], start + width))
+        return _Plan(rows=rows, starts=starts, count=np.int32(-(-len(planned) // shape[1]))), planned
 
     def _cached_tokens(self, prompt) -> int:
         """Prompt tokens the prefix cache would give this prompt now (0 without one); changes nothing."""
@@ -809,7 +906,8 @@ class Engine:
         ending = []  # (slot, running, index of a stop id in its tokens of this visit or None)
         emitted = {}  # request id -> its new tokens
         for slot, running in running_at.items():
-            if running.ended:  # ended by the host after this visit was dispatched (async scheduling, aborts)
+            # Ended by the host after this visit was dispatched (async scheduling, aborts), or still prefilling.
+            if running.ended or running.prefilled is not None:
                 continue
             count, hit = counts[slot], None
             if running.stopped:  # its first token was a stop id: what the device emitted after it is dropped

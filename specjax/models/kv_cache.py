@@ -90,6 +90,20 @@ class KVCache:
         return dataclasses.replace(self, k=self.k.at[layer, rows, slots].set(k_new.astype(self.dtype)),
                                    v=self.v.at[layer, rows, slots].set(v_new.astype(self.dtype)))
 
+    def write_rows(self, layer: int | Int[Array, ""], rows: Int[Array, " R"], starts: Int[Array, " R"],
+                   k_new: Float[Array, "R C Hkv D"], v_new: Float[Array, "R C Hkv D"]) -> KVCache:
+        """Writes C entries of one layer into cache row rows[r] from slot starts[r] (prompt chunks); a row past the
+        batch or a slot past the cache is dropped. `lengths` is left unchanged."""
+        slots = starts[:, None] + jnp.arange(k_new.shape[1])[None, :]
+        rows = rows[:, None]
+        if isinstance(self.k, tuple):
+            k, v = self.layer(layer)
+            return self.with_layer(layer, k.at[rows, slots].set(k_new.astype(self.dtype), mode="drop"),
+                                   v.at[rows, slots].set(v_new.astype(self.dtype), mode="drop"))
+        return dataclasses.replace(
+            self, k=self.k.at[layer, rows, slots].set(k_new.astype(self.dtype), mode="drop"),
+            v=self.v.at[layer, rows, slots].set(v_new.astype(self.dtype), mode="drop"))
+
     def move(self, start: Int[Array, " B"], sources: Int[Array, "B P"], count: Int[Array, " B"]) -> KVCache:
         """Every layer's entries at slots sources[b, j] moved to slot start[b] + j, for j < count[b]
         (a tree's accepted path into contiguous slots); lengths unchanged. Needs sources[b, j] >= start[b] + j,

@@ -321,6 +321,15 @@ def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer
     h = attn_input if attn_input is not None else normalize(
         x, layer.attn_norm[...], _value(layer.attn_norm_bias, dtype), c)
     q, k, v = project_qkv(h, layer, positions, c)
+    attn, cache = _attend(q, k, v, layer, index, query_slots, cache, c, causal=causal, visible=visible)
+    return _layer_output(x, attn, layer, c), cache
+
+
+def _attend(q, k, v, layer, index, query_slots: Int[Array, "B T"], cache: KVCache | None, config: ModelConfig, *,
+            causal: bool = True, visible=None) -> tuple[Float[Array, "B T H E"], KVCache | None]:
+    """decoder_layer's attention of new queries, keys and values: written into the cache (where there is one)
+    and attended, through the Pallas kernel where it fits."""
+    c, dtype = config, config.jnp_dtype
     # A cache in another dtype (kv_cache_dtype) stays with XLA, which fuses its conversion into the
     # attention; the kernel would read a converted copy of the whole cache.
     # A tree's mask goes to the kernel as it is (without a sliding window, which XLA's masks leave out too).
@@ -331,19 +340,64 @@ def decoder_layer(x: Float[Array, "B T D"], layer: StackedLayers | DecodingLayer
         attn, k_layer, v_layer = decode_attention.decode_attention(
             q, k, v, *cache.layer(index), query_slots, sliding_window=c.sliding_window, causal=causal,
             sees=visible.sees if tree else None)
-        cache = cache.with_layer(index, k_layer, v_layer)
-    elif cache is None and visible is None and causal and c.attention_impl != "einsum":
-        attn = full_causal_attention(q, k, v, c)
-    else:
-        if cache is not None:
-            cache = cache.write(index, k, v)
-            k, v = cache.layer(index)
-        if isinstance(visible, NewTokenMask):
-            visible = visible.dense(query_slots[:, 0], k.shape[1])
-        attn = attention(q, k.astype(dtype), v.astype(dtype), query_slots, c, causal=causal, visible=visible)
+        return attn, cache.with_layer(index, k_layer, v_layer)
+    if cache is None and visible is None and causal and c.attention_impl != "einsum":
+        return full_causal_attention(q, k, v, c), cache
+    if cache is not None:
+        cache = cache.write(index, k, v)
+        k, v = cache.layer(index)
+    if isinstance(visible, NewTokenMask):
+        visible = visible.dense(query_slots[:, 0], k.shape[1])
+    return attention(q, k.astype(dtype), v.astype(dtype), query_slots, c, causal=causal, visible=visible), cache
+
+
+def _layer_output(x: Float[Array, "B T D"], attn: Float[Array, "B T H E"], layer, config: ModelConfig):
+    """The residual stream after a layer's attention output and MLP."""
+    dtype = config.jnp_dtype
     x = x + _project(attn, layer.wo, layer.bo, "bthe,hed->btd", dtype, row_parallel=True)
-    h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), c)
-    return x + _mlp(h, layer, c), cache
+    h = normalize(x, layer.mlp_norm[...], _value(layer.mlp_norm_bias, dtype), config)
+    return x + _mlp(h, layer, config)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "rows", "starts"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class PromptChunks:
+    """Prompt chunks a decode step also prefills (mixed prefill): chunk r holds the C prompt tokens of cache row
+    rows[r] from position starts[r]. A row past the batch is no chunk (its writes are dropped). Two chunks of one
+    row may run together: every chunk's keys are written before any chunk attends."""
+
+    tokens: Int[Array, "R C"]
+    rows: Int[Array, " R"]
+    starts: Int[Array, " R"]
+
+    @property
+    def positions(self) -> Int[Array, "R C"]:
+        return self.starts[:, None] + jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :]
+
+
+def mixed_layer(x: Float[Array, "B T D"], xc: Float[Array, "R C D"], layer, index, positions: Int[Array, "B T"],
+                query_slots: Int[Array, "B T"], chunks: PromptChunks, cache: KVCache,
+                config: ModelConfig) -> tuple[Float[Array, "B T D"], Float[Array, "R C D"], KVCache]:
+    """decoder_layer over a step's new tokens x and prompt chunks xc at once: one token axis through every
+    projection and the MLP (the weights are read once for both: a memory-bound decode step prefills for about
+    the compute), attention apart. The chunks write and attend after the step's rows (a row being prefilled is
+    a done row, whose step writes garbage where its chunk then writes)."""
+    c, dtype = config, config.jnp_dtype
+    (batch, num_new), (num_chunks, width) = x.shape[:2], xc.shape[:2]
+    packed = jnp.concatenate([x.reshape(1, batch * num_new, -1), xc.reshape(1, num_chunks * width, -1)], axis=1)
+    h = normalize(packed, layer.attn_norm[...], _value(layer.attn_norm_bias, dtype), c)
+    every = jnp.concatenate([positions.reshape(1, -1), chunks.positions.reshape(1, -1)], axis=1)
+    split = lambda a: (a[0, :batch * num_new].reshape(batch, num_new, *a.shape[2:]),  # noqa: E731
+                       a[0, batch * num_new:].reshape(num_chunks, width, *a.shape[2:]))
+    (q, q_chunks), (k, k_chunks), (v, v_chunks) = map(split, project_qkv(h, layer, every, c))
+    attn, cache = _attend(q, k, v, layer, index, query_slots, cache, c)
+    cache = cache.write_rows(index, chunks.rows, chunks.starts, k_chunks, v_chunks)
+    rows = jnp.minimum(chunks.rows, batch - 1)  # a no-chunk lane reads a row it does not use
+    k_rows, v_rows = (a[rows].astype(dtype) for a in cache.layer(index))
+    attn_chunks = attention(q_chunks, k_rows, v_rows, chunks.positions, c)  # a prompt's cache slot is its position
+    attn = jnp.concatenate([attn.reshape(1, batch * num_new, *attn.shape[2:]),
+                            attn_chunks.reshape(1, num_chunks * width, *attn.shape[2:])], axis=1)
+    return (*split(_layer_output(packed, attn, layer, c)), cache)
 
 
 def scan_layers(step, carry, layers: StackedLayers | nnx.List, num_layers: int):
@@ -405,10 +459,7 @@ class Transformer(nnx.Module):
         for index in hidden_layers:
             if not 0 <= index <= c.num_layers:
                 raise ValueError(f"hidden_layers entry {index} is out of range: allowed 0..{c.num_layers}")
-        x = self.embed[...][tokens]
-        if self.pos_embed is not None:
-            x = x + self.pos_embed[...][positions]
-        x = x.astype(dtype)
+        x = self._embed(tokens, positions)
         num_new = tokens.shape[1]
         query_slots = query_slots_for(tokens.shape[0], num_new, cache)
         if isinstance(attention_mask, NewTokenMask) and isinstance(self.layers, StackedLayers):
@@ -431,6 +482,32 @@ class Transformer(nnx.Module):
             cache = cache.with_lengths(cache.lengths + num_new)
         logits = self.unembed(final) if compute_logits else None
         return logits, Hidden(final=final, layers=layers), cache
+
+    def mixed(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache,
+              chunks: PromptChunks) -> tuple[Float[Array, "B T V"], Float[Array, "R C D"], KVCache]:
+        """A step's T new tokens per row (as __call__ with a cache) and prompt chunks prefilled in the same
+        forward (mixed_layer): the rows' logits, the chunks' final hidden states (unembedded where the caller
+        needs a prompt's next token) and the cache with both written. lengths + T as __call__'s; the chunks' rows'
+        fill levels are the caller's to set."""
+        c = self.config
+        with precision_scope(c):
+            x, xc = self._embed(tokens, positions), self._embed(chunks.tokens, chunks.positions)
+            query_slots = query_slots_for(tokens.shape[0], tokens.shape[1], cache)
+
+            def layer_step(carry, layer, index):
+                x, xc, cache = carry
+                return mixed_layer(x, xc, layer, index, positions, query_slots, chunks, cache, c), None
+
+            (x, xc, cache), _ = scan_layers(layer_step, (x, xc, cache), self.layers, c.num_layers)
+            final, final_chunks = (normalize(a, self.final_norm[...], _value(self.final_norm_bias, c.jnp_dtype), c)
+                                   for a in (x, xc))
+            return self.unembed(final), final_chunks, cache.with_lengths(cache.lengths + tokens.shape[1])
+
+    def _embed(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        x = self.embed[...][tokens]
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[...][positions]
+        return x.astype(self.config.jnp_dtype)
 
     def create_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty KV cache for this model: one array per layer in the decoding layout, stacked otherwise."""

@@ -1,0 +1,68 @@
+"""Mixed prefill (EngineConfig.mixed_prefill_tokens): prompts prefilled in chunks by the decode steps themselves, in
+the same forward as the running rows' tokens. Each request's output is still what `generate` gives it alone: greedy
+under load in both model layouts, with several chunks of one prompt in one step, with async scheduling; sampled
+requests draw exactly generate's tokens (their keys are numbered by their own tokens, so the engine's draws are
+generate's, not only distributed as them)."""
+
+import numpy as np
+import pytest
+from support.engine import autoregressive_under_load, load_config, random_requests, serve_arriving, truncated_at_stop
+from support.models import target_and_drafts
+
+from specjax.config import SamplingConfig, SpecConfig
+from specjax.decoding import generate
+from specjax.engine import Engine, EngineConfig, Request
+from specjax.models.transformer import to_decoding_layout
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("layout, tokens, chunks, options", [
+    ("stacked", 4, 1, {}),
+    ("decoding", 4, 3, {}),  # a 14-token prompt's four chunks in two steps
+    ("stacked", 16, 2, {"async_scheduling": True}),
+])
+def test_every_request_gets_its_autoregressive_output_with_prompts_prefilled_in_decode_steps(
+        layout, tokens, chunks, options):
+    """32 requests arriving at random steps, 4 slots, prompts of 2-14 tokens in chunks of `tokens`: greedy output
+    equal to generate's autoregressive output for each prompt alone; no prefill call of its own."""
+    target = target_and_drafts()[0]
+    target = to_decoding_layout(target) if layout == "decoding" else target
+    engine = Engine(target, load_config(None, mixed_prefill_tokens=tokens, mixed_prefill_chunks=chunks, **options))
+    requests = random_requests(32)
+    outputs = serve_arriving(engine, requests)
+    for request, want in zip(requests, autoregressive_under_load()):
+        assert list(outputs[request.request_id].tokens) == truncated_at_stop(want, request.stop_token_ids)
+    stats = engine.stats()
+    assert stats["prefill_calls"] == 0 and stats["prefilled_requests"] == 32
+    assert stats["prefill_chunks"] == sum(-(-len(r.prompt) // tokens) for r in requests)
+    assert set(engine.step_programs().values()) <= {0, 1}  # one program for each count of slots stepped
+
+
+@pytest.mark.loop
+def test_sampled_requests_draw_generates_tokens_beside_greedy_ones():
+    """Greedy, T 0.7 top-p 0.9 and T 1 top-k 5 requests with prompts prefilled in decode steps: each request's tokens
+    are those generate draws for its prompt and seed alone (which tests/test_sampling.py checks against the target's
+    distribution); the sampled ones differ from greedy decoding, so the comparison sees the draws."""
+    target = target_and_drafts()[0]
+    settings = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9), SamplingConfig(temperature=1.0, top_k=5)]
+    rng = np.random.default_rng(3)
+    requests = [Request(request_id=str(i), prompt=tuple(rng.integers(1, 100, int(rng.integers(2, 15))).tolist()),
+                        max_tokens=10, sampling=settings[i % 3], seed=i) for i in range(12)]
+    engine = Engine(target, load_config(None, eos_token_ids=(), mixed_prefill_tokens=4, mixed_prefill_chunks=2))
+    outputs = serve_arriving(engine, requests)
+    want = generate(target, [list(r.prompt) for r in requests], max_new_tokens=10,
+                    sampling=[r.sampling for r in requests], seeds=[r.seed for r in requests]).sequences()
+    greedy = generate(target, [list(r.prompt) for r in requests], max_new_tokens=10).sequences()
+    for request, tokens in zip(requests, want):
+        assert list(outputs[request.request_id].tokens) == tokens, request
+    assert sum(want[i] != greedy[i] for i in range(12) if i % 3) >= 6
+    assert set(engine.step_programs().values()) <= {0, 1}
+
+
+@pytest.mark.parametrize("field, value", [("spec", SpecConfig(method="ngram", num_speculative_tokens=2)),
+                                          ("enable_prefix_caching", True), ("max_num_batched_tokens", 64)])
+def test_mixed_prefill_refuses_what_it_does_not_combine_with_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field} = .* is invalid with mixed_prefill_tokens = 8"):
+        EngineConfig(mixed_prefill_tokens=8, **{field: value})
+    with pytest.raises(ValueError, match="EngineConfig.mixed_prefill_chunks = 0 is invalid"):
+        EngineConfig(mixed_prefill_tokens=8, mixed_prefill_chunks=0)
