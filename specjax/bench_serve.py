@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 
@@ -66,7 +67,7 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
            ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
-           ("async_scheduling", "async scheduling"),
+           ("async_scheduling", "async scheduling"), ("mixed_prefill", "mixed prefill"),
            ("draft_kv_mib_per_slot", "draft KV MiB/slot"), ("moved_mib_per_visit", "moved MiB/visit"),
            ("device_in_use_gib", "device GiB in use"), ("device_peak_gib", "device GiB peak"),
            ("client_start_spread_ms", "client start spread ms"),
@@ -76,6 +77,14 @@ PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
                 "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
 # The values of the switches run as an axis (--draft-kv-offload, --async-scheduling).
 ON_OFF = {"off": False, "on": True}
+
+
+def mixed_fields(mix: str) -> dict:
+    """EngineConfig's mixed prefill fields of a --mixed-prefill value ('off' or TOKENS[xCHUNKS])."""
+    if mix == "off":
+        return {}
+    tokens, _, chunks = mix.partition("x")
+    return {"mixed_prefill_tokens": int(tokens), "mixed_prefill_chunks": int(chunks or 1)}
 CLIENT_STREAMS = 64  # requests in flight one HTTP client process keeps by default (--client-processes)
 CLIENT_START_TIMEOUT_S = 300.0  # how long client processes wait for each other (each imports JAX first)
 
@@ -479,6 +488,9 @@ def main(argv=None) -> None:
                         "in pinned host memory between visits, EngineConfig.draft_kv_offload)")
     parser.add_argument("--async-scheduling", default="off", help="comma-separated: off, on (each visit dispatched "
                         "before the host reads the one before it, EngineConfig.async_scheduling)")
+    parser.add_argument("--mixed-prefill", default="off", help="comma-separated: off, or TOKENS[xCHUNKS]: prompts "
+                        "prefilled by the decode steps, CHUNKS (default 1) chunks of TOKENS a step "
+                        "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks); without speculation")
     parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -527,6 +539,11 @@ def main(argv=None) -> None:
     bad = [mode for mode in offloads if mode not in ON_OFF]
     if bad:
         parser.error(f"--draft-kv-offload {bad[0]!r} is invalid: allowed a comma-separated list of {list(ON_OFF)}")
+    mixes = args.mixed_prefill.split(",")
+    bad = [mix for mix in mixes if mix != "off" and not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", mix)]
+    if bad:
+        parser.error(f"--mixed-prefill {bad[0]!r} is invalid: allowed a comma-separated list of off and TOKENS[xCHUNKS] "
+                     "(positive integers)")
     scheds = args.async_scheduling.split(",")
     bad = [mode for mode in scheds if mode not in ON_OFF]
     if bad:
@@ -579,8 +596,10 @@ def main(argv=None) -> None:
         # Without speculation there is no drafter to offload: 'off' only (a drafter without a KV cache, Medusa's or
         # n-gram's, is refused by the engine, naming the field).
         # The engine refuses async scheduling with offload (its buffers move at each visit): not run together.
-        for mode, offload, sched in [(m, o, a) for m in modes for o in offloads for a in scheds
-                                     if (o == "off" or spec is not None) and "off" in (o, a)]:
+        # Mixed prefill runs without speculation: 'off' only with it.
+        for mode, offload, sched, mix in [(m, o, a, x) for m in modes for o in offloads for a in scheds for x in mixes
+                                          if (o == "off" or spec is not None) and "off" in (o, a)
+                                          and (x == "off" or spec is None)]:
             engine = runner = None
             for load in loads:
                 # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
@@ -595,7 +614,7 @@ def main(argv=None) -> None:
                                           block_size=args.block_size, num_prefix_blocks=args.num_prefix_blocks,
                                           max_num_batched_tokens=args.max_num_batched_tokens,
                                           draft_kv_offload=ON_OFF[offload],
-                                          async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode])
+                                          async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode], **mixed_fields(mix))
                     if runner is not None:
                         runner.stop()
                     engine = runner = None  # the last one's caches go before the next one's are made
@@ -619,6 +638,7 @@ def main(argv=None) -> None:
                 label += "" if len(modes) == 1 else f" prefix {mode}"
                 label += "" if len(offloads) == 1 else f" offload {offload}"
                 label += "" if len(scheds) == 1 else f" async {sched}"
+                label += "" if len(mixes) == 1 else f" mixed {mix}"
                 if runner is None:
                     trace_dir = None if args.profile is None else \
                         Path(args.profile) / f"{label.replace(' ', '_').replace('=', '')}_{load}"
@@ -633,6 +653,7 @@ def main(argv=None) -> None:
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                              "label": label, "synthetic_tau": method.synthetic_tau, "slots": slots, "prefix_caching": mode,
                              "adaptive": method.adaptive, "draft_kv_offload": offload, "async_scheduling": sched,
+                             "mixed_prefill": mix,
                              **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "

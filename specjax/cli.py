@@ -342,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reuse the KV of prompt blocks other requests prefilled (docs/serving.md)")
     srv.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="prompt tokens prefilled per engine visit; longer prompts in chunks (default: whole)")
+    srv.add_argument("--mixed-prefill-tokens", type=int, default=None,
+                     help="prefill prompts in the decode steps, chunks of this many tokens (no speculation; default: off)")
+    srv.add_argument("--mixed-prefill-chunks", type=int, default=None,
+                     help="prompt chunks a decode step prefills at most, with --mixed-prefill-tokens (default: 1)")
     srv.add_argument("--warmup-prompt-len", type=int, default=None,
                      help="compile every program prompts of up to this length run before listening (default: short only)")
     srv.add_argument("--no-warmup-sampled", dest="warmup_sampled", action="store_false", default=None,

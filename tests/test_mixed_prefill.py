@@ -59,10 +59,25 @@ def test_sampled_requests_draw_generates_tokens_beside_greedy_ones():
     assert set(engine.step_programs().values()) <= {0, 1}
 
 
+@pytest.mark.loop
+def test_an_idle_engine_streams_the_first_token_when_the_prefill_steps_end():
+    """With nothing decoding, a visit ends with its prompt chunks, so the time to first token is the prefill's (a 10-token
+    prompt in chunks of 4: 3 steps), not that of a whole visit of steps_per_visit."""
+    target = target_and_drafts()[0]
+    streamed = {}
+    engine = Engine(target, load_config(None, mixed_prefill_tokens=4, steps_per_visit=8),
+                    on_tokens=streamed.update)
+    prompt = list(range(1, 11))
+    engine.add_request(Request.make("a", prompt, 8))
+    engine.step()
+    assert engine.steps_run == 3
+    assert streamed == {"a": generate(target, [prompt], max_new_tokens=1).sequences()[0]}
+
+
 @pytest.mark.parametrize("field, value", [("spec", SpecConfig(method="ngram", num_speculative_tokens=2)),
                                           ("enable_prefix_caching", True), ("max_num_batched_tokens", 64)])
 def test_mixed_prefill_refuses_what_it_does_not_combine_with_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=f"EngineConfig.{field} = .* is invalid with mixed_prefill_tokens = 8"):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field} = .+ is invalid with mixed_prefill_tokens = 8"):
         EngineConfig(mixed_prefill_tokens=8, **{field: value})
     with pytest.raises(ValueError, match="EngineConfig.mixed_prefill_chunks = 0 is invalid"):
         EngineConfig(mixed_prefill_tokens=8, mixed_prefill_chunks=0)

@@ -109,11 +109,13 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed None or an integer >= 1")
         if self.mixed_prefill_tokens is not None:
-            for name, value, allowed in (("spec", self.spec, "None (mixed prefill runs without speculation)"),
-                                         ("enable_prefix_caching", self.enable_prefix_caching, "False"),
-                                         ("max_num_batched_tokens", self.max_num_batched_tokens, "None")):
+            for name, value, allowed in (
+                    ("spec", None if self.spec is None else f"method {self.spec.method!r}",
+                     "None (mixed prefill runs without speculation)"),
+                    ("enable_prefix_caching", self.enable_prefix_caching, "False"),
+                    ("max_num_batched_tokens", self.max_num_batched_tokens, "None")):
                 if value not in (None, False):
-                    raise ValueError(f"EngineConfig.{name} = {value!r} is invalid with mixed_prefill_tokens = "
+                    raise ValueError(f"EngineConfig.{name} = {value} is invalid with mixed_prefill_tokens = "
                                      f"{self.mixed_prefill_tokens}: allowed {allowed}")
         for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
@@ -477,7 +479,7 @@ class Engine:
         self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
         return out
 
-    def _dispatch(self, mode: SamplingMode, stop_after_ends: int, rows: int, plan, planned: list) -> None:
+    def _dispatch(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan, planned: list) -> None:
         """Async scheduling: starts a visit from the dispatch thread; the state is the visit's until _land."""
         if self._dispatcher is None:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-visit")
@@ -485,8 +487,8 @@ class Engine:
         state, self.state = self.state, None  # donated to the visit
 
         def visit():
-            summary, after, _, counters = self._run_steps(mode, self.config.steps_per_visit, stop_after_ends, rows,
-                                                          costs, state, None, plan)
+            summary, after, _, counters = self._run_steps(mode, max_steps, stop_after_ends, rows, costs, state, None,
+                                                          plan)
             return jax.device_get(summary), after, counters
 
         self._dispatched = _Dispatched(result=self._dispatcher.submit(visit), running=dict(self.running), rows=rows,
@@ -675,11 +677,14 @@ class Engine:
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
         plan, planned = self._plan()
+        max_steps = self.config.steps_per_visit
+        if planned and all(r.prefilled is not None for r in self.running.values()):
+            max_steps = int(plan.count)  # nothing decodes yet: the visit ends with the prefill (time to first token)
         if self.config.async_scheduling:
-            self._dispatch(mode, stop_after_ends, rows, plan, planned)
+            self._dispatch(mode, max_steps, stop_after_ends, rows, plan, planned)
             return []
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        visit, counters = self._run(mode, self.config.steps_per_visit, stop_after_ends, rows, plan)
+        visit, counters = self._run(mode, max_steps, stop_after_ends, rows, plan)
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
         self._count(visit, rows, len(self.running), planned)

@@ -33,6 +33,10 @@ class ServeConfig:
     enable_prefix_caching: bool = False
     disable_eagle_block_drop: bool = False
     max_num_batched_tokens: int | None = None
+    # Prompts prefilled by the decode steps, chunks of this many tokens (--mixed-prefill-tokens), up to
+    # mixed_prefill_chunks a step (--mixed-prefill-chunks); without speculation (EngineConfig's fields).
+    mixed_prefill_tokens: int | None = None
+    mixed_prefill_chunks: int = 1
     # Prompts of up to this many tokens find every program compiled before the server listens (each admission
     # batch and step bucket, greedy and sampled: Engine.warmup); None: only short requests are warmed, and the
     # first requests of other lengths or larger batches compile theirs (seconds each at the 8B shape).
@@ -138,6 +142,7 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "per_request_spec_decode_metrics": "per_request_spec_decode_metrics",
          "served_model_name": "served_model_name", "dtype": "dtype", "shutdown_timeout": "shutdown_timeout_s",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
+         "mixed_prefill_tokens": "mixed_prefill_tokens", "mixed_prefill_chunks": "mixed_prefill_chunks",
          "warmup_prompt_len": "warmup_prompt_len", "warmup_sampled": "warmup_sampled", "admit_wait_ms": "admit_wait_ms",
          "end_visits_on_finish": "end_visits_on_finish", "async_scheduling": "async_scheduling",
          "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",

@@ -68,6 +68,8 @@ def serve(config: ServeConfig) -> int:
                                  eos_token_ids=tuple(eos), enable_prefix_caching=config.enable_prefix_caching,
                                  disable_eagle_block_drop=config.disable_eagle_block_drop,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                 mixed_prefill_tokens=config.mixed_prefill_tokens,
+                                 mixed_prefill_chunks=config.mixed_prefill_chunks,
                                  max_prefill_batch=config.max_prefill_batch, async_scheduling=config.async_scheduling)
     # The engine thread and the HTTP event loop take turns on the interpreter lock: a short interval hands it back
     # to the engine soon after its device call returns.
