@@ -188,12 +188,11 @@ class ChunkPlan:
 
 def _prompts_prefilled(model: Transformer, state: DecodeState, chunks: PromptChunks, final: Float[Array, "R C D"],
                        mode: SamplingMode, eos_token_ids: tuple[int, ...]) -> DecodeState:
-    """The chunks' rows after them: the cache filled up to the chunk's end or the prompt's, and a row whose prompt
-    ended in its chunk active with its first token (fold_in(its token stream, 0), as `prefill` draws it)."""
+    """The chunks' rows after them: a row whose prompt ended in its chunk active with its first token (fold_in(its
+    token stream, 0), as `prefill` draws it). Its cache's fill level is already its prompt's length (admit_prompts)."""
     batch, width = state.tokens.shape[0], chunks.tokens.shape[1]
     rows = jnp.minimum(chunks.rows, batch - 1)
     prompt_len = state.lengths[rows]  # a waiting row's tokens are its prompt
-    lengths = state.cache.lengths.at[chunks.rows].max(jnp.minimum(chunks.starts + width, prompt_len), mode="drop")
     ends = (chunks.rows < batch) & (chunks.starts + width >= prompt_len)
     hidden = final[jnp.arange(rows.shape[0]), jnp.clip(prompt_len - 1 - chunks.starts, 0, width - 1)]
     sampling = jax.tree.map(lambda x: x if x.ndim == 0 else x[rows], state.sampling)
@@ -202,16 +201,17 @@ def _prompts_prefilled(model: Transformer, state: DecodeState, chunks: PromptChu
     done = state.done.at[started].set(state.budgets[rows] <= 0, mode="drop")
     block = jnp.zeros((batch, 1), jnp.int32).at[started, 0].set(first, mode="drop")
     count = jnp.zeros((batch,), jnp.int32).at[started].set(1, mode="drop")
-    state = dataclasses.replace(state, done=done, cache=state.cache.with_lengths(lengths))
-    return commit(state, block, count, eos_token_ids)[0]
+    return commit(dataclasses.replace(state, done=done), block, count, eos_token_ids)[0]
 
 
 def admit_prompts(state: DecodeState, slots: Int[Array, " N"], prompt_tokens: Int[Array, "N T"],
                   prompt_lengths: Int[Array, " N"], budgets: Int[Array, " N"], keys: PRNGKeyArray,
                   sampling: SamplingParams) -> DecodeState:
     """state with rows waiting for their prompts' prefill in `slots` (a slot past the batch: dropped): each row's
-    prompt, budget, key streams and sampling settings, nothing in its cache, done until decode_step's chunks
-    have prefilled its prompt (mixed prefill; the engine's)."""
+    prompt, budget, key streams and sampling settings, done until decode_step's chunks have prefilled its prompt
+    (mixed prefill; the engine's). Its cache's fill level is the prompt's length from the start: the steps before
+    then write their (unused) entry for the row there, past every chunk's prompt slots; the chunks' attention masks
+    by position, not by fill level."""
     def put(full, part):
         return full.at[slots].set(part if part.dtype == full.dtype else part.astype(full.dtype), mode="drop")
 
@@ -221,7 +221,7 @@ def admit_prompts(state: DecodeState, slots: Int[Array, " N"], prompt_tokens: In
     return dataclasses.replace(
         state, tokens=tokens, lengths=put(state.lengths, prompt_lengths),
         num_generated=put(state.num_generated, jnp.zeros_like(budgets)), done=put(state.done, jnp.ones_like(slots, bool)),
-        cache=state.cache.with_lengths(put(state.cache.lengths, jnp.zeros_like(budgets))),
+        cache=state.cache.with_lengths(put(state.cache.lengths, prompt_lengths)),
         budgets=put(state.budgets, budgets), streams=put(state.streams, jnp.stack(split_streams(keys), axis=1)),
         sampling=sampling)
 

@@ -4,6 +4,8 @@ under load in both model layouts, with several chunks of one prompt in one step,
 requests draw exactly generate's tokens (their keys are numbered by their own tokens, so the engine's draws are
 generate's, not only distributed as them)."""
 
+import re
+
 import numpy as np
 import pytest
 from support.engine import autoregressive_under_load, load_config, random_requests, serve_arriving, truncated_at_stop
@@ -72,6 +74,22 @@ def test_an_idle_engine_streams_the_first_token_when_the_prefill_steps_end():
     engine.step()
     assert engine.steps_run == 3
     assert streamed == {"a": generate(target, [prompt], max_new_tokens=1).sequences()[0]}
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("layout", ["stacked", "decoding"])
+def test_the_visit_updates_the_caches_in_place(layout):
+    """No copy of a cache-sized buffer in the compiled visit: a mixed step writes the chunks and the rows' entries
+    before any read (a read between the two writes made XLA copy each layer's cache every step), and the prefilling
+    steps run as a loop of their own (a lax.cond between the two kinds of step copied the caches at its entry: 8
+    copies in this program)."""
+    target = target_and_drafts()[0]
+    target = to_decoding_layout(target) if layout == "decoding" else target
+    engine = Engine(target, load_config(None, mixed_prefill_tokens=4, max_model_len=128, max_num_seqs=8))
+    hlo = engine.step_hlo()
+    cache = re.compile(r"= f32\[(\d+,)?8,128,\d+,\d+\]\S* copy\(")  # [layers,] slots, cache length, KV heads, head
+    assert sum(1 for line in hlo.splitlines() if cache.search(line)) == 0
+    assert re.search(r"f32\[(\d+,)?8,128,\d+,\d+\]", hlo)  # the pattern matches the caches' shape
 
 
 @pytest.mark.parametrize("field, value", [("spec", SpecConfig(method="ngram", num_speculative_tokens=2)),

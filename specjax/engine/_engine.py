@@ -265,19 +265,16 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
     visit's summary of those slots, `width` tokens a row (what the host reads), the state, the draft buffers, and
     the acceptance counters after the visit (a copy, which the host reads when requests end: the state itself may be
     in the next visit by then; None without speculation)."""
-    def cond(carry):
+    def cond(carry, limit, prefilling: bool = False):
         steps, state = carry
         done = _decode(state).done
-        busy = ~jnp.all(done) if plan is None else ~jnp.all(done) | (steps < plan.count)
-        return (steps < max_steps) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
+        busy = True if prefilling else ~jnp.all(done)  # rows being prefilled are done rows
+        return (steps < limit) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
 
-    def step(carry):
+    def step(carry, chunks: bool = False):
         steps, state = carry
-        if plan is None:
-            return steps + 1, program.step(weights, state, method, costs)
-        chunks = plan.at(steps, program.prefill_chunk)
-        return steps + 1, jax.lax.cond(steps < plan.count, lambda s: program.step(weights, s, method, costs, chunks),
-                                       lambda s: program.step(weights, s, method, costs), state)
+        plans = plan.at(steps, program.prefill_chunk) if chunks else None
+        return steps + 1, program.step(weights, state, method, costs, plans)
 
     leaves, treedef = jax.tree.flatten(state)
     busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
@@ -285,7 +282,11 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
         busy = layout.unpack(layout.to_device(draft), busy)
     busy = jax.tree.unflatten(treedef, busy)
     before, done_before = _decode(busy).num_generated, _decode(busy).done
-    steps, busy = jax.lax.while_loop(cond, step, (jnp.int32(0), busy))
+    carry = (jnp.int32(0), busy)
+    if plan is not None:  # the steps that prefill come first, in a loop of their own (a lax.cond would copy the caches)
+        carry = jax.lax.while_loop(lambda c: cond(c, jnp.minimum(max_steps, plan.count), prefilling=True),
+                                   lambda c: step(c, chunks=True), carry)
+    steps, busy = jax.lax.while_loop(lambda c: cond(c, max_steps), step, carry)
     visit = _Visit.of(steps, _decode(busy), before, width)
     counters = None if isinstance(busy, decoding.DecodeState) else jax.tree.map(jnp.copy, busy.counters)
     busy = jax.tree.leaves(busy)
@@ -533,6 +534,18 @@ class Engine:
         0 where an engine of the same settings compiled it before in this process (engines share programs), more
         than 1 a recompile."""
         return dict(self._step_compiles)
+
+    def step_hlo(self, rows: int | None = None) -> str:
+        """The compiled visit program over `rows` slots (default: all) in the engine's widest sampling mode, as optimised
+        HLO text: where a researcher (or a test) reads what a step copies and fuses."""
+        mode = self.mode
+        self._ensure_state(mode)
+        rows = rows or self.config.max_num_seqs
+        program = self._program(mode)
+        width = self.config.steps_per_visit * max(self.config.lookahead, 1)
+        return run_steps.lower(self._weights, self.state, None, self._method, np.int32(0), np.int32(rows + 1),
+                               self._verify_costs(rows, program.proposer), self._plan()[0], program=program, rows=rows,
+                               width=width, axes=self._axes, layout=self._draft_layout).compile().as_text()
 
     def _ensure_state(self, mode: SamplingMode) -> None:
         """The engine's state: every slot free (done), built by the initialiser over zero-budget rows."""

@@ -380,8 +380,8 @@ def mixed_layer(x: Float[Array, "B T D"], xc: Float[Array, "R C D"], layer, inde
                 config: ModelConfig) -> tuple[Float[Array, "B T D"], Float[Array, "R C D"], KVCache]:
     """decoder_layer over a step's new tokens x and prompt chunks xc at once: one token axis through every
     projection and the MLP (the weights are read once for both: a memory-bound decode step prefills for about
-    the compute), attention apart. The chunks write and attend after the step's rows (a row being prefilled is
-    a done row, whose step writes garbage where its chunk then writes)."""
+    the compute), attention apart. A row being prefilled is a done row whose fill level is its prompt's length
+    (decoding.admit_prompts): the step's garbage write for it lands past its prompt, never on a chunk's slot."""
     c, dtype = config, config.jnp_dtype
     (batch, num_new), (num_chunks, width) = x.shape[:2], xc.shape[:2]
     packed = jnp.concatenate([x.reshape(1, batch * num_new, -1), xc.reshape(1, num_chunks * width, -1)], axis=1)
@@ -390,8 +390,9 @@ def mixed_layer(x: Float[Array, "B T D"], xc: Float[Array, "R C D"], layer, inde
     split = lambda a: (a[0, :batch * num_new].reshape(batch, num_new, *a.shape[2:]),  # noqa: E731
                        a[0, batch * num_new:].reshape(num_chunks, width, *a.shape[2:]))
     (q, q_chunks), (k, k_chunks), (v, v_chunks) = map(split, project_qkv(h, layer, every, c))
-    attn, cache = _attend(q, k, v, layer, index, query_slots, cache, c)
+    # Every write before any read, so that XLA updates the cache in place (a read between two writes makes it copy).
     cache = cache.write_rows(index, chunks.rows, chunks.starts, k_chunks, v_chunks)
+    attn, cache = _attend(q, k, v, layer, index, query_slots, cache, c)
     rows = jnp.minimum(chunks.rows, batch - 1)  # a no-chunk lane reads a row it does not use
     k_rows, v_rows = (a[rows].astype(dtype) for a in cache.layer(index))
     attn_chunks = attention(q_chunks, k_rows, v_rows, chunks.positions, c)  # a prompt's cache slot is its position
