@@ -62,6 +62,27 @@ def test_sampled_requests_draw_generates_tokens_beside_greedy_ones():
 
 
 @pytest.mark.loop
+def test_prompts_prefilled_in_decode_steps_from_the_prefix_cache_give_the_same_outputs():
+    """Requests sharing system prompts, with the prefix cache: each request's tokens the autoregressive ones; the
+    cache hits (the chunks start after the matched blocks: fewer chunks than without it) and every block a running
+    request holds is released at its end."""
+    from test_prefix_cache import autoregressive, serve, shared_prefix_requests
+
+    requests = shared_prefix_requests()
+    want = autoregressive(requests)
+    runs = [serve(None, requests, mixed_prefill_tokens=4, mixed_prefill_chunks=2, **config)
+            for config in (dict(), dict(enable_prefix_caching=True))]
+    for outputs, _ in runs:
+        assert {k: list(o.tokens) for k, o in outputs.items()} == want
+    (_, off), (outputs, on) = runs
+    stats = on.stats()["prefix_cache"]
+    assert stats["hit_tokens"] > 0 and stats["hit_tokens"] == sum(o.num_cached_tokens for o in outputs.values())
+    assert stats["stored_blocks"] > 0
+    assert on.stats()["prefill_chunks"] < off.stats()["prefill_chunks"]
+    assert not on.prefix_cache.table.refs.any()  # every block released
+
+
+@pytest.mark.loop
 def test_an_idle_engine_streams_the_first_token_when_the_prefill_steps_end():
     """With nothing decoding, a visit ends with its prompt chunks, so the time to first token is the prefill's (a 10-token
     prompt in chunks of 4: 3 steps), not that of a whole visit of steps_per_visit."""
@@ -93,7 +114,7 @@ def test_the_visit_updates_the_caches_in_place(layout):
 
 
 @pytest.mark.parametrize("field, value", [("spec", SpecConfig(method="ngram", num_speculative_tokens=2)),
-                                          ("enable_prefix_caching", True), ("max_num_batched_tokens", 64)])
+                                          ("max_num_batched_tokens", 64)])
 def test_mixed_prefill_refuses_what_it_does_not_combine_with_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} = .+ is invalid with mixed_prefill_tokens = 8"):
         EngineConfig(mixed_prefill_tokens=8, **{field: value})

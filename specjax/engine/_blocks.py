@@ -128,16 +128,16 @@ def _map_kv(fn, cache: KVCache, pool: KVCache, *args) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames="block_size", donate_argnums=0)
-def load_blocks(cache: KVCache, pool: KVCache, blocks, counts, *, block_size: int) -> KVCache:
-    """cache with row b's slots [j * block_size, (j + 1) * block_size) set to pool block blocks[b, j], for
-    j < counts[b] (the rest of the row as it was)."""
+def load_blocks(cache: KVCache, pool: KVCache, blocks, counts, rows, *, block_size: int) -> KVCache:
+    """cache with row rows[i]'s slots [j * block_size, (j + 1) * block_size) set to pool block blocks[i, j], for
+    j < counts[i] (the rest of the row as it was; a row past the cache's: none)."""
     def load(row_kv, pool_kv):
         def one(x, p):  # x [B, S, H, D], p [N, bs, H, D]
             batch, width = blocks.shape
             values = p[blocks].reshape(batch, width * block_size, *p.shape[2:])
             slots = jnp.arange(width * block_size)[None, :]
             slots = jnp.where(slots < counts[:, None] * block_size, slots, x.shape[1])  # past the end: dropped
-            return x.at[jnp.arange(batch)[:, None], slots].set(values.astype(x.dtype), mode="drop")
+            return x.at[rows[:, None], slots].set(values.astype(x.dtype), mode="drop")
         return jax.vmap(one)(row_kv, pool_kv) if row_kv.ndim == 5 else one(row_kv, pool_kv)
 
     k, v = _map_kv(load, cache, pool)
@@ -185,8 +185,9 @@ class PrefixCache:
         stats.hit_blocks += len(blocks)
         return keys, blocks
 
-    def load(self, target: KVCache, draft: KVCache | None, blocks: list[list[int]]):
-        """Fresh cache rows (target, drafter's) with each row's matched blocks copied in."""
+    def load(self, target: KVCache, draft: KVCache | None, blocks: list[list[int]], rows=None):
+        """The cache rows (target, drafter's; donated) with each row's matched blocks copied in: blocks[i] into row
+        rows[i] (default: row i; a row past the cache's: none)."""
         if self.pools is None:
             num = self.table.num_blocks
             self.pools = (pool_like(target, num, self.block_size),
@@ -195,9 +196,10 @@ class PrefixCache:
         for row, held in enumerate(blocks):
             ids[row, :len(held)] = held
         ids, counts = jnp.asarray(ids), jnp.asarray([len(held) for held in blocks], jnp.int32)
-        target = load_blocks(target, self.pools[0], ids, counts, block_size=self.block_size)
+        rows = np.arange(len(blocks), dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
+        target = load_blocks(target, self.pools[0], ids, counts, rows, block_size=self.block_size)
         if draft is not None:
-            draft = load_blocks(draft, self.pools[1], ids, counts, block_size=self.block_size)
+            draft = load_blocks(draft, self.pools[1], ids, counts, rows, block_size=self.block_size)
         return target, draft
 
     def store(self, target: KVCache, draft: KVCache | None, rows: list[tuple[int, list[bytes], int]]) -> list[list[int]]:

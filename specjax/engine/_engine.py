@@ -112,7 +112,6 @@ class EngineConfig:
             for name, value, allowed in (
                     ("spec", None if self.spec is None else f"method {self.spec.method!r}",
                      "None (mixed prefill runs without speculation)"),
-                    ("enable_prefix_caching", self.enable_prefix_caching, "False"),
                     ("max_num_batched_tokens", self.max_num_batched_tokens, "None")):
                 if value not in (None, False):
                     raise ValueError(f"EngineConfig.{name} = {value} is invalid with mixed_prefill_tokens = "
@@ -173,6 +172,7 @@ class _Running:
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache (vLLM's num_cached_tokens)
     ended: bool = False  # its output is made (a visit dispatched before its end may still hold its slot)
     prefilled: int | None = None  # mixed prefill: prompt tokens in its cache while it waits for the rest; None: all
+    keys: list = dataclasses.field(default_factory=list)  # mixed prefill: its prompt's block keys (stored at its end)
 
 
 @dataclasses.dataclass
@@ -508,10 +508,18 @@ class Engine:
     def _count(self, visit: _Visit, rows: int, busy: int, planned: list) -> None:
         """Counts the visit's steps; moves on the prompts whose chunks it prefilled (mixed prefill)."""
         steps = int(visit.steps)
-        for running, step, filled in planned:
+        prefilled = []  # (slot, request) of the prompts whose prefill ended, for the prefix cache
+        for slot, running, step, filled in planned:
             if step < steps:
-                running.prefilled = None if filled >= len(running.request.prompt) else filled
                 self.prefill_chunks += 1
+                running.prefilled = None if filled >= len(running.request.prompt) else filled
+                if running.prefilled is None and self.prefix_cache is not None:
+                    prefilled.append((slot, running))
+        if prefilled:  # the slots are the visit's still: the host compacts them after this
+            stored = self.prefix_cache.store(_decode(self.state).cache, None,
+                                             [(slot, r.keys, len(r.blocks)) for slot, r in prefilled])
+            for (_, running), held in zip(prefilled, stored):
+                running.blocks += held
         self.steps_run += steps
         self.visits += 1
         self.slot_steps += rows * steps
@@ -579,7 +587,13 @@ class Engine:
         for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):
             if self.config.mixed_prefill_tokens is not None:  # the admissions' programs, every row dropped
                 arrays = _free_rows(count, self.config.max_model_len)
-                self.state = admit_waiting(self.state, padded_slots([nowhere] * count, nowhere), *arrays)
+                slots = padded_slots([nowhere] * count, nowhere)
+                self.state = admit_waiting(self.state, slots, *arrays)
+                if self.prefix_cache is not None:
+                    cache, _ = self.prefix_cache.load(self.state.cache, None, [[]] * count, slots)
+                    self.state = dataclasses.replace(self.state, cache=cache)
+        if self.config.mixed_prefill_tokens is not None and self.prefix_cache is not None:
+            self.prefix_cache.copy_in(self.state.cache, None, [], [], [])  # a store's program, copying nothing
         for rows in self._row_buckets():
             self._run(mode, 0, rows + 1, rows, self._plan()[0])
         for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):  # padded_slots' counts
@@ -744,15 +758,21 @@ class Engine:
         arrays = self._row_arrays(admitted, len(slots), self.config.max_model_len)
         self.state = admit_waiting(self.state, slots, *arrays)
         self.prefilled_requests += len(admitted)
-        for slot, (request, arrival) in zip(free, admitted):
-            self._start(slot, request, arrival, [], 0)
-            self.running[slot].prefilled = 0
+        looked = [self._lookup(request.prompt) for request, _ in admitted]
+        if self.prefix_cache is not None:  # the matched blocks into the slots' caches; the chunks start after them
+            blocks = [held for _, held in looked] + [[]] * (len(slots) - len(admitted))
+            cache, _ = self.prefix_cache.load(self.state.cache, None, blocks, slots)
+            self.state = dataclasses.replace(self.state, cache=cache)
+        for slot, (request, arrival), (keys, blocks) in zip(free, admitted, looked):
+            self._start(slot, request, arrival, blocks, len(blocks))
+            self.running[slot].prefilled = len(blocks) * self.config.block_size
+            self.running[slot].keys = keys
 
     def _plan(self) -> tuple[_Plan | None, list]:
         """The visit's prompt chunks (mixed prefill): the next chunks of the prompts waiting in their slots, in the
-        order they arrived, mixed_prefill_chunks a step for up to steps_per_visit steps; and (the request, the step,
-        its prompt tokens in the cache after the chunk) for each, which _count applies when the visit's steps are
-        known. (None, []) without mixed prefill."""
+        order they arrived, mixed_prefill_chunks a step for up to steps_per_visit steps; and (the slot, the request,
+        the step, its prompt tokens in the cache after the chunk) for each, which _count applies when the visit's
+        steps are known. (None, []) without mixed prefill."""
         config = self.config
         width = config.mixed_prefill_tokens
         if width is None:
@@ -766,7 +786,7 @@ class Engine:
                   for start in range(running.prefilled, len(running.request.prompt), width))
         for index, (slot, running, start) in zip(range(rows.size), chunks):
             rows.flat[index], starts.flat[index] = slot, start
-            planned.append((running, index // shape[1], start + width))
+            planned.append((slot, running, index // shape[1], start + width))
         return _Plan(rows=rows, starts=starts, count=np.int32(-(-len(planned) // shape[1]))), planned
 
     def _cached_tokens(self, prompt) -> int:
