@@ -84,8 +84,8 @@ def test_prompts_prefilled_in_decode_steps_from_the_prefix_cache_give_the_same_o
 
 @pytest.mark.loop
 def test_an_idle_engine_streams_the_first_token_when_the_prefill_steps_end():
-    """With nothing decoding, a visit ends with its prompt chunks, so the time to first token is the prefill's (a 10-token
-    prompt in chunks of 4: 3 steps), not that of a whole visit of steps_per_visit."""
+    """With nothing decoding, a visit ends with its prompt chunks, so the time to first token is the prefill's (a
+    10-token prompt in chunks of 4: 3 steps), not that of a whole visit of steps_per_visit."""
     target = target_and_drafts()[0]
     streamed = {}
     engine = Engine(target, load_config(None, mixed_prefill_tokens=4, steps_per_visit=8),

@@ -93,8 +93,8 @@ class EngineConfig:
     # admitted request waits in its slot while each decode step also prefills up to mixed_prefill_chunks chunks of
     # mixed_prefill_tokens prompt tokens in the same forward (their projections and MLP share the step's weight
     # reads: a memory-bound step prefills for about the compute), and decodes from the step after its prompt's last
-    # chunk. None: prompts are prefilled in calls of their own between visits. Without speculation only, and not
-    # with prefix caching or max_num_batched_tokens.
+    # chunk. None: prompts are prefilled in calls of their own between visits. Without speculation only, and not with
+    # max_num_batched_tokens, which it replaces.
     mixed_prefill_tokens: int | None = None
     mixed_prefill_chunks: int = 1  # prompt chunks a mixed step prefills at most
 
@@ -261,8 +261,8 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
     stop_after_ends of them ended in this visit (a slot to fill); the other slots are left as they are. With draft KV
     offload (layout), draft holds those slots' host buffers: in for the steps, back out after them. method: the
     lossless rule of sampled rows; costs: adaptive verification's cost of a step of `rows` slots at each verify
-    width (None without it); plan: the prompt chunks its first steps prefill (mixed prefill; None without); axes: the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the
-    visit's summary of those slots, `width` tokens a row (what the host reads), the state, the draft buffers, and
+    width (None without it); plan: the prompt chunks its first steps prefill (mixed prefill; None without); axes:
+    the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the visit's summary of those slots, `width` tokens a row (what the host reads), the state, the draft buffers, and
     the acceptance counters after the visit (a copy, which the host reads when requests end: the state itself may be
     in the next visit by then; None without speculation)."""
     def cond(carry, limit, prefilling: bool = False):
@@ -297,7 +297,8 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def admit_waiting(state: decoding.DecodeState, slots, tokens, lengths, budgets, seeds, sampling) -> decoding.DecodeState:
+def admit_waiting(state: decoding.DecodeState, slots, tokens, lengths, budgets, seeds,
+                  sampling) -> decoding.DecodeState:
     """decoding.admit_prompts into the engine's state (donated: written in place): rows waiting for mixed prefill."""
     return decoding.admit_prompts(state, slots, tokens, lengths, budgets, _keys(seeds), sampling)
 
@@ -403,8 +404,8 @@ class Engine:
 
     def stats(self) -> dict:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
-        requests; prompt chunks of mixed prefill), seconds in step() and waiting on the device, and the prefix cache's (hits and queries in
-        tokens and blocks, hit_rate; None when prefix caching is off)."""
+        requests; prompt chunks of mixed prefill), seconds in step() and waiting on the device, and the prefix
+        cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off)."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
                 "prefilled_requests": self.prefilled_requests, "prefill_chunks": self.prefill_chunks,
@@ -475,12 +476,14 @@ class Engine:
         compiled = run_steps._cache_size()
         width = self.config.steps_per_visit * max(self.config.lookahead, 1)
         out = run_steps(self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends),
-                        costs, plan, program=program, rows=rows, width=width, axes=self._axes, layout=self._draft_layout)
+                        costs, plan, program=program, rows=rows, width=width, axes=self._axes,
+                        layout=self._draft_layout)
         key = (mode, rows)
         self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
         return out
 
-    def _dispatch(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan, planned: list) -> None:
+    def _dispatch(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan,
+                  planned: list) -> None:
         """Async scheduling: starts a visit from the dispatch thread; the state is the visit's until _land."""
         if self._dispatcher is None:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-visit")
@@ -544,8 +547,8 @@ class Engine:
         return dict(self._step_compiles)
 
     def step_hlo(self, rows: int | None = None) -> str:
-        """The compiled visit program over `rows` slots (default: all) in the engine's widest sampling mode, as optimised
-        HLO text: where a researcher (or a test) reads what a step copies and fuses."""
+        """The compiled visit program over `rows` slots (default: all) in the engine's widest sampling mode, as
+        optimised HLO text: where a researcher (or a test) reads what a step copies and fuses."""
         mode = self.mode
         self._ensure_state(mode)
         rows = rows or self.config.max_num_seqs
@@ -584,16 +587,15 @@ class Engine:
             self._insert(rows, [nowhere] * batch)  # every row dropped
             self._warm_widths.setdefault((mode, batch), set()).add(width)
             batch *= 2
-        for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):
-            if self.config.mixed_prefill_tokens is not None:  # the admissions' programs, every row dropped
-                arrays = _free_rows(count, self.config.max_model_len)
-                slots = padded_slots([nowhere] * count, nowhere)
-                self.state = admit_waiting(self.state, slots, *arrays)
+        if self.config.mixed_prefill_tokens is not None:  # the admissions' programs (padded_slots' counts)
+            for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):
+                slots = padded_slots([nowhere] * count, nowhere)  # every row dropped
+                self.state = admit_waiting(self.state, slots, *_free_rows(count, self.config.max_model_len))
                 if self.prefix_cache is not None:
                     cache, _ = self.prefix_cache.load(self.state.cache, None, [[]] * count, slots)
                     self.state = dataclasses.replace(self.state, cache=cache)
-        if self.config.mixed_prefill_tokens is not None and self.prefix_cache is not None:
-            self.prefix_cache.copy_in(self.state.cache, None, [], [], [])  # a store's program, copying nothing
+            if self.prefix_cache is not None:
+                self.prefix_cache.copy_in(self.state.cache, None, [], [], [])  # a store's program, copying nothing
         for rows in self._row_buckets():
             self._run(mode, 0, rows + 1, rows, self._plan()[0])
         for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):  # padded_slots' counts
