@@ -4,6 +4,9 @@
                                   prefill of the admitted rows       K-step rounds until a row ends
                                   (decoding.speculative_init),       (decoding.speculative_step),
                                   written into free slots            the host reads the new tokens
+                                  or, with mixed prefill, the prompt
+                                  waits in the slot for the steps'
+                                  chunks (engine/_mixed.py)
 
 The device state is the same pytree `generate` runs (decoding.SpecState, or DecodeState without
 speculation) with `max_num_seqs` rows; a free slot is a done row, which every step skips. The host
@@ -30,6 +33,7 @@ import numpy as np
 from specjax import adaptive, decoding
 from specjax.config import DTYPES, SamplingConfig, SpecConfig
 from specjax.engine._blocks import PrefixCache, block_keys
+from specjax.engine._mixed import ChunkSchedule, plan_chunks
 from specjax.engine._offload import DraftKVLayout, DraftKVSlots, check_host_memory
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 from specjax.engine._slots import NO_BATCH, batch_axes, insert_rows, move_rows, padded_slots, release_slots
@@ -195,7 +199,7 @@ class _Dispatched:
     result: concurrent.futures.Future  # of (the visit's summary on the host, the state after it, its counters)
     running: dict  # slot -> _Running at dispatch: the rows the summary's slots hold
     rows: int  # slots it steps
-    planned: list  # its prompt chunks (mixed prefill): _Engine._plan's
+    planned: list  # its prompt chunks (mixed prefill): _mixed.plan_chunks'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,22 +244,8 @@ def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None, *
     return program.init(weights, tokens, lengths, budgets, seeds, sampling, prefix)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "starts", "count"), meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """A visit's prompt chunks (mixed prefill): step i < count prefills chunks rows[i, r] from starts[i, r]."""
-
-    rows: jax.Array  # [steps_per_visit, mixed_prefill_chunks]: slots (past the state's rows: no chunk)
-    starts: jax.Array  # [steps_per_visit, mixed_prefill_chunks]
-    count: jax.Array  # steps that prefill
-
-    def at(self, step, width: int) -> decoding.ChunkPlan:
-        step = jnp.minimum(step, self.rows.shape[0] - 1)
-        return decoding.ChunkPlan(rows=self.rows[step], starts=self.starts[step], width=width)
-
-
 @functools.partial(jax.jit, static_argnames=("program", "rows", "width", "axes", "layout"), donate_argnums=1)
-def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, plan: _Plan | None = None, *,
+def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, plan: ChunkSchedule | None = None, *,
               program: _Program, rows: int, width: int, axes: tuple[int, ...], layout: DraftKVLayout | None):
     """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
     stop_after_ends of them ended in this visit (a slot to fill); the other slots are left as they are. With draft KV
@@ -770,26 +760,15 @@ class Engine:
             self.running[slot].prefilled = len(blocks) * self.config.block_size
             self.running[slot].keys = keys
 
-    def _plan(self) -> tuple[_Plan | None, list]:
-        """The visit's prompt chunks (mixed prefill): the next chunks of the prompts waiting in their slots, in the
-        order they arrived, mixed_prefill_chunks a step for up to steps_per_visit steps; and (the slot, the request,
-        the step, its prompt tokens in the cache after the chunk) for each, which _count applies when the visit's
-        steps are known. (None, []) without mixed prefill."""
+    def _plan(self) -> tuple[ChunkSchedule | None, list]:
+        """The visit's prompt chunks (mixed prefill; _mixed.plan_chunks) and what they do; (None, []) without it."""
         config = self.config
-        width = config.mixed_prefill_tokens
-        if width is None:
+        if config.mixed_prefill_tokens is None:
             return None, []
-        shape = (config.steps_per_visit, config.mixed_prefill_chunks)
-        rows, starts = np.full(shape, config.max_num_seqs, np.int32), np.zeros(shape, np.int32)
-        planned = []
         waiting = sorted(((slot, r) for slot, r in self.running.items() if r.prefilled is not None),
                          key=lambda item: item[1].arrival)
-        chunks = ((slot, running, start) for slot, running in waiting
-                  for start in range(running.prefilled, len(running.request.prompt), width))
-        for index, (slot, running, start) in zip(range(rows.size), chunks):
-            rows.flat[index], starts.flat[index] = slot, start
-            planned.append((slot, running, index // shape[1], start + width))
-        return _Plan(rows=rows, starts=starts, count=np.int32(-(-len(planned) // shape[1]))), planned
+        return plan_chunks(waiting, steps=config.steps_per_visit, chunks=config.mixed_prefill_chunks,
+                           width=config.mixed_prefill_tokens, nowhere=config.max_num_seqs)
 
     def _cached_tokens(self, prompt) -> int:
         """Prompt tokens the prefix cache would give this prompt now (0 without one); changes nothing."""
