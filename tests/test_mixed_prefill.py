@@ -120,3 +120,16 @@ def test_mixed_prefill_refuses_what_it_does_not_combine_with_naming_the_field(fi
         EngineConfig(mixed_prefill_tokens=8, **{field: value})
     with pytest.raises(ValueError, match="EngineConfig.mixed_prefill_chunks = 0 is invalid"):
         EngineConfig(mixed_prefill_tokens=8, mixed_prefill_chunks=0)
+
+
+def test_bench_serve_sweeps_mixed_prefill_settings_and_refuses_a_malformed_one(capsys):
+    from specjax import cli
+    from specjax.bench_serve import mixed_fields
+
+    assert mixed_fields("off") == {}
+    assert mixed_fields("128") == {"mixed_prefill_tokens": 128, "mixed_prefill_chunks": 1}
+    assert mixed_fields("64x2") == {"mixed_prefill_tokens": 64, "mixed_prefill_chunks": 2}
+    with pytest.raises(SystemExit):
+        cli.main(["bench-serve", "--mixed-prefill", "off,128y2"])
+    assert "--mixed-prefill '128y2' is invalid: allowed a comma-separated list of off and TOKENS[xCHUNKS]" in (
+        capsys.readouterr().err)
