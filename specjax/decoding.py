@@ -28,7 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from specjax.config import DTYPES, SamplingConfig, SpecConfig, dtype_from_name
 from specjax.metrics import AcceptanceCounters, AcceptanceMetrics
 from specjax.models.kv_cache import KVCache
-from specjax.models.transformer import PromptChunks, Transformer
+from specjax.models.transformer import Hidden, PromptChunks, Transformer
 from specjax.proposers import Context, Proposer, TargetOutput, build_proposer
 from specjax import adaptive, benchmarking, sharding
 from specjax.trees import masks, sizing, structure
@@ -157,26 +157,35 @@ def decode_step(model: Transformer, state: DecodeState, *, mode: SamplingMode, e
         logits, _, cache = model(last[:, None], (state.lengths - 1)[:, None], state.cache)
     else:
         prompt_chunks = chunks.of(state.tokens)
-        logits, final_chunks, cache = model.mixed(last[:, None], (state.lengths - 1)[:, None], state.cache,
-                                                  prompt_chunks)
+        logits, _, cache, chunk_hidden = model.mixed(last[:, None], (state.lengths - 1)[:, None], state.cache,
+                                                     prompt_chunks)
     cache = cache.with_lengths(jnp.where(state.done, state.cache.lengths, cache.lengths))
     token = sample(logits[:, 0], token_keys(state), state.sampling, mode)
     state, _ = commit(dataclasses.replace(state, cache=cache), token[:, None], jnp.ones_like(state.budgets),
                       eos_token_ids)
     if chunks is not None:
-        state = _prompts_prefilled(model, state, prompt_chunks, final_chunks, mode, eos_token_ids)
+        state = _prompts_prefilled(model, state, prompt_chunks, chunk_hidden.final, mode, eos_token_ids)
     return state
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "starts"), meta_fields=("width",))
+NO_BATCH = -1  # a state leaf without a batch axis (ChunkPlan's axes, the engine's slot functions)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("rows", "starts"),
+                   meta_fields=("width", "proposer_axes", "cache_axes"))
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
     """The prompt chunks of one mixed-prefill step: chunk r is row rows[r]'s prompt from position starts[r],
-    `width` tokens (a row past the batch: no chunk)."""
+    `width` tokens (a row past the batch: no chunk). With speculation, the batch axis of each leaf of the proposer's
+    state and of its per-position cache (Proposer.prefix_cache), NO_BATCH where none: the chunks' rows are taken out
+    of them and put back. A speculative step takes one chunk of a row at most (each extends the row's cache as the
+    step began)."""
 
     rows: Int[Array, " R"]
     starts: Int[Array, " R"]
     width: int
+    proposer_axes: tuple[int, ...] | None = None
+    cache_axes: tuple[int, ...] | None = None
 
     def of(self, tokens: Int[Array, "B S"]) -> PromptChunks:
         """The chunks' tokens, read from the rows' token buffers (past the buffer: its last column, unused)."""
@@ -202,6 +211,41 @@ def _prompts_prefilled(model: Transformer, state: DecodeState, chunks: PromptChu
     block = jnp.zeros((batch, 1), jnp.int32).at[started, 0].set(first, mode="drop")
     count = jnp.zeros((batch,), jnp.int32).at[started].set(1, mode="drop")
     return commit(dataclasses.replace(state, done=done), block, count, eos_token_ids)[0]
+
+
+def take_rows(tree, rows: Int[Array, " R"], axes: tuple[int, ...]):
+    """tree's entries of `rows` along each leaf's batch axis (rows past the batch read its last; NO_BATCH leaves as
+    they are)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [x if a == NO_BATCH else jnp.take(x, rows, axis=a, mode="clip")
+                                        for x, a in zip(leaves, axes)])
+
+
+def put_rows(tree, part, rows: Int[Array, " R"], axes: tuple[int, ...]):
+    """tree with part's entries written at `rows` along each leaf's batch axis (a row past the batch: dropped)."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def put(full, new, axis):
+        if axis == NO_BATCH:
+            return full
+        new = new if new.dtype == full.dtype else new.astype(full.dtype)
+        return full.at[(slice(None),) * axis + (rows,)].set(new, mode="drop")
+
+    return jax.tree.unflatten(treedef, [put(x, y, a) for x, y, a in zip(leaves, jax.tree.leaves(part), axes)])
+
+
+def _drafter_prefilled(proposer: Proposer, draft_params: Any, proposer_state, decode: DecodeState,
+                       chunks: PromptChunks, hidden: Hidden, plan: ChunkPlan, prompt_len: Int[Array, " R"]):
+    """The proposer's state with the chunks' rows extended by their chunks (Proposer.extend from the rows' caches,
+    as a chunked prefill's calls extend them): a row whose prompt ended has the whole state `speculative_init` would
+    give it; an earlier chunk's row, its cache filled over the chunk (the rest of its state is rebuilt by the next)."""
+    rows = jnp.minimum(chunks.rows, decode.tokens.shape[0] - 1)
+    cache = proposer.prefix_cache(proposer_state)
+    cache = None if cache is None else take_rows(cache, rows, plan.cache_axes)
+    target_out = TargetOutput(logits=None, hidden=hidden)
+    # The proposer sees the prompt followed by its first token (an earlier chunk's row: a token it does not use).
+    extended = proposer.extend(draft_params, cache, decode.tokens[rows], prompt_len + 1, chunks.starts, target_out)
+    return put_rows(proposer_state, extended, chunks.rows, plan.proposer_axes)
 
 
 def admit_prompts(state: DecodeState, slots: Int[Array, " N"], prompt_tokens: Int[Array, "N T"],
@@ -298,7 +342,8 @@ class Prefix:
 
 def speculative_step(model: Transformer, draft_params: Any, state: SpecState, method: Int[Array, ""], *,
                      proposer: Proposer, verifiers: tuple[Verifier, ...], eos_token_ids: tuple[int, ...],
-                     gather_logits: bool = False, verify_costs: Float[Array, " W"] | None = None) -> SpecState:
+                     gather_logits: bool = False, verify_costs: Float[Array, " W"] | None = None,
+                     chunks: ChunkPlan | None = None) -> SpecState:
     """One speculative step of every active row: propose K drafts, score the last committed token and
     the drafts in one target forward over K + 1 positions, verify (rule verifiers[method] for sampled
     rows), commit the accepted drafts plus one target token, and roll both caches back by their lengths.
@@ -306,7 +351,11 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     With adaptive verification (state.adaptive) the forward scores the first W + 1 positions only, W the
     width of spec.verify_widths chosen from the state's estimates and verify_costs (a step's cost at each
     width; default the analytic curve), and every active row verifies its first W drafts (specjax.adaptive); at
-    width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing."""
+    width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing.
+
+    With `chunks`, prompt chunks of rows waiting for their prefill (admit_prompts) run in the verify forward (mixed
+    prefill, as decode_step's): the drafter's state of each chunk's row is extended by it, and a row whose prompt it
+    ends gets its first token and speculates from the next step."""
     spec, num_draft = proposer.settings.spec, proposer.settings.spec.num_speculative_tokens
     decode, active = state.decode, ~state.decode.done
     batch = decode.tokens.shape[0]
@@ -351,11 +400,19 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     verify = functools.partial(verify_drafts, keys=verify_keys, sampling=decode.sampling,
                                mode=proposer.settings.sampling, verifiers=verifiers, method=method)
 
+    prompt_chunks = None if chunks is None else chunks.of(decode.tokens)
+
     def scored(width, num_valid=None, attention_mask=None):
-        """The forward over the block's first width + 1 positions, and its drafts verified: (path, accepted, next
-        token, the forward's logits and hidden states, the cache)."""
-        logits, hidden, cache = model(block[:, :width + 1], positions[:, :width + 1], decode.cache,
-                                      hidden_layers=proposer.hidden_layers, attention_mask=attention_mask)
+        """The forward over the block's first width + 1 positions (and the prompt chunks), and its drafts verified:
+        (path, accepted, next token, the forward's logits and hidden states, the cache, the chunks' hidden states)."""
+        chunk_hidden = None
+        if prompt_chunks is None:
+            logits, hidden, cache = model(block[:, :width + 1], positions[:, :width + 1], decode.cache,
+                                          hidden_layers=proposer.hidden_layers, attention_mask=attention_mask)
+        else:
+            logits, hidden, cache, chunk_hidden = model.mixed(
+                block[:, :width + 1], positions[:, :width + 1], decode.cache, prompt_chunks,
+                hidden_layers=proposer.hidden_layers, attention_mask=attention_mask)
         if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
             logits = constrain(logits, BATCH)
         span = max(width, 1)  # a verifier takes a draft at least: at width 0 it is cut to none (num_valid)
@@ -363,11 +420,12 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
                           None if draft_probs is None else draft_probs[:, :span], parents=row_parents,
                           synthetic_rates=None if synthetic_rates is None else synthetic_rates[:span],
                           num_valid=num_valid)
-        return *verified, logits, hidden, cache
+        return *verified, logits, hidden, cache, chunk_hidden
 
     num_valid = None
     if state.adaptive is None:
-        path, num_accepted, next_token, logits, hidden, cache = scored(block.shape[1] - 1, attention_mask=mask)
+        path, num_accepted, next_token, logits, hidden, cache, chunk_hidden = scored(block.shape[1] - 1,
+                                                                                     attention_mask=mask)
     else:  # chains only (SpecConfig refuses trees)
         confidence = proposer.draft_confidence(proposer_state)
         choice = counted  # chosen again only where the drafter's confidence is read, now that it has drafted
@@ -377,12 +435,12 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
         num_valid = jnp.where(active, jnp.asarray(widths, jnp.int32)[choice], 0)
 
         def at_width(width):  # verified in the branch: the verifier's work, as the forward's, scales with the width
-            _, accepted, token, _, hidden, cache = scored(width, num_valid)
-            return accepted, token, adaptive.padded(hidden, num_draft + 1), cache
+            _, accepted, token, _, hidden, cache, chunk_hidden = scored(width, num_valid)
+            return accepted, token, adaptive.padded(hidden, num_draft + 1), cache, chunk_hidden
 
         branches = [functools.partial(at_width, width) for width in widths]
-        num_accepted, next_token, hidden, cache = (jax.lax.switch(choice, branches) if len(branches) > 1
-                                                   else branches[0]())
+        num_accepted, next_token, hidden, cache, chunk_hidden = (jax.lax.switch(choice, branches)
+                                                                 if len(branches) > 1 else branches[0]())
         path, logits = None, None  # no proposer reads the logits of a verify (TargetOutput.logits)
     if path is not None:  # the accepted path into contiguous slots; from here on it reads as a chain
         path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
@@ -396,7 +454,14 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     emitted = emitted.at[rows, num_accepted].set(next_token)
     decode, kept = commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, eos_token_ids)
     target_out = TargetOutput(logits=logits, hidden=hidden, path=path)
-    return SpecState(decode=decode, proposer=proposer.accept(proposer_state, num_accepted, next_token, target_out),
+    proposer_state = proposer.accept(proposer_state, num_accepted, next_token, target_out)
+    if chunks is not None:
+        prompt_len = decode.lengths[jnp.minimum(chunks.rows, batch - 1)]  # a waiting row's tokens are its prompt
+        decode = _prompts_prefilled(model, decode, prompt_chunks, chunk_hidden.final, proposer.settings.sampling,
+                                    eos_token_ids)
+        proposer_state = _drafter_prefilled(proposer, draft_params, proposer_state, decode, prompt_chunks, chunk_hidden,
+                                            chunks, prompt_len)
+    return SpecState(decode=decode, proposer=proposer_state,
                      counters=state.counters.update(active, num_accepted, kept, num_valid),
                      adaptive=None if state.adaptive is None else state.adaptive.observe(active, num_valid, num_accepted))
 

@@ -2,13 +2,16 @@
 the same forward as the running rows' tokens. Each request's output is still what `generate` gives it alone: greedy
 under load in both model layouts, with several chunks of one prompt in one step, with async scheduling; sampled
 requests draw exactly generate's tokens (their keys are numbered by their own tokens, so the engine's draws are
-generate's, not only distributed as them)."""
+generate's, not only distributed as them). With speculation the drafter's state is built by the chunks too: every
+request's acceptance counts equal those of the engine that prefills in calls of its own (the same drafts), which a
+drafter left unprefilled fails while its greedy output stays right."""
 
 import re
 
 import numpy as np
 import pytest
-from support.engine import autoregressive_under_load, load_config, random_requests, serve_arriving, truncated_at_stop
+from support.engine import (SPECS, autoregressive_under_load, drafter_for, load_config, load_group, random_requests,
+                            serve_arriving, served_under_load, truncated_at_stop)
 from support.models import target_and_drafts
 
 from specjax.config import SamplingConfig, SpecConfig
@@ -113,11 +116,64 @@ def test_the_visit_updates_the_caches_in_place(layout):
     assert re.search(r"f32\[(\d+,)?8,128,\d+,\d+\]", hlo)  # the pattern matches the caches' shape
 
 
-@pytest.mark.parametrize("field, value", [("spec", SpecConfig(method="ngram", num_speculative_tokens=2)),
-                                          ("max_num_batched_tokens", 64)])
+@pytest.mark.loop
+@pytest.mark.parametrize("name", [load_group(name) for name in ("draft_model_tree", "eagle3", "dflash", "medusa")])
+def test_every_request_gets_its_autoregressive_output_and_the_same_drafts_with_a_drafter(name):
+    """A tree of a draft model, EAGLE-3 (hidden layers), DFlash, Medusa (no cache): 32 requests arriving at random,
+    prompts in chunks of 4, two a step (of different prompts): greedy output equal to autoregressive decoding, and each
+    request's steps, drafted and accepted drafts those of the engine that prefills in calls of its own."""
+    engine = Engine(target_and_drafts()[0], load_config(SPECS[name], mixed_prefill_tokens=4, mixed_prefill_chunks=2),
+                    drafter=drafter_for(name))
+    requests = random_requests(32)
+    outputs = serve_arriving(engine, requests)
+    _, reference = served_under_load(name)
+    counts = lambda metrics: (metrics["steps"], metrics["drafted"], metrics["accepted"])  # noqa: E731
+    for request, want in zip(requests, autoregressive_under_load()):
+        got = outputs[request.request_id]
+        assert list(got.tokens) == truncated_at_stop(want, request.stop_token_ids), request.request_id
+        assert counts(got.metrics) == counts(reference[request.request_id].metrics), request.request_id
+    assert sum(o.metrics["accepted"] for o in outputs.values()) > 0
+    assert engine.stats()["prefill_calls"] == 0
+
+
+@pytest.mark.loop
+def test_sampled_speculative_requests_draw_what_prefill_calls_draw():
+    """EAGLE, greedy, T 0.7 top-p 0.9 and T 1 top-k 5 requests, async scheduling: every request's tokens and acceptance
+    counts equal those of the engine that prefills in calls of its own (the same drafter state, drafts and draws:
+    a row's draws are numbered by its own tokens and steps, whenever it starts)."""
+    settings = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9), SamplingConfig(temperature=1.0, top_k=5)]
+    requests = [Request(request_id=r.request_id, prompt=r.prompt, max_tokens=r.max_tokens, sampling=settings[i % 3],
+                        seed=i) for i, r in enumerate(random_requests(16, seed=5))]
+    runs = [serve_arriving(Engine(target_and_drafts()[0], load_config(SPECS["eagle"], eos_token_ids=(), **fields),
+                                  drafter=drafter_for("eagle")), requests)
+            for fields in (dict(), dict(mixed_prefill_tokens=8, async_scheduling=True))]
+    for request in requests:
+        calls, mixed = (run[request.request_id] for run in runs)
+        assert mixed.tokens == calls.tokens and mixed.metrics == calls.metrics, request.request_id
+
+
+@pytest.mark.loop
+def test_adaptive_verification_with_prompts_prefilled_in_steps_gives_the_autoregressive_output():
+    """DFlash with adaptive verification (its widths are the batch's choice, so its drafts may differ from the other
+    engine's): greedy output equal to autoregressive decoding for 32 requests arriving at random."""
+    import dataclasses
+
+    spec = dataclasses.replace(SPECS["dflash"], enable_adaptive_verification=True)
+    engine = Engine(target_and_drafts()[0], load_config(spec, mixed_prefill_tokens=4), drafter=drafter_for("dflash"))
+    requests = random_requests(32)
+    outputs = serve_arriving(engine, requests)
+    for request, want in zip(requests, autoregressive_under_load()):
+        assert list(outputs[request.request_id].tokens) == truncated_at_stop(want, request.stop_token_ids)
+
+
+@pytest.mark.parametrize("field, value", [("max_num_batched_tokens", 64), ("draft_kv_offload", True)])
 def test_mixed_prefill_refuses_what_it_does_not_combine_with_naming_the_field(field, value):
+    spec = SpecConfig(method="eagle", num_speculative_tokens=2)
     with pytest.raises(ValueError, match=f"EngineConfig.{field} = .+ is invalid with mixed_prefill_tokens = 8"):
-        EngineConfig(mixed_prefill_tokens=8, **{field: value})
+        EngineConfig(mixed_prefill_tokens=8, spec=spec, **{field: value})
+    with pytest.raises(ValueError, match="EngineConfig.enable_prefix_caching = True is invalid with mixed_prefill_tokens "
+                                         "= 8: allowed False with speculation"):
+        EngineConfig(mixed_prefill_tokens=8, spec=spec, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="EngineConfig.mixed_prefill_chunks = 0 is invalid"):
         EngineConfig(mixed_prefill_tokens=8, mixed_prefill_chunks=0)
 

@@ -97,8 +97,9 @@ class EngineConfig:
     # admitted request waits in its slot while each decode step also prefills up to mixed_prefill_chunks chunks of
     # mixed_prefill_tokens prompt tokens in the same forward (their projections and MLP share the step's weight
     # reads: a memory-bound step prefills for about the compute), and decodes from the step after its prompt's last
-    # chunk. None: prompts are prefilled in calls of their own between visits. Without speculation only, and not with
-    # max_num_batched_tokens, which it replaces.
+    # chunk; with speculation the drafter's state is extended by each chunk too, one chunk of a prompt a step. None:
+    # prompts are prefilled in calls of their own between visits. Not with max_num_batched_tokens, which it replaces,
+    # nor with draft_kv_offload, nor with prefix caching and speculation together.
     mixed_prefill_tokens: int | None = None
     mixed_prefill_chunks: int = 1  # prompt chunks a mixed step prefills at most
 
@@ -114,9 +115,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed None or an integer >= 1")
         if self.mixed_prefill_tokens is not None:
             for name, value, allowed in (
-                    ("spec", None if self.spec is None else f"method {self.spec.method!r}",
-                     "None (mixed prefill runs without speculation)"),
-                    ("max_num_batched_tokens", self.max_num_batched_tokens, "None")):
+                    ("max_num_batched_tokens", self.max_num_batched_tokens, "None"),
+                    ("draft_kv_offload", self.draft_kv_offload, "False"),
+                    ("enable_prefix_caching", self.enable_prefix_caching and self.spec is not None,
+                     "False with speculation")):
                 if value not in (None, False):
                     raise ValueError(f"EngineConfig.{name} = {value} is invalid with mixed_prefill_tokens = "
                                      f"{self.mixed_prefill_tokens}: allowed {allowed}")
@@ -215,6 +217,10 @@ class _Program:
     cache_dtype: str | None  # the target's cache dtype (EngineConfig.kv_cache_dtype)
     verifiers: tuple[Verifier, ...] | None  # the lossless rules a step switches among; None without speculation
     prefill_chunk: int | None = None  # EngineConfig.mixed_prefill_tokens
+    # With mixed prefill and speculation: the batch axes of the proposer state's leaves and of its per-position cache's
+    # (decoding.ChunkPlan's).
+    proposer_axes: tuple[int, ...] | None = None
+    cache_axes: tuple[int, ...] | None = None
 
     def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
         """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
@@ -235,7 +241,7 @@ class _Program:
             return decoding.decode_step(model, state, mode=self.mode, eos_token_ids=self.eos_token_ids, chunks=chunks)
         return decoding.speculative_step(model, draft_params, state, method, proposer=self.proposer,
                                          verifiers=self.verifiers, eos_token_ids=self.eos_token_ids,
-                                         verify_costs=costs)
+                                         verify_costs=costs, chunks=chunks)
 
 
 @functools.partial(jax.jit, static_argnames="program")
@@ -263,7 +269,7 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
 
     def step(carry, chunks: bool = False):
         steps, state = carry
-        plans = plan.at(steps, program.prefill_chunk) if chunks else None
+        plans = plan.at(steps, program.prefill_chunk, program.proposer_axes, program.cache_axes) if chunks else None
         return steps + 1, program.step(weights, state, method, costs, plans)
 
     leaves, treedef = jax.tree.flatten(state)
@@ -287,10 +293,16 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def admit_waiting(state: decoding.DecodeState, slots, tokens, lengths, budgets, seeds,
-                  sampling) -> decoding.DecodeState:
-    """decoding.admit_prompts into the engine's state (donated: written in place): rows waiting for mixed prefill."""
-    return decoding.admit_prompts(state, slots, tokens, lengths, budgets, _keys(seeds), sampling)
+def admit_waiting(state, slots, tokens, lengths, budgets, seeds, sampling):
+    """decoding.admit_prompts into the engine's state (donated: written in place): rows waiting for mixed prefill;
+    with speculation their acceptance counters and adaptive counts zero (the drafter's state is the chunks' to
+    build)."""
+    decode = decoding.admit_prompts(_decode(state), slots, tokens, lengths, budgets, _keys(seeds), sampling)
+    if isinstance(state, decoding.DecodeState):
+        return decode
+    zero = lambda x: x.at[slots].set(jnp.zeros((), x.dtype), mode="drop")  # noqa: E731 (batch-first fields)
+    return dataclasses.replace(state, decode=decode, counters=jax.tree.map(zero, state.counters),
+                               adaptive=jax.tree.map(zero, state.adaptive))
 
 
 @functools.partial(jax.jit, static_argnames=("program", "batch"))
@@ -430,6 +442,11 @@ class Engine:
         program = _Program(proposer=proposer, mode=mode, eos_token_ids=tuple(config.eos_token_ids),
                            cache_size=config.max_model_len, cache_dtype=config.kv_cache_dtype,
                            verifiers=self._verifiers, prefill_chunk=config.mixed_prefill_tokens)
+        if config.mixed_prefill_tokens is not None and proposer is not None:
+            rows_at = functools.partial(init_rows, self._weights, program=program)
+            drafter_at = lambda batch: rows_at(*_free_rows(batch, 16)).proposer  # noqa: E731
+            program = dataclasses.replace(program, proposer_axes=batch_axes(drafter_at),
+                                          cache_axes=batch_axes(lambda batch: proposer.prefix_cache(drafter_at(batch))))
         self._programs[mode] = program
         if self._axes is None:  # the state's layout, the same in every mode's
             rows_at = functools.partial(init_rows, self._weights, program=program)
@@ -768,7 +785,8 @@ class Engine:
         waiting = sorted(((slot, r) for slot, r in self.running.items() if r.prefilled is not None),
                          key=lambda item: item[1].arrival)
         return plan_chunks(waiting, steps=config.steps_per_visit, chunks=config.mixed_prefill_chunks,
-                           width=config.mixed_prefill_tokens, nowhere=config.max_num_seqs)
+                           width=config.mixed_prefill_tokens, nowhere=config.max_num_seqs,
+                           one_per_step=config.spec is not None)
 
     def _cached_tokens(self, prompt) -> int:
         """Prompt tokens the prefix cache would give this prompt now (0 without one); changes nothing."""

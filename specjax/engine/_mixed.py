@@ -29,23 +29,35 @@ class ChunkSchedule:
     starts: jax.Array  # [steps_per_visit, mixed_prefill_chunks]
     count: jax.Array  # steps that prefill
 
-    def at(self, step, width: int) -> decoding.ChunkPlan:
-        """The chunks of step `step` (traced), `width` tokens each."""
+    def at(self, step, width: int, proposer_axes=None, cache_axes=None) -> decoding.ChunkPlan:
+        """The chunks of step `step` (traced), `width` tokens each (the axes: decoding.ChunkPlan's)."""
         step = jnp.minimum(step, self.rows.shape[0] - 1)
-        return decoding.ChunkPlan(rows=self.rows[step], starts=self.starts[step], width=width)
+        return decoding.ChunkPlan(rows=self.rows[step], starts=self.starts[step], width=width,
+                                  proposer_axes=proposer_axes, cache_axes=cache_axes)
 
 
-def plan_chunks(waiting: list[tuple[int, Any]], *, steps: int, chunks: int, width: int,
-                nowhere: int) -> tuple[ChunkSchedule, list[tuple[int, Any, int, int]]]:
+def plan_chunks(waiting: list[tuple[int, Any]], *, steps: int, chunks: int, width: int, nowhere: int,
+                one_per_step: bool = False) -> tuple[ChunkSchedule, list[tuple[int, Any, int, int]]]:
     """The schedule of the next chunks of the waiting prompts (slot, request in the engine's books: its `prefilled`
     prompt tokens and `request.prompt`), in the order given, `chunks` a step for up to `steps` steps (a slot past the
-    state's rows, `nowhere`, pads it); and (the slot, the request, the step, its prompt tokens in the cache after the
-    chunk) for each chunk, which the engine applies once the visit's step count is known."""
+    state's rows, `nowhere`, pads it); one_per_step: one chunk of a prompt a step at most (speculation: each chunk
+    extends the drafter's state as the step began). Returns the schedule and (the slot, the request, the step, its
+    prompt tokens in the cache after the chunk) for each chunk, which the engine applies once the visit's step count
+    is known."""
     rows, starts = np.full((steps, chunks), nowhere, np.int32), np.zeros((steps, chunks), np.int32)
+    todo = [(slot, running, list(range(running.prefilled, len(running.request.prompt), width)))
+            for slot, running in waiting]
     planned = []
-    every = ((slot, running, start) for slot, running in waiting
-             for start in range(running.prefilled, len(running.request.prompt), width))
-    for index, (slot, running, start) in zip(range(rows.size), every):
-        rows.flat[index], starts.flat[index] = slot, start
-        planned.append((slot, running, index // chunks, start + width))
-    return ChunkSchedule(rows=rows, starts=starts, count=np.int32(-(-len(planned) // chunks))), planned
+    for step in range(steps):
+        lane = 0
+        for slot, running, left in todo:
+            while left and lane < chunks:
+                rows[step, lane], starts[step, lane] = slot, left.pop(0)
+                planned.append((slot, running, step, int(starts[step, lane]) + width))
+                lane += 1
+                if one_per_step:
+                    break
+        if not lane:
+            break
+    used = {step for _, _, step, _ in planned}
+    return ChunkSchedule(rows=rows, starts=starts, count=np.int32(len(used))), planned

@@ -376,11 +376,11 @@ class PromptChunks:
 
 
 def mixed_layer(x: Float[Array, "B T D"], xc: Float[Array, "R C D"], layer, index, positions: Int[Array, "B T"],
-                query_slots: Int[Array, "B T"], chunks: PromptChunks, cache: KVCache,
-                config: ModelConfig) -> tuple[Float[Array, "B T D"], Float[Array, "R C D"], KVCache]:
+                query_slots: Int[Array, "B T"], chunks: PromptChunks, cache: KVCache, config: ModelConfig, *,
+                visible: NewTokenMask | None = None) -> tuple[Float[Array, "B T D"], Float[Array, "R C D"], KVCache]:
     """decoder_layer over a step's new tokens x and prompt chunks xc at once: one token axis through every
     projection and the MLP (the weights are read once for both: a memory-bound decode step prefills for about
-    the compute), attention apart. A row being prefilled is a done row whose fill level is its prompt's length
+    the compute), attention apart (the rows' as decoder_layer's, `visible` a draft tree's). A row being prefilled is a done row whose fill level is its prompt's length
     (decoding.admit_prompts): the step's garbage write for it lands past its prompt, never on a chunk's slot."""
     c, dtype = config, config.jnp_dtype
     (batch, num_new), (num_chunks, width) = x.shape[:2], xc.shape[:2]
@@ -392,7 +392,7 @@ def mixed_layer(x: Float[Array, "B T D"], xc: Float[Array, "R C D"], layer, inde
     (q, q_chunks), (k, k_chunks), (v, v_chunks) = map(split, project_qkv(h, layer, every, c))
     # Every write before any read, so that XLA updates the cache in place (a read between two writes makes it copy).
     cache = cache.write_rows(index, chunks.rows, chunks.starts, k_chunks, v_chunks)
-    attn, cache = _attend(q, k, v, layer, index, query_slots, cache, c)
+    attn, cache = _attend(q, k, v, layer, index, query_slots, cache, c, visible=visible)
     rows = jnp.minimum(chunks.rows, batch - 1)  # a no-chunk lane reads a row it does not use
     k_rows, v_rows = (a[rows].astype(dtype) for a in cache.layer(index))
     attn_chunks = attention(q_chunks, k_rows, v_rows, chunks.positions, c)  # a prompt's cache slot is its position
@@ -455,12 +455,27 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens, positions, cache, *, hidden_layers, compute_logits, causal, attention_mask):
         """__call__ without its precision scope."""
+        return self._forward(tokens, positions, cache, None, hidden_layers=hidden_layers, compute_logits=compute_logits,
+                             causal=causal, attention_mask=attention_mask)[:3]
+
+    def mixed(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache, chunks: PromptChunks, *,
+              hidden_layers: tuple[int, ...] = (), attention_mask: NewTokenMask | None = None,
+              compute_logits: bool = True) -> tuple[Float[Array, "B T V"] | None, Hidden, KVCache, Hidden]:
+        """A step's T new tokens per row (as __call__ with a cache) and prompt chunks prefilled in the same
+        forward (mixed_layer): the rows' logits and hidden states, the cache with both written, and the chunks'
+        hidden states (final and hidden_layers; unembedded where the caller needs a prompt's next token). lengths
+        + T as __call__'s; the chunks' rows' fill levels are the caller's."""
+        with precision_scope(self.config):
+            return self._forward(tokens, positions, cache, chunks, hidden_layers=hidden_layers,
+                                 compute_logits=compute_logits, causal=True, attention_mask=attention_mask)
+
+    def _forward(self, tokens, positions, cache, chunks, *, hidden_layers, compute_logits, causal, attention_mask):
         c = self.config
-        dtype = c.jnp_dtype
         for index in hidden_layers:
             if not 0 <= index <= c.num_layers:
                 raise ValueError(f"hidden_layers entry {index} is out of range: allowed 0..{c.num_layers}")
         x = self._embed(tokens, positions)
+        xc = None if chunks is None else self._embed(chunks.tokens, chunks.positions)
         num_new = tokens.shape[1]
         query_slots = query_slots_for(tokens.shape[0], num_new, cache)
         if isinstance(attention_mask, NewTokenMask) and isinstance(self.layers, StackedLayers):
@@ -468,41 +483,32 @@ class Transformer(nnx.Module):
             attention_mask = attention_mask.dense(query_slots[:, 0], num_new if cache is None else cache.max_length)
 
         def layer_step(carry, layer, index):
-            x, cache = carry
-            out, cache = decoder_layer(x, layer, index, positions, query_slots, cache, c, causal=causal,
-                                       visible=attention_mask)
-            return (out, cache), (x if hidden_layers else None)
+            x, xc, cache = carry
+            if xc is None:
+                out, cache = decoder_layer(x, layer, index, positions, query_slots, cache, c, causal=causal,
+                                           visible=attention_mask)
+                return (out, None, cache), ((x, None) if hidden_layers else None)
+            out, out_chunks, cache = mixed_layer(x, xc, layer, index, positions, query_slots, chunks, cache, c,
+                                                 visible=attention_mask)
+            return (out, out_chunks, cache), ((x, xc) if hidden_layers else None)
 
         step = checkpointed(layer_step, c) if cache is None else layer_step  # only a full forward is differentiated
-        (x, cache), layer_inputs = scan_layers(step, (x, cache), self.layers, c.num_layers)
-        layers = None
-        if hidden_layers:  # layer_inputs[i] is the input of layer i; index L is the last layer's output
-            layers = jnp.stack([layer_inputs[i] if i < c.num_layers else x for i in hidden_layers])
-        final = normalize(x, self.final_norm[...], _value(self.final_norm_bias, dtype), c)
+        (x, xc, cache), layer_inputs = scan_layers(step, (x, xc, cache), self.layers, c.num_layers)
+        if hidden_layers and isinstance(layer_inputs, list):  # the decoding layout's loop: one (x, xc) a layer
+            layer_inputs = tuple(list(part) for part in zip(*layer_inputs))
+
+        def hidden(final, which: int) -> Hidden:  # layer_inputs[i] is the input of layer i; L the last one's output
+            layers = None
+            if hidden_layers:
+                layers = jnp.stack([layer_inputs[which][i] if i < c.num_layers else final for i in hidden_layers])
+            return Hidden(final=normalize(final, self.final_norm[...], _value(self.final_norm_bias, c.jnp_dtype), c),
+                          layers=layers)
+
+        rows = hidden(x, 0)
         if cache is not None:
             cache = cache.with_lengths(cache.lengths + num_new)
-        logits = self.unembed(final) if compute_logits else None
-        return logits, Hidden(final=final, layers=layers), cache
-
-    def mixed(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache,
-              chunks: PromptChunks) -> tuple[Float[Array, "B T V"], Float[Array, "R C D"], KVCache]:
-        """A step's T new tokens per row (as __call__ with a cache) and prompt chunks prefilled in the same
-        forward (mixed_layer): the rows' logits, the chunks' final hidden states (unembedded where the caller
-        needs a prompt's next token) and the cache with both written. lengths + T as __call__'s; the chunks' rows'
-        fill levels are the caller's to set."""
-        c = self.config
-        with precision_scope(c):
-            x, xc = self._embed(tokens, positions), self._embed(chunks.tokens, chunks.positions)
-            query_slots = query_slots_for(tokens.shape[0], tokens.shape[1], cache)
-
-            def layer_step(carry, layer, index):
-                x, xc, cache = carry
-                return mixed_layer(x, xc, layer, index, positions, query_slots, chunks, cache, c), None
-
-            (x, xc, cache), _ = scan_layers(layer_step, (x, xc, cache), self.layers, c.num_layers)
-            final, final_chunks = (normalize(a, self.final_norm[...], _value(self.final_norm_bias, c.jnp_dtype), c)
-                                   for a in (x, xc))
-            return self.unembed(final), final_chunks, cache.with_lengths(cache.lengths + tokens.shape[1])
+        logits = self.unembed(rows.final) if compute_logits else None
+        return logits, rows, cache, None if xc is None else hidden(xc, 1)
 
     def _embed(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         x = self.embed[...][tokens]
