@@ -3,8 +3,9 @@
 # synthetic acceptance), in three parts that each fit one 10-minute device call:
 #     PYTHONPATH=. benchmarks/serve_8b.sh load OUT     # static generate AR, and the engine without speculation
 #                                                      # and with EAGLE-1 at K 2, 4, 8, from 1 to 256 requests
-#     PYTHONPATH=. benchmarks/serve_8b.sh mixed OUT    # no speculation, prompts prefilled between visits and in
-#                                                      # the decode steps (mixed prefill), static AR, transformers
+#     PYTHONPATH=. benchmarks/serve_8b.sh mixed OUT    # no speculation and EAGLE-1 K 2, prompts prefilled
+#                                                      # between visits and in the decode steps (mixed prefill),
+#                                                      # static AR, transformers (METHODS=... other methods)
 #     PYTHONPATH=. benchmarks/serve_8b.sh methods OUT  # transformers' continuous batching (the peer) at 64 and
 #                                                      # 256 requests; the engine with EAGLE-1 K 5 tau 4 and
 #                                                      # DFlash K 15 tau 6 (the issue's figures), 1 to 256
@@ -41,12 +42,14 @@ case $part in
       --concurrency 1,16,64,256 --static-batches 64,256 --name bench_serve_8b_ksweep --output "$out"
     ;;
   mixed)
-    # The engine without speculation, prompts prefilled in calls of their own and in the decode steps (chunks of the
-    # whole 128-token prompt, one or two a step), against static generate AR (decoding only and with its prefill) and
-    # transformers' continuous batching, all in one call: the issue's 90% and 10x. MIXED=... other settings.
+    # The engine without speculation and with EAGLE-1 K 2 (the K that still paid at 256), prompts prefilled in calls of
+    # their own and in the decode steps (chunks of the whole 128-token prompt, one or two a step), against static
+    # generate AR (decoding only and with its prefill) and transformers' continuous batching, all in one call: the
+    # issue's 90% and 10x. MIXED=... other settings.
     timeout 240 python3 scripts/bench_peer_cb.py --batches 64,256 --output "$out" > "$out/bench_peer_cb.log" 2>&1
     tail -3 "$out/bench_peer_cb.log"
-    python3 scripts/bench_serve.py "${common[@]}" --methods none --mixed-prefill ${MIXED:-off,128,128x2} \
+    python3 scripts/bench_serve.py "${common[@]}" --methods ${METHODS:-none,eagle:2:2.53} \
+      --mixed-prefill ${MIXED:-off,128,128x2} \
       --concurrency 1,64,256 --static-batches 64,256 --name bench_serve_8b_mixed --output "$out"
     ;;
   methods)

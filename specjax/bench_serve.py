@@ -490,7 +490,7 @@ def main(argv=None) -> None:
                         "before the host reads the one before it, EngineConfig.async_scheduling)")
     parser.add_argument("--mixed-prefill", default="off", help="comma-separated: off, or TOKENS[xCHUNKS]: prompts "
                         "prefilled by the decode steps, CHUNKS (default 1) chunks of TOKENS a step "
-                        "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks); without speculation")
+                        "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
     parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -596,10 +596,10 @@ def main(argv=None) -> None:
         # Without speculation there is no drafter to offload: 'off' only (a drafter without a KV cache, Medusa's or
         # n-gram's, is refused by the engine, naming the field).
         # The engine refuses async scheduling with offload (its buffers move at each visit): not run together.
-        # Mixed prefill runs without speculation: 'off' only with it.
+        # The engine refuses mixed prefill with offload, and with prefix caching and speculation: not run together.
         for mode, offload, sched, mix in [(m, o, a, x) for m in modes for o in offloads for a in scheds for x in mixes
                                           if (o == "off" or spec is not None) and "off" in (o, a)
-                                          and (x == "off" or spec is None)]:
+                                          and (x == "off" or (o == "off" and (spec is None or mode == "off")))]:
             engine = runner = None
             for load in loads:
                 # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine

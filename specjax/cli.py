@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="prompt tokens prefilled per engine visit; longer prompts in chunks (default: whole)")
     srv.add_argument("--mixed-prefill-tokens", type=int, default=None,
-                     help="prefill prompts in the decode steps, chunks of this many tokens (no speculation; default: off)")
+                     help="prefill prompts in the decode steps, chunks of this many tokens (default: off)")
     srv.add_argument("--mixed-prefill-chunks", type=int, default=None,
                      help="prompt chunks a decode step prefills at most, with --mixed-prefill-tokens (default: 1)")
     srv.add_argument("--warmup-prompt-len", type=int, default=None,

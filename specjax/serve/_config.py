@@ -34,7 +34,7 @@ class ServeConfig:
     disable_eagle_block_drop: bool = False
     max_num_batched_tokens: int | None = None
     # Prompts prefilled by the decode steps, chunks of this many tokens (--mixed-prefill-tokens), up to
-    # mixed_prefill_chunks a step (--mixed-prefill-chunks); without speculation (EngineConfig's fields).
+    # mixed_prefill_chunks a step (--mixed-prefill-chunks) (EngineConfig's fields).
     mixed_prefill_tokens: int | None = None
     mixed_prefill_chunks: int = 1
     # Prompts of up to this many tokens find every program compiled before the server listens (each admission
