@@ -542,8 +542,8 @@ def main(argv=None) -> None:
     mixes = args.mixed_prefill.split(",")
     bad = [mix for mix in mixes if mix != "off" and not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", mix)]
     if bad:
-        parser.error(f"--mixed-prefill {bad[0]!r} is invalid: allowed a comma-separated list of off and TOKENS[xCHUNKS] "
-                     "(positive integers)")
+        parser.error(f"--mixed-prefill {bad[0]!r} is invalid: allowed a comma-separated list of off and "
+                     "TOKENS[xCHUNKS] (positive integers)")
     scheds = args.async_scheduling.split(",")
     bad = [mode for mode in scheds if mode not in ON_OFF]
     if bad:

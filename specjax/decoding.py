@@ -264,7 +264,8 @@ def admit_prompts(state: DecodeState, slots: Int[Array, " N"], prompt_tokens: In
     sampling = jax.tree.map(put, state.sampling, sampling)
     return dataclasses.replace(
         state, tokens=tokens, lengths=put(state.lengths, prompt_lengths),
-        num_generated=put(state.num_generated, jnp.zeros_like(budgets)), done=put(state.done, jnp.ones_like(slots, bool)),
+        num_generated=put(state.num_generated, jnp.zeros_like(budgets)),
+        done=put(state.done, jnp.ones_like(slots, bool)),
         cache=state.cache.with_lengths(put(state.cache.lengths, prompt_lengths)),
         budgets=put(state.budgets, budgets), streams=put(state.streams, jnp.stack(split_streams(keys), axis=1)),
         sampling=sampling)

@@ -171,8 +171,8 @@ def test_mixed_prefill_refuses_what_it_does_not_combine_with_naming_the_field(fi
     spec = SpecConfig(method="eagle", num_speculative_tokens=2)
     with pytest.raises(ValueError, match=f"EngineConfig.{field} = .+ is invalid with mixed_prefill_tokens = 8"):
         EngineConfig(mixed_prefill_tokens=8, spec=spec, **{field: value})
-    with pytest.raises(ValueError, match="EngineConfig.enable_prefix_caching = True is invalid with mixed_prefill_tokens "
-                                         "= 8: allowed False with speculation"):
+    with pytest.raises(ValueError, match="EngineConfig.enable_prefix_caching = True is invalid with "
+                                         "mixed_prefill_tokens = 8: allowed False with speculation"):
         EngineConfig(mixed_prefill_tokens=8, spec=spec, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="EngineConfig.mixed_prefill_chunks = 0 is invalid"):
         EngineConfig(mixed_prefill_tokens=8, mixed_prefill_chunks=0)

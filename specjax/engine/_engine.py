@@ -258,9 +258,10 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
     offload (layout), draft holds those slots' host buffers: in for the steps, back out after them. method: the
     lossless rule of sampled rows; costs: adaptive verification's cost of a step of `rows` slots at each verify
     width (None without it); plan: the prompt chunks its first steps prefill (mixed prefill; None without); axes:
-    the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the visit's summary of those slots, `width` tokens a row (what the host reads), the state, the draft buffers, and
-    the acceptance counters after the visit (a copy, which the host reads when requests end: the state itself may be
-    in the next visit by then; None without speculation)."""
+    the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the visit's summary of those slots,
+    `width` tokens a row (what the host reads), the state, the draft buffers, and the acceptance counters after the
+    visit (a copy, which the host reads when requests end: the state itself may be in the next visit by then; None
+    without speculation)."""
     def cond(carry, limit, prefilling: bool = False):
         steps, state = carry
         done = _decode(state).done

@@ -380,8 +380,9 @@ def mixed_layer(x: Float[Array, "B T D"], xc: Float[Array, "R C D"], layer, inde
                 visible: NewTokenMask | None = None) -> tuple[Float[Array, "B T D"], Float[Array, "R C D"], KVCache]:
     """decoder_layer over a step's new tokens x and prompt chunks xc at once: one token axis through every
     projection and the MLP (the weights are read once for both: a memory-bound decode step prefills for about
-    the compute), attention apart (the rows' as decoder_layer's, `visible` a draft tree's). A row being prefilled is a done row whose fill level is its prompt's length
-    (decoding.admit_prompts): the step's garbage write for it lands past its prompt, never on a chunk's slot."""
+    the compute), attention apart (the rows' as decoder_layer's, `visible` a draft tree's). A row being prefilled
+    is a done row whose fill level is its prompt's length (decoding.admit_prompts): the step's garbage write for it
+    lands past its prompt, never on a chunk's slot."""
     c, dtype = config, config.jnp_dtype
     (batch, num_new), (num_chunks, width) = x.shape[:2], xc.shape[:2]
     packed = jnp.concatenate([x.reshape(1, batch * num_new, -1), xc.reshape(1, num_chunks * width, -1)], axis=1)
