@@ -62,10 +62,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(name) for name in FULL_TIER_MARKERS):
             item.add_marker(pytest.mark.fast)
-        # Under --dist loadgroup (make test) the cases of one parametrised test run on one worker, one after the
-        # other: they share programs (a reference loop, a loop whose verifier is data, a fixture's), which the
-        # two workers otherwise compiled at the same time, each a miss in the persistent cache.
-        if hasattr(item, "callspec") and not item.get_closest_marker("xdist_group"):
+        if item.get_closest_marker("xdist_group"):
+            continue
+        # Under --dist loadgroup (make test) the tests that share a module-scoped fixture of their file (a trained
+        # drafter, a training run) run on one worker, which builds it once: split over two, each built it (the
+        # Medusa heads' 25-30 s twice).
+        module = item.nodeid.split("::")[0]
+        if any(defs and defs[-1].scope == "module" and defs[-1].baseid == module
+               for defs in item._fixtureinfo.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(f"{module}::module-fixtures"))
+        # The cases of one parametrised test run on one worker, one after the other: they share programs (a
+        # reference loop, a loop whose verifier is data, a fixture's), which the two workers otherwise compiled at
+        # the same time, each a miss in the persistent cache.
+        elif hasattr(item, "callspec"):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("[")[0]))
 
 

@@ -4,7 +4,7 @@ under load in both model layouts, with several chunks of one prompt in one step,
 requests draw exactly generate's tokens (their keys are numbered by their own tokens, so the engine's draws are
 generate's, not only distributed as them). With speculation the drafter's state is built by the chunks too: every
 request's acceptance counts equal those of the engine that prefills in calls of its own (the same drafts), which a
-drafter left unprefilled fails while its greedy output stays right."""
+drafter left unprefilled fails while its greedy output stays right (30 of 32 requests differ for the draft model)."""
 
 import re
 
@@ -22,7 +22,6 @@ from specjax.models.transformer import to_decoding_layout
 
 @pytest.mark.loop
 @pytest.mark.parametrize("layout, tokens, chunks, options", [
-    ("stacked", 4, 1, {}),
     ("decoding", 4, 3, {}),  # a 14-token prompt's four chunks in two steps
     ("stacked", 16, 2, {"async_scheduling": True}),
 ])
@@ -117,9 +116,10 @@ def test_the_visit_updates_the_caches_in_place(layout):
 
 
 @pytest.mark.loop
-@pytest.mark.parametrize("name", [load_group(name) for name in ("draft_model_tree", "eagle3", "dflash", "medusa")])
+@pytest.mark.parametrize("name", [load_group(name) for name in ("draft_model_tree", "dflash", "medusa")])
 def test_every_request_gets_its_autoregressive_output_and_the_same_drafts_with_a_drafter(name):
-    """A tree of a draft model, EAGLE-3 (hidden layers), DFlash, Medusa (no cache): 32 requests arriving at random,
+    """A tree of a draft model, DFlash (the target's hidden layers), Medusa (no cache; tests/test_adaptive.py serves
+    DFlash with adaptive verification and mixed prefill): 32 requests arriving at random,
     prompts in chunks of 4, two a step (of different prompts): greedy output equal to autoregressive decoding, and each
     request's steps, drafted and accepted drafts those of the engine that prefills in calls of its own."""
     engine = Engine(target_and_drafts()[0], load_config(SPECS[name], mixed_prefill_tokens=4, mixed_prefill_chunks=2),
@@ -134,36 +134,6 @@ def test_every_request_gets_its_autoregressive_output_and_the_same_drafts_with_a
         assert counts(got.metrics) == counts(reference[request.request_id].metrics), request.request_id
     assert sum(o.metrics["accepted"] for o in outputs.values()) > 0
     assert engine.stats()["prefill_calls"] == 0
-
-
-@pytest.mark.loop
-def test_sampled_speculative_requests_draw_what_prefill_calls_draw():
-    """EAGLE, greedy, T 0.7 top-p 0.9 and T 1 top-k 5 requests, async scheduling: every request's tokens and acceptance
-    counts equal those of the engine that prefills in calls of its own (the same drafter state, drafts and draws:
-    a row's draws are numbered by its own tokens and steps, whenever it starts)."""
-    settings = [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.9), SamplingConfig(temperature=1.0, top_k=5)]
-    requests = [Request(request_id=r.request_id, prompt=r.prompt, max_tokens=r.max_tokens, sampling=settings[i % 3],
-                        seed=i) for i, r in enumerate(random_requests(16, seed=5))]
-    runs = [serve_arriving(Engine(target_and_drafts()[0], load_config(SPECS["eagle"], eos_token_ids=(), **fields),
-                                  drafter=drafter_for("eagle")), requests)
-            for fields in (dict(), dict(mixed_prefill_tokens=8, async_scheduling=True))]
-    for request in requests:
-        calls, mixed = (run[request.request_id] for run in runs)
-        assert mixed.tokens == calls.tokens and mixed.metrics == calls.metrics, request.request_id
-
-
-@pytest.mark.loop
-def test_adaptive_verification_with_prompts_prefilled_in_steps_gives_the_autoregressive_output():
-    """DFlash with adaptive verification (its widths are the batch's choice, so its drafts may differ from the other
-    engine's): greedy output equal to autoregressive decoding for 32 requests arriving at random."""
-    import dataclasses
-
-    spec = dataclasses.replace(SPECS["dflash"], enable_adaptive_verification=True)
-    engine = Engine(target_and_drafts()[0], load_config(spec, mixed_prefill_tokens=4), drafter=drafter_for("dflash"))
-    requests = random_requests(32)
-    outputs = serve_arriving(engine, requests)
-    for request, want in zip(requests, autoregressive_under_load()):
-        assert list(outputs[request.request_id].tokens) == truncated_at_stop(want, request.stop_token_ids)
 
 
 @pytest.mark.parametrize("field, value", [("max_num_batched_tokens", 64), ("draft_kv_offload", True)])
