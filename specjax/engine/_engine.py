@@ -31,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import adaptive, decoding
+from specjax.decoding import NO_BATCH
 from specjax.config import DTYPES, SamplingConfig, SpecConfig
 from specjax.engine._blocks import PrefixCache, block_keys
 from specjax.engine._mixed import ChunkSchedule, plan_chunks
 from specjax.engine._offload import DraftKVLayout, DraftKVSlots, check_host_memory
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
-from specjax.engine._slots import NO_BATCH, batch_axes, insert_rows, move_rows, padded_slots, release_slots
+from specjax.engine._slots import batch_axes, insert_rows, move_rows, padded_slots, release_slots
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Transformer
 from specjax.proposers import Proposer, build_proposer, proposer_class

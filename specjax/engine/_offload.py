@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from specjax.engine._slots import NO_BATCH
+from specjax.decoding import NO_BATCH
 from specjax.models.kv_cache import KVCache
 
 HOST = "pinned_host"  # page-locked host memory: the device copies it by DMA, without a staging copy

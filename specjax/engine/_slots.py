@@ -11,10 +11,9 @@ import functools
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-NO_BATCH = -1  # a leaf without a batch axis: the engine's copy is kept
+from specjax.decoding import NO_BATCH, put_rows
 
 
 def batch_axes(init_at: Callable[[int], object]) -> tuple[int, ...]:
@@ -34,16 +33,7 @@ def batch_axes(init_at: Callable[[int], object]) -> tuple[int, ...]:
 def insert_rows(state, rows, slots: jax.Array, *, axes: tuple[int, ...]):
     """state with rows' batch entries written at slots (an index past the engine's batch drops that row:
     the padding of an admission bucket). The engine's state is donated: written in place."""
-    leaves, treedef = jax.tree.flatten(state)
-    new = jax.tree.leaves(rows)
-
-    def put(full, part, axis):
-        if axis == NO_BATCH:
-            return full
-        part = part if part.dtype == full.dtype else part.astype(full.dtype)
-        return full.at[(slice(None),) * axis + (slots,)].set(part, mode="drop")
-
-    return jax.tree.unflatten(treedef, [put(f, p, a) for f, p, a in zip(leaves, new, axes)])
+    return put_rows(state, rows, slots, axes)
 
 
 def padded_slots(slots: list[int], fill: int) -> np.ndarray:
