@@ -198,8 +198,9 @@ class Proposer:
         b's positions before start[b] (a prefix cache's blocks, earlier chunks); prompt and lengths are
         init's; target_out is the target's forward over the window of positions start[b] + i. When the
         window reaches the prompt's end the state is the one init builds over the whole prompt."""
-        raise NotImplementedError(f"{type(self).__name__} defines no extend: prefix caching and chunked prefill "
-                                  "need it (EngineConfig.enable_prefix_caching, max_num_batched_tokens)")
+        raise NotImplementedError(f"{type(self).__name__} defines no extend: prefix caching, chunked prefill and "
+                                  "mixed prefill need it (EngineConfig.enable_prefix_caching, max_num_batched_tokens, "
+                                  "mixed_prefill_tokens)")
 
     def prefix_cache(self, state: Any) -> Any:
         """The state's per-position cache (new_cache's kind), None where it keeps none."""

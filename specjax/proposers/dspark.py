@@ -76,9 +76,11 @@ class DSparkProposer(DFlashProposer):
             raise ValueError(f"SpecConfig.dspark_draft_topk = {topk} is invalid: allowed null or 1..{vocab} "
                              "(the vocabulary size)")
 
-    def init(self, params: DFlashParams, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
-             target_out: TargetOutput) -> DSparkState:
-        state = super().init(params, prompt, lengths, target_out)
+    def extend(self, params: DFlashParams, cache, prompt: Int[Array, "B T1"], lengths: Int[Array, " B"],
+               start: Int[Array, " B"], target_out: TargetOutput) -> DSparkState:
+        """DFlash's state with the confidences of no draft yet (init, a prefix's prefill and mixed prefill all come
+        here: each gives the state a DSpark step carries)."""
+        state = super().extend(params, cache, prompt, lengths, start, target_out)
         shape = (lengths.shape[0], self.settings.spec.num_speculative_tokens)
         confidence = None if params.drafter.confidence_w is None else jnp.zeros(shape, jnp.float32)
         return DSparkState(cache=state.cache, pending=state.pending, num_pending=state.num_pending,
