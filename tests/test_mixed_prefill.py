@@ -148,6 +148,16 @@ def test_mixed_prefill_refuses_what_it_does_not_combine_with_naming_the_field(fi
         EngineConfig(mixed_prefill_tokens=8, mixed_prefill_chunks=0)
 
 
+def test_an_engine_whose_drafter_cannot_continue_a_prefill_refuses_what_continues_one():
+    # MTP's state reads the target's hidden states of a window before the prompt's end, which a continued prefill
+    # may not have computed: whatever continues a prefill is refused when the engine is configured.
+    mtp = SpecConfig(method="mtp", num_speculative_tokens=2)
+    for field, value in (("mixed_prefill_tokens", 8), ("max_num_batched_tokens", 8), ("enable_prefix_caching", True)):
+        with pytest.raises(ValueError, match=f"EngineConfig.{field} = {value} is invalid with method 'mtp', whose "
+                                             f"drafter defines no extend"):
+            EngineConfig(spec=mtp, **{field: value})
+
+
 def test_bench_serve_sweeps_mixed_prefill_settings_and_refuses_a_malformed_one(capsys):
     from specjax import cli
     from specjax.bench_serve import mixed_fields

@@ -126,6 +126,12 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
+        if self.spec is not None and not proposer_class(self.spec.method).defines_extend():
+            for name, off in (("enable_prefix_caching", False), ("max_num_batched_tokens", None),
+                              ("mixed_prefill_tokens", None)):
+                if getattr(self, name) != off:  # each continues a prefill, which this drafter's state cannot
+                    raise ValueError(f"EngineConfig.{name} = {getattr(self, name)} is invalid with method "
+                                     f"{self.spec.method!r}, whose drafter defines no extend: allowed {off}")
         if self.disable_eagle_block_drop and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.disable_eagle_block_drop = True is invalid without enable_prefix_caching: "
                              "allowed only with enable_prefix_caching = True")

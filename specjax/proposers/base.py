@@ -202,6 +202,11 @@ class Proposer:
                                   "mixed prefill need it (EngineConfig.enable_prefix_caching, max_num_batched_tokens, "
                                   "mixed_prefill_tokens)")
 
+    @classmethod
+    def defines_extend(cls) -> bool:
+        """Whether this drafter's state can be built from a prefill that continued (extend is overridden)."""
+        return cls.extend is not Proposer.extend
+
     def prefix_cache(self, state: Any) -> Any:
         """The state's per-position cache (new_cache's kind), None where it keeps none."""
         return None
