@@ -174,6 +174,9 @@ def padded(tree: Any, length: int) -> Any:
 RIDGE_TOKENS = 300.0
 DRAFT_COST = 0.2
 PROFILE_ITERATIONS = 10  # forwards per timed loop when profiling (benchmarking.time_in_loop)
+# How a profile is timed, in the cache key: a change of it (2: a propose timed after an accept of every draft)
+# leaves the curves profiled before unread.
+PROFILE_METHOD = 2
 # A profiled time is a difference of two loops' times: on a busy host a tiny one can come out <= 0.
 MIN_PROFILED_SECONDS = 1e-9
 
@@ -248,13 +251,14 @@ class DraftTiming:
 
 
 def curve_key(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter_key: str = "") -> str:
-    """What a profile depends on: the device, JAX, the model's shape and dtype, the batch, widths and cache,
-    and the drafter's key where its time was measured."""
+    """What a profile depends on: the device, JAX, the model's shape and dtype, the batch, widths and cache, the
+    drafter's key where its time was measured, and how it is timed (PROFILE_METHOD)."""
     device = jax.devices()[0]
     leaf = jax.tree.leaves(model)[0]
     what = {"platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "model": repr(model.config), "dtype": str(leaf.dtype), "layout": type(model.layers).__name__,
-            "batch": batch, "widths": list(widths), "cache_size": cache_size, "drafter": drafter_key}
+            "batch": batch, "widths": list(widths), "cache_size": cache_size, "drafter": drafter_key,
+            "method": PROFILE_METHOD}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -703,7 +703,9 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
                        idle: bool = False) -> float:
     """Device seconds of one propose (with idle, one Proposer.idle) at `batch` rows, after a prefill of half the
     proposer's cache (the context adaptive.verify_seconds times the target at), inside a jitted loop that carries
-    the proposer's state (its cache written in place: benchmarking.time_in_loop)."""
+    the proposer's state (its cache written in place: benchmarking.time_in_loop). Each propose follows an accept of
+    every draft (a drafter's work over what the last step committed can depend on how much it was: DFlash's); each
+    idle follows an idle, as in a run of steps that skip drafting."""
     prompt_len = proposer.settings.cache_size // 2
     tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
     sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
@@ -713,15 +715,24 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
                  jnp.ones((batch,), jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
     decode = state.decode
     context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
+    # What accept reads after a verify of every draft: the target's hidden states there (their values do not matter).
+    num_draft = proposer.settings.spec.num_speculative_tokens
+    verified = jax.eval_shape(lambda: model(tokens[:, :num_draft + 1], jnp.arange(num_draft + 1)[None] + prompt_len,
+                                            decode.cache, hidden_layers=proposer.hidden_layers,
+                                            compute_logits=False)[1])
+    verified = TargetOutput(logits=None, hidden=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), verified))
 
-    def propose(params, proposer_state, context, keys):
+    def propose(params, proposer_state, context, keys, verified):  # verified passes the loop's barrier: not folded
         if idle:  # an element of every leaf out, so that no part of the idle's work is dead
             proposer_state = proposer.idle(params, proposer_state, context)
-            return [leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)], (proposer_state, context, keys)
+            return ([leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)],
+                    (proposer_state, context, keys, verified))
+        proposer_state = proposer.accept(proposer_state, jnp.full((batch,), num_draft, jnp.int32),
+                                         jnp.zeros((batch,), jnp.int32), verified)
         drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
-        return drafts, (proposer_state, context, keys)
+        return drafts, (proposer_state, context, keys, verified)
 
-    seconds = benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1],
+    seconds = benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1], verified,
                                         invariant=1, carry=True, iterations=adaptive.PROFILE_ITERATIONS)["median_s"]
     return max(seconds, adaptive.MIN_PROFILED_SECONDS)
 

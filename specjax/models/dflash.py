@@ -121,14 +121,28 @@ class DFlashDrafter(nnx.Module):
     def write_context(self, context: Float[Array, "B C D"], positions: Int[Array, "B C"], cache: KVCache) -> KVCache:
         """Every layer's keys and values of C context features, written at each row's fill level; the
         cache comes back with lengths + C."""
+        return self.write_kv(self.context_kv(context, positions), cache)
+
+    @at_model_precision
+    def context_kv(self, context: Float[Array, "B C D"], positions: Int[Array, "B C"]) -> tuple | list:
+        """Every layer's keys and values [B, C, Hkv, D] of C context features: stacked by layer in a pair, or
+        a list of pairs in the decoding layout (scan_layers' outs)."""
         c = self.config.layer
 
-        def write(cache, layer, index):
+        def project(carry, layer, index):
             _, k, v = project_qkv(context, layer, positions, c)
+            return carry, (k, v)
+
+        return scan_layers(project, None, self.layers, c.num_layers)[1]
+
+    def write_kv(self, kv: tuple | list, cache: KVCache) -> KVCache:
+        """context_kv's keys and values written at each row's fill level; the cache comes back with lengths + C."""
+        def write(cache, layer, index):
+            k, v = kv[index] if isinstance(kv, list) else (kv[0][index], kv[1][index])
             return cache.write(index, k, v), None
 
-        cache, _ = scan_layers(write, cache, self.layers, c.num_layers)
-        return cache.with_lengths(cache.lengths + context.shape[1])
+        cache, _ = scan_layers(write, cache, self.layers, self.config.layer.num_layers)
+        return cache.with_lengths(cache.lengths + jax.tree.leaves(kv)[0].shape[-3])
 
     @at_model_precision
     def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"], cache: KVCache,

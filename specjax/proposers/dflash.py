@@ -201,8 +201,18 @@ class DFlashProposer(Proposer):
         anchor_slot = context.lengths - 1
         # Rows that finished keep their committed length, so their cache stays inside its slots.
         cache = state.cache.with_lengths(anchor_slot - state.num_pending)
-        offsets = jnp.arange(width, dtype=jnp.int32)[None, :]
-        cache = drafter.write_context(drafter.context(state.pending), cache.lengths[:, None] + offsets, cache)
+        positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+
+        def window_kv(count: int):  # the first `count` pending positions' keys and values, zero past them
+            part = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, 0, count, axis=x.ndim - 2), state.pending)
+            kv = drafter.context_kv(drafter.context(part), positions[:, :count])
+            return jax.tree.map(lambda x: jnp.pad(x, [(0, width - count if a == x.ndim - 3 else 0)
+                                                      for a in range(x.ndim)]), kv)
+
+        # After steps that verified nothing (adaptive verification's width 0) one position is pending in every
+        # row: the whole window's projections would cost K + 1 times its own.
+        kv = jax.lax.cond(jnp.all(state.num_pending <= 1), lambda: window_kv(1), lambda: window_kv(width))
+        cache = drafter.write_kv(kv, cache)
         return dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),
                                    num_pending=jnp.zeros_like(state.num_pending))
 
