@@ -43,14 +43,17 @@ case $part in
     ;;
   mixed)
     # The engine without speculation and with EAGLE-1 K 2 (the K that still paid at 256), prompts prefilled in calls of
-    # their own and in the decode steps (chunks of the whole 128-token prompt, one or two a step), against static
-    # generate AR (decoding only and with its prefill) and transformers' continuous batching, all in one call: the
-    # issue's 90% and 10x. MIXED=... other settings.
-    timeout 240 python3 scripts/bench_peer_cb.py --batches 64,256 --output "$out" > "$out/bench_peer_cb.log" 2>&1
-    tail -3 "$out/bench_peer_cb.log"
+    # their own and in the decode steps (chunks of the whole 128-token prompt, 4 or 16 a step: one a step refilled a
+    # wave of 256 one slot a step, 0.53x on 2026-12-05), against static generate AR (decoding only and with its
+    # prefill) and transformers' continuous batching: the issue's 90% and 10x. MIXED=... other settings; PEER=0 skips
+    # transformers, STATIC= (empty) static AR, METHODS=none the speculative engine (the whole does not fit one call).
+    if [ "${PEER:-1}" != 0 ]; then
+      timeout 240 python3 scripts/bench_peer_cb.py --batches 64,256 --output "$out" > "$out/bench_peer_cb.log" 2>&1
+      tail -3 "$out/bench_peer_cb.log"
+    fi
     python3 scripts/bench_serve.py "${common[@]}" --methods ${METHODS:-none,eagle:2:2.53} \
-      --mixed-prefill ${MIXED:-off,128,128x2} \
-      --concurrency 1,64,256 --static-batches 64,256 --name bench_serve_8b_mixed --output "$out"
+      --mixed-prefill ${MIXED:-off,128x4,128x16} \
+      --concurrency 1,64,256 --static-batches "${STATIC-64,256}" --name bench_serve_8b_mixed --output "$out"
     ;;
   methods)
     timeout 240 python3 scripts/bench_peer_cb.py --batches 64,256 --output "$out" > "$out/bench_peer_cb.log" 2>&1
