@@ -12,9 +12,11 @@ That is empirical Bayes over the active rows: each row keeps discounted counts, 
 tested its draft j and of those it passed; the batch pools them, with the pooled rate of the shallower positions
 as the prior of a position it has tested little or not lately (conditional acceptance is roughly flat or rising
 with depth); and each row's estimate is its own counts under a Beta prior of mean the batch's. Before any test
-the prior is certainty, so the first step verifies the whole block and sees every depth. A row's estimate thus
+the prior is a good drafter's (every draft 0.8 likely given the one before), so where verifying costs little (a
+small batch) the first step verifies the whole block and sees every depth, and where it costs a step (a large
+batch) it verifies what such a drafter would pay for. A row's estimate thus
 starts at its batch mates' (a request the engine admits learns nothing from scratch), follows its own outcomes
-after a few tests, and a position the width stopped verifying falls back to the batch's view, not to certainty
+after a few tests, and a position the width stopped verifying falls back to the batch's view, not to the prior
 (benchmarks/probes/adaptive_policy_sim.py replays it on measured cost curves; docs/performance.md has figures).
 
 Width 0 verifies no draft: the step is the target's one-position forward, an autoregressive step. A drafter that
@@ -69,9 +71,11 @@ ROW_PRIOR_TESTS = 4.0
 # The batch's estimate of position i has as its prior the batch's pooled rate over positions 1..i-1:
 # conditional acceptance is roughly flat or rising with depth, so a position no row tested lately is about as
 # likely as the shallower ones (a pool: less noisy than the one position above it, which a row may have seen once).
-# Before any test the prior is optimistic, PRIOR (certainty): the first step verifies the whole block and sees
-# every depth (vLLM verifies fully until its estimator is fitted), and a batch that stopped testing drifts back.
-PRIOR = 1.0
+# Before any test the prior is PRIOR, a good drafter's rate, and a batch that stopped testing drifts back to it.
+# Certainty (1, vLLM's verifying fully until its estimator is fitted) made a large batch's first step verify all
+# K drafts at K + 1 positions' cost, and its skipping steps explore too often; at 0.7 a batch of 64 whose drafter
+# would pay (τ 5.7) never tested it (benchmarks/probes/adaptive_policy_sim.py; docs/performance.md).
+PRIOR = 0.8
 # The weight of each of those priors in pseudo-tests: it fills a position nobody tested lately, and the batch's
 # first tests outweigh it.
 PRIOR_TESTS = 1.0

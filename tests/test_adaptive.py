@@ -150,7 +150,7 @@ def test_the_confidence_head_is_read_only_for_deterministic_drafts():
                               draft_sample_method="probabilistic")
     active = np.ones(2, bool)
     assert (np.asarray(adaptive.conditional_acceptance(greedy_spec, state, confidence, active)) == 0.25).all()
-    # Before any test, the estimate is the optimistic prior (the first step verifies the whole block).
+    # Before any test, the estimate is the prior (PRIOR for every position).
     for spec, head in ((sampled_spec, confidence), (greedy_spec, None)):
         assert (np.asarray(adaptive.conditional_acceptance(spec, state, head, active)) == adaptive.PRIOR).all()
 
