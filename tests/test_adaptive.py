@@ -336,7 +336,8 @@ def test_the_engine_serves_each_request_its_autoregressive_output(method):
     """32 requests arriving at random steps, 4 slots; per-request detailed metrics carry the chosen widths. The
     draft model's requests are served again with the draft KV cache offloaded between visits (both features at
     once, tests/test_offload.py's property): the same tokens, finish reasons and acceptance counts. DFlash's
-    prompts are prefilled in the steps (mixed prefill: the chunks ride in each width's verify forward)."""
+    and DSpark's prompts are prefilled in the steps (mixed prefill: the chunks ride in each width's verify forward
+    and build the drafter's state through `extend`, DSpark's its confidences too)."""
     from support.engine import (autoregressive_under_load, load_config, random_requests, serve_arriving,
                                 truncated_at_stop)
 
@@ -345,7 +346,8 @@ def test_the_engine_serves_each_request_its_autoregressive_output(method):
     target, _ = target_and_drafts()
     requests = random_requests(32)
     spec = SpecConfig(method=method, num_speculative_tokens=3, enable_adaptive_verification=True)
-    config = load_config(spec, cost_curve=STEEPER, **({"mixed_prefill_tokens": 4} if method == "dflash" else {}))
+    config = load_config(spec, cost_curve=STEEPER,
+                         **({"mixed_prefill_tokens": 4} if method in ("dflash", "dspark") else {}))
     outputs = serve_arriving(Engine(target, config, drafter=drafter_for(method)), requests)
     widths = set()
     for request, want in zip(requests, autoregressive_under_load()):

@@ -145,25 +145,6 @@ def test_greedy_speculative_output_is_identical_to_autoregressive(num_draft, hea
     assert 0 < result.metrics.summary()["acceptance_rate"] < 1
 
 
-@pytest.mark.loop
-def test_the_engine_serves_dspark_requests_with_their_autoregressive_output():
-    """The continuous-batching engine with DSpark (K 3, 4 slots, 32 requests arriving at random steps; the
-    confidence kept per slot in the proposer state; prompts prefilled in the steps, mixed prefill, whose chunks build
-    the drafter's state through `extend`; tests/test_adaptive.py serves DSpark with prefill calls): each request's
-    greedy output is generate's alone."""
-    from support.engine import (autoregressive_under_load, load_config, random_requests, serve_arriving,
-                                truncated_at_stop)
-
-    from specjax.engine import Engine
-
-    target, _ = target_and_drafts()
-    requests = random_requests(32)
-    config = load_config(SpecConfig(method="dspark", num_speculative_tokens=3), mixed_prefill_tokens=4)
-    outputs = serve_arriving(Engine(target, config, drafter=dspark_drafter(target.config, block_size=8, rank=8)), requests)
-    for request, want in zip(requests, autoregressive_under_load()):
-        assert list(outputs[request.request_id].tokens) == truncated_at_stop(want, request.stop_token_ids)
-
-
 # ------------------------------------------------------------------------------- exact distribution
 
 LOSSLESS_ALPHA = 1e-4  # test_lossless.py's threshold
