@@ -7,7 +7,7 @@
 #     mkdir -p /tmp/site && tar -C /tmp/site -xJf .wsite/site.tar.xz && export PYTHONPATH=/tmp/site:.
 set -euo pipefail
 py=${PYTHON:-.venv/bin/python}
-packages=(fastapi==0.165.0 uvicorn==0.55.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5
+packages=(fastapi==0.165.0 uvicorn==0.55.0 httptools==0.9.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5
           annotated-types==0.8.0 typing-inspection==0.4.5 opentelemetry-api==1.45.2)
 wheels=$(mktemp -d) site=$(mktemp -d)
 trap 'rm -rf "$wheels" "$site"' EXIT

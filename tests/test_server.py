@@ -501,6 +501,12 @@ def test_streamed_text_never_breaks_a_character(tokenizer, streams):
     assert "" in pieces[:-1]  # some ids ended inside a character and were held back
     cut = detokenizer()  # the output ends inside the emoji's bytes
     assert cut.add(ids[:-2]) + cut.add([], final=True) == tokenizer.decode(ids[:-2])
+    # A visit's chunk that ends inside a character emits at once all the text before that character.
+    inside = max(j for j in range(len(ids)) if tokenizer.decode(ids[:j]).endswith("\ufffd"))
+    early = detokenizer()
+    first = early.add(ids[:inside])
+    assert first == tokenizer.decode(ids[:inside]).rstrip("\ufffd") and inside > Detokenizer.TAIL + 1
+    assert first + early.add(ids[inside:]) + early.add([], final=True) == tokenizer.decode(ids)
     code = tokenizer.encode(Path(detokenizer.__code__.co_filename).read_text()[:4000], add_special_tokens=False)
     visits = detokenizer()
     pieces = [visits.add(code[i:i + 5]) for i in range(0, len(code), 5)] + [visits.add([], final=True)]

@@ -323,32 +323,37 @@ def build_app(served: Served) -> FastAPI:
 
     async def stream(shape: Shape, queue: asyncio.Queue, usage: bool, start: float, path: str):
         detokenizer, output, status, note = Detokenizer(served.tokenizer), None, 499, "client disconnected"
+        # The events ready at once (a visit's tokens, and the request's end with it) go out as one write: each
+        # write is a send through the ASGI stack and a system call, the event loop's largest cost a request.
+        pending = [shape.sse(shape.chunk("", role=True))] if shape.kind == "chat" else []
         try:
-            if shape.kind == "chat":
-                yield shape.sse(shape.chunk("", role=True))
             events = EventReader(queue)  # a loop behind the engine sends the tokens that piled up as one chunk
             while True:
+                if pending and not events.ready():
+                    yield "".join(pending)
+                    pending = []
                 kind, value = await events.next()
                 if kind == TOKENS:
                     text = detokenizer.add(value)
                     if text:
-                        yield shape.sse(shape.chunk(text))
+                        pending.append(shape.sse(shape.chunk(text)))
                     continue
                 if kind == FAILED:
                     status, note = 500, value
-                    yield shape.sse({"error": {"message": value, "type": "ServerError", "code": 500}})
+                    pending.append(shape.sse({"error": {"message": value, "type": "ServerError", "code": 500}}))
                     break
                 output = value
                 if output.finish_reason in ("abort", "error"):
                     status, note = ended_badly(output)
-                    yield shape.sse({"error": {"message": note, "type": "ServerError", "code": status}})
+                    pending.append(shape.sse({"error": {"message": note, "type": "ServerError", "code": status}}))
                     break
                 status, note = 200, ""
-                yield shape.sse(shape.chunk(detokenizer.add([], final=True), finish_reason=output.finish_reason))
+                pending.append(shape.sse(shape.chunk(detokenizer.add([], final=True),
+                                                     finish_reason=output.finish_reason)))
                 if usage:
-                    yield shape.sse(shape.usage_chunk(output, served.spec_metrics(output)))
+                    pending.append(shape.sse(shape.usage_chunk(output, served.spec_metrics(output))))
                 break
-            yield "data: [DONE]\n\n"
+            yield "".join(pending) + "data: [DONE]\n\n"
         finally:  # also when the client went away (the generator is closed): its slot is freed
             if status == 499:
                 served.runner.abort(shape.request_id)

@@ -71,6 +71,10 @@ class EventReader:
         self.queue = queue
         self._backlog: collections.deque[tuple] = collections.deque()  # taken from the queue, not yet read
 
+    def ready(self) -> bool:
+        """Whether next() has an event without waiting."""
+        return bool(self._backlog) or not self.queue.empty()
+
     async def next(self) -> tuple:
         if not self._backlog:
             self._backlog.append(await self.queue.get())

@@ -1,0 +1,175 @@
+"""What does the server's HTTP side cost a request, with the engine's device time taken away?
+
+    PYTHONPATH=. python -m benchmarks.probes.http_cost_probe [--http h11,httptools] [--loop asyncio,uvloop]
+
+The real `specjax serve` app and engine thread (serve/_app.py, serve/_runner.py) on the bundled tokenizer, in
+front of a stand-in engine: a visit sleeps its device time (the interpreter lock released, as a device call
+releases it), spins its host time (holding the lock, as the engine's bookkeeping does), and gives every running
+request `--tokens-per-visit` tokens. Client processes (bench_serve.http_point: streamed /v1/completions with the
+usage chunk, as the 8B runs) keep `--concurrency` requests in flight. Per uvicorn HTTP parser and event loop:
+- the event loop thread's CPU time a request (parsing, validation, streaming its chunks, detokenizing, the
+  access line, the metrics), in microseconds;
+- the engine thread's CPU time a request outside the stand-in's spin (gathering, handing events over);
+- how much the stand-in's host spin stretched (its wall time over its own CPU time): what sharing the lock with
+  the event loop costs the engine's host work;
+- tokens/s, which on a CPU shared with the clients says little: read the CPU columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from specjax import bench_serve
+from specjax.engine import RequestOutput
+from specjax.serve import _runner
+from specjax.serve._app import Served, build_app
+from specjax.serve._config import ServeConfig
+from specjax.serve._metrics import ServerMetrics
+
+
+class StandInEngine:
+    """What EngineRunner uses of Engine, with a visit of fixed device and host time and no model."""
+
+    def __init__(self, model, config, drafter=None, on_tokens=None, *, device_s: float, host_s: float,
+                 tokens_per_visit: int, max_num_seqs: int, text_ids: list[int]):
+        self.config = argparse.Namespace(max_num_seqs=max_num_seqs, max_prefill_batch=max_num_seqs)
+        self.device_s, self.host_s, self.tokens_per_visit = device_s, host_s, tokens_per_visit
+        self.on_tokens, self.text_ids = on_tokens, text_ids  # what requests "generate": real text, as detokenized
+        self.running: dict[str, list] = {}  # id -> [request, tokens so far, arrival, first token time]
+        self.waiting: list = []
+        self.visits = 0
+        self.spin_wall_s = self.spin_cpu_s = 0.0
+
+    def check(self, request) -> None:
+        pass
+
+    def add_request(self, request) -> None:
+        self.waiting.append([request, [], time.perf_counter(), None])
+
+    def abort_request(self, request_id: str) -> None:
+        self.waiting = [row for row in self.waiting if row[0].request_id != request_id]
+        self.running.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> dict:
+        return {"visits": self.visits}
+
+    def step(self, end_on_finish: bool = False) -> list[RequestOutput]:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            row = self.waiting.pop(0)
+            self.running[row[0].request_id] = row
+        wall, cpu = time.perf_counter(), time.thread_time()
+        while time.thread_time() - cpu < self.host_s:  # the engine's host work, holding the interpreter lock
+            pass
+        self.spin_wall_s += time.perf_counter() - wall
+        self.spin_cpu_s += time.thread_time() - cpu
+        time.sleep(self.device_s)  # the device's, which releases it
+        self.visits += 1
+        new, outputs, now = {}, [], time.perf_counter()
+        for request_id, row in list(self.running.items()):
+            request, tokens = row[0], row[1]
+            count = min(self.tokens_per_visit, request.max_tokens - len(tokens))
+            ids = [self.text_ids[(request.seed + len(tokens) + i) % len(self.text_ids)] for i in range(count)]
+            tokens += ids
+            row[3] = row[3] or now
+            new[request_id] = ids
+        self.on_tokens(new)
+        for request_id, row in list(self.running.items()):
+            request, tokens = row[0], row[1]
+            if len(tokens) >= request.max_tokens:
+                del self.running[request_id]
+                outputs.append(RequestOutput(request_id, tuple(tokens), "length", metrics=None, arrival_time=row[2],
+                                             first_token_time=row[3], finish_time=now))
+        return outputs
+
+
+def thread_cpu_s(ident: int) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+
+def measure(http: str, loop: str, args) -> dict:
+    import uvicorn
+
+    from specjax.experiments import load_tokenizer
+
+    tokenizer = load_tokenizer(ServeConfig.model)
+    text_ids = tokenizer.encode(Path(__file__).parents[2].joinpath("specjax/decoding.py").read_text(),
+                                add_special_tokens=False)
+    kwargs = dict(device_s=args.device_ms / 1e3, host_s=args.host_ms / 1e3, tokens_per_visit=args.tokens_per_visit,
+                  max_num_seqs=args.max_num_seqs, text_ids=text_ids)
+    _runner.Engine = lambda model, config, drafter, on_tokens: StandInEngine(model, config, drafter, on_tokens,
+                                                                             **kwargs)
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = ServeConfig(max_num_seqs=args.max_num_seqs, max_model_len=4096, port=port, log_stats_interval_s=0)
+    metrics = ServerMetrics(config.model_name)
+    runner = _runner.EngineRunner.for_server(None, None, None, config, metrics)
+    served = Served(config, runner, tokenizer, metrics, lookahead=1)
+    runner.start()
+    server = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=port, access_log=False,
+                                           log_level="warning", http=http, loop=loop))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    prompts = [list(range(1000 + i, 1000 + i + args.prompt_len)) for i in range(64)]
+    point = dict(new_tokens=args.new_tokens, concurrency=args.concurrency, rate=None, burstiness=1.0, seed=0,
+                 processes=args.client_processes)
+    bench_serve.http_point(url, prompts, num_requests=args.concurrency, **point)  # warm: first imports, paths
+    engine = runner.engine
+    before = (thread_cpu_s(thread.ident), thread_cpu_s(runner._thread.ident), engine.spin_wall_s, engine.spin_cpu_s)
+    result = bench_serve.http_point(url, prompts, num_requests=args.num_requests, **point)
+    after = (thread_cpu_s(thread.ident), thread_cpu_s(runner._thread.ident), engine.spin_wall_s, engine.spin_cpu_s)
+    server.should_exit = True
+    thread.join()
+    runner.stop()
+    loop_cpu, engine_cpu, spin_wall, spin_cpu = (b - a for a, b in zip(before, after))
+    requests = result["requests"]
+    return {"http": http, "loop": loop, "requests": requests, "output_tok_s": round(result["output_tok_s"]),
+            "loop_cpu_us_per_request": round(loop_cpu / requests * 1e6),
+            "engine_thread_cpu_us_per_request": round((engine_cpu - spin_cpu) / requests * 1e6),
+            "engine_host_stretch": round(spin_wall / spin_cpu, 3), "loop_cpu_share": round(loop_cpu / result["wall_s"], 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--http", default="h11,httptools")
+    parser.add_argument("--loop", default="asyncio,uvloop")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--tokens-per-visit", type=int, default=64, help="16 steps at 4 tokens a step")
+    parser.add_argument("--device-ms", type=float, default=20.0, help="a visit's device time")
+    parser.add_argument("--host-ms", type=float, default=2.0, help="a visit's engine host time (holding the lock)")
+    parser.add_argument("--client-processes", type=int, default=2)
+    parser.add_argument("--switch-interval-ms", type=float, default=ServeConfig.switch_interval_ms)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    sink = logging.StreamHandler(open(os.devnull, "w"))  # the access lines are formatted and written, as served
+    logging.getLogger("specjax").addHandler(sink)
+    logging.getLogger("specjax").setLevel(logging.INFO)
+    logging.getLogger("specjax").propagate = False
+    print(json.dumps({"python": sys.version.split()[0], "cpus": os.cpu_count(), **vars(args)}))
+    for _ in range(args.repeats):
+        for http in args.http.split(","):
+            for loop in args.loop.split(","):
+                print(json.dumps(measure(http, loop, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
