@@ -352,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compile the sampled programs at the first sampled request, not before listening")
     srv.add_argument("--admit-wait-ms", type=float, default=None,
                      help="ms a visit may wait for arriving requests (default: 50; 0: off)")
+    srv.add_argument("--steps-per-visit", type=int, default=None,
+                     help="engine steps a visit runs at most, admitting nothing meanwhile (default: 16)")
     srv.add_argument("--end-visits-on-finish", action="store_true", default=None,
                      help="end an engine visit when a request ends, not after its steps (docs/serving.md)")
     srv.add_argument("--async-scheduling", action="store_true", default=None,

@@ -462,8 +462,9 @@ def test_the_config_from_yaml_flags_and_overrides(tmp_path):
     args = cli.build_parser().parse_args(["serve", "--no-warmup-sampled"])
     assert load_serve_config(None, {name: getattr(args, name) for name in FLAGS}).warmup_sampled is False
     assert ServeConfig().warmup_sampled is True
-    args = cli.build_parser().parse_args(["serve", "--end-visits-on-finish"])
-    assert load_serve_config(None, {name: getattr(args, name) for name in FLAGS}).end_visits_on_finish is True
+    args = cli.build_parser().parse_args(["serve", "--end-visits-on-finish", "--steps-per-visit", "4"])
+    config = load_serve_config(None, {name: getattr(args, name) for name in FLAGS})
+    assert config.end_visits_on_finish is True and config.steps_per_visit == 4
     assert ServeConfig().end_visits_on_finish is False
     with pytest.raises(ValueError, match="ServeConfig.warmup_sampled = 3 is invalid: allowed true or false"):
         load_serve_config(None, {}, ["warmup_sampled=3"])

@@ -1,20 +1,26 @@
-"""What does the server's HTTP side cost a request, with the engine's device time taken away?
+"""What does the server's HTTP side cost a request, and what does the server lose against the engine in process,
+with the device taken away?
 
     PYTHONPATH=. python -m benchmarks.probes.http_cost_probe [--http h11,httptools] [--loop asyncio,uvloop]
+    # the 8B shape's times (docs/performance.md): 256 slots, 320 streams, 50 ms steps, 14 ms of host a visit
+    PYTHONPATH=. python -m benchmarks.probes.http_cost_probe --in-process --max-num-seqs 256 --concurrency 320 \
+        --step-ms 50 --host-ms 14 --prefill-ms 3.2 --num-requests 2560 --client-processes 4 --http httptools \
+        --loop asyncio --repeats 1 [--steps-per-visit 8]
 
 The real `specjax serve` app and engine thread (serve/_app.py, serve/_runner.py) on the bundled tokenizer, in
-front of a stand-in engine: a visit sleeps its device time (the interpreter lock released, as a device call
-releases it), spins its host time (holding the lock, as the engine's bookkeeping does), and gives every running
-request `--tokens-per-visit` tokens. Client processes (bench_serve.http_point: streamed /v1/completions with the
-usage chunk, as the 8B runs) keep `--concurrency` requests in flight. Per uvicorn HTTP parser and event loop:
+front of a stand-in engine: a visit sleeps its device time (`--steps-per-visit` x `--step-ms`, and `--prefill-ms` a
+request it admits: the interpreter lock released, as a device call releases it), spins its host time (holding the
+lock, as the engine's bookkeeping does), and gives every running request `--tokens-per-step` tokens of real text a
+step. Client processes (bench_serve.http_point: streamed /v1/completions with the usage chunk, as the 8B runs) keep
+`--concurrency` requests in flight. Per uvicorn HTTP parser and event loop:
 - the event loop thread's CPU time a request (parsing, validation, streaming its chunks, detokenizing, the
   access line, the metrics), in microseconds;
 - the engine thread's CPU time a request outside the stand-in's spin (gathering, handing events over);
 - how much the stand-in's host spin stretched (its wall time over its own CPU time): what sharing the lock with
   the event loop costs the engine's host work;
-- tokens/s, which on a CPU shared with the clients says little: read the CPU columns.
+- tokens/s and TTFT; with --in-process first the same load on the stand-in without HTTP (bench_serve's closed loop:
+  a request that ends is replaced at once), the peer of the server's tokens/s.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -39,9 +45,10 @@ class StandInEngine:
     """What EngineRunner uses of Engine, with a visit of fixed device and host time and no model."""
 
     def __init__(self, model, config, drafter=None, on_tokens=None, *, device_s: float, host_s: float,
-                 tokens_per_visit: int, max_num_seqs: int, text_ids: list[int]):
+                 prefill_s: float, tokens_per_visit: int, max_num_seqs: int, text_ids: list[int]):
         self.config = argparse.Namespace(max_num_seqs=max_num_seqs, max_prefill_batch=max_num_seqs)
         self.device_s, self.host_s, self.tokens_per_visit = device_s, host_s, tokens_per_visit
+        self.prefill_s = prefill_s  # device time a request admitted at a visit adds to it (its prompt's prefill)
         self.on_tokens, self.text_ids = on_tokens, text_ids  # what requests "generate": real text, as detokenized
         self.running: dict[str, list] = {}  # id -> [request, tokens so far, arrival, first token time]
         self.waiting: list = []
@@ -65,15 +72,17 @@ class StandInEngine:
         return {"visits": self.visits}
 
     def step(self, end_on_finish: bool = False) -> list[RequestOutput]:
+        admitted = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             row = self.waiting.pop(0)
             self.running[row[0].request_id] = row
+            admitted += 1
         wall, cpu = time.perf_counter(), time.thread_time()
         while time.thread_time() - cpu < self.host_s:  # the engine's host work, holding the interpreter lock
             pass
         self.spin_wall_s += time.perf_counter() - wall
         self.spin_cpu_s += time.thread_time() - cpu
-        time.sleep(self.device_s)  # the device's, which releases it
+        time.sleep(self.device_s + admitted * self.prefill_s)  # the device's, which releases it
         self.visits += 1
         new, outputs, now = {}, [], time.perf_counter()
         for request_id, row in list(self.running.items()):
@@ -93,6 +102,32 @@ class StandInEngine:
         return outputs
 
 
+def stand_in_settings(args, text_ids: list[int]) -> dict:
+    return dict(device_s=args.steps_per_visit * args.step_ms / 1e3, host_s=args.host_ms / 1e3,
+                prefill_s=args.prefill_ms / 1e3, tokens_per_visit=args.steps_per_visit * args.tokens_per_step,
+                max_num_seqs=args.max_num_seqs, text_ids=text_ids)
+
+
+def in_process(args) -> dict:
+    """The stand-in engine driven as bench_serve drives the engine in process: `concurrency` requests in it, each
+    replaced as it ends (a queue that never empties when concurrency > slots), no HTTP."""
+    from specjax.engine import Request
+
+    engine = StandInEngine(None, None, on_tokens=lambda new: None, **stand_in_settings(args, [1]))
+    sent = tokens = 0
+    start = time.perf_counter()
+    while sent < min(args.concurrency, args.num_requests):
+        engine.add_request(Request.make(f"r{sent}", [1], args.new_tokens, seed=sent))
+        sent += 1
+    while engine.has_work():
+        for output in engine.step():
+            tokens += len(output.tokens)
+            if sent < args.num_requests:
+                engine.add_request(Request.make(f"r{sent}", [1], args.new_tokens, seed=sent))
+                sent += 1
+    return {"in_process_tok_s": round(tokens / (time.perf_counter() - start))}
+
+
 def thread_cpu_s(ident: int) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
@@ -105,16 +140,18 @@ def measure(http: str, loop: str, args) -> dict:
     tokenizer = load_tokenizer(ServeConfig.model)
     text_ids = tokenizer.encode(Path(__file__).parents[2].joinpath("specjax/decoding.py").read_text(),
                                 add_special_tokens=False)
-    kwargs = dict(device_s=args.device_ms / 1e3, host_s=args.host_ms / 1e3, tokens_per_visit=args.tokens_per_visit,
-                  max_num_seqs=args.max_num_seqs, text_ids=text_ids)
+    kwargs = stand_in_settings(args, text_ids)
     _runner.Engine = lambda model, config, drafter, on_tokens: StandInEngine(model, config, drafter, on_tokens,
                                                                              **kwargs)
     with socket.socket() as probe:  # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    config = ServeConfig(max_num_seqs=args.max_num_seqs, max_model_len=4096, port=port, log_stats_interval_s=0)
+    config = ServeConfig(max_num_seqs=args.max_num_seqs, max_model_len=4096, port=port, log_stats_interval_s=0,
+                         admit_wait_ms=args.admit_wait_ms)
     metrics = ServerMetrics(config.model_name)
     runner = _runner.EngineRunner.for_server(None, None, None, config, metrics)
+    if args.admit_share is not None:
+        runner.admit_share = args.admit_share
     served = Served(config, runner, tokenizer, metrics, lookahead=1)
     runner.start()
     server = uvicorn.Server(uvicorn.Config(build_app(served), host="127.0.0.1", port=port, access_log=False,
@@ -138,6 +175,7 @@ def measure(http: str, loop: str, args) -> dict:
     loop_cpu, engine_cpu, spin_wall, spin_cpu = (b - a for a, b in zip(before, after))
     requests = result["requests"]
     return {"http": http, "loop": loop, "requests": requests, "output_tok_s": round(result["output_tok_s"]),
+            "ttft_mean_ms": round(result["ttft_mean_ms"]), "visits": engine.visits,
             "loop_cpu_us_per_request": round(loop_cpu / requests * 1e6),
             "engine_thread_cpu_us_per_request": round((engine_cpu - spin_cpu) / requests * 1e6),
             "engine_host_stretch": round(spin_wall / spin_cpu, 3), "loop_cpu_share": round(loop_cpu / result["wall_s"], 3)}
@@ -152,9 +190,14 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--tokens-per-visit", type=int, default=64, help="16 steps at 4 tokens a step")
-    parser.add_argument("--device-ms", type=float, default=20.0, help="a visit's device time")
+    parser.add_argument("--steps-per-visit", type=int, default=16)
+    parser.add_argument("--tokens-per-step", type=int, default=4, help="a request's (EAGLE at τ 4)")
+    parser.add_argument("--step-ms", type=float, default=1.25, help="a step's device time")
     parser.add_argument("--host-ms", type=float, default=2.0, help="a visit's engine host time (holding the lock)")
+    parser.add_argument("--prefill-ms", type=float, default=0.0, help="device time a request admitted adds")
+    parser.add_argument("--admit-wait-ms", type=float, default=ServeConfig.admit_wait_ms)
+    parser.add_argument("--admit-share", type=float, default=None, help="EngineRunner.admit_share (default its own)")
+    parser.add_argument("--in-process", action="store_true", help="first the same load without HTTP (the peer)")
     parser.add_argument("--client-processes", type=int, default=2)
     parser.add_argument("--switch-interval-ms", type=float, default=ServeConfig.switch_interval_ms)
     parser.add_argument("--repeats", type=int, default=2)
@@ -165,6 +208,8 @@ def main() -> None:
     logging.getLogger("specjax").setLevel(logging.INFO)
     logging.getLogger("specjax").propagate = False
     print(json.dumps({"python": sys.version.split()[0], "cpus": os.cpu_count(), **vars(args)}))
+    if args.in_process:
+        print(json.dumps(in_process(args)), flush=True)
     for _ in range(args.repeats):
         for http in args.http.split(","):
             for loop in args.loop.split(","):

@@ -58,6 +58,11 @@ class ServeConfig:
     # at an idle engine, until a 2 ms gap between arrivals (serve/_runner.py). 0: start each visit at once
     # (--admit-wait-ms).
     admit_wait_ms: float = 50.0
+    # Steps an engine visit runs at most (EngineConfig.steps_per_visit; vLLM V0's --num-scheduler-steps): a visit
+    # admits nothing while it runs, so over HTTP a request that arrives just after a visit began waits it out. Fewer
+    # steps: shorter waits for more host work (docs/performance.md, a stand-in engine at the 8B shape's times)
+    # (--steps-per-visit).
+    steps_per_visit: int = 16
     # End a visit when a request ends, as one does in process when requests wait, rather than after
     # steps_per_visit: its replacement is on the way (EngineRunner's end_on_finish; --end-visits-on-finish).
     end_visits_on_finish: bool = False
@@ -86,7 +91,7 @@ class ServeConfig:
         from specjax.proposers import PROPOSERS
         from specjax.verify import rejection_sample_methods
 
-        for name in ("max_num_seqs", "max_model_len", "max_prefill_batch"):
+        for name in ("max_num_seqs", "max_model_len", "max_prefill_batch", "steps_per_visit"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, "ServeConfig", name, value, "an integer >= 1")
         require(isinstance(self.port, int) and 0 <= self.port < 65536, "ServeConfig", "port", self.port,
@@ -144,7 +149,8 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
          "mixed_prefill_tokens": "mixed_prefill_tokens", "mixed_prefill_chunks": "mixed_prefill_chunks",
          "warmup_prompt_len": "warmup_prompt_len", "warmup_sampled": "warmup_sampled", "admit_wait_ms": "admit_wait_ms",
-         "end_visits_on_finish": "end_visits_on_finish", "async_scheduling": "async_scheduling",
+         "steps_per_visit": "steps_per_visit", "end_visits_on_finish": "end_visits_on_finish",
+         "async_scheduling": "async_scheduling",
          "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",
          "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir", "engine_process": "engine_process"}
 
