@@ -44,15 +44,16 @@ from specjax.serve._metrics import ServerMetrics
 class StandInEngine:
     """What EngineRunner uses of Engine, with a visit of fixed device and host time and no model."""
 
-    def __init__(self, model, config, drafter=None, on_tokens=None, *, device_s: float, host_s: float,
-                 prefill_s: float, tokens_per_visit: int, max_num_seqs: int, text_ids: list[int]):
-        self.config = argparse.Namespace(max_num_seqs=max_num_seqs, max_prefill_batch=max_num_seqs)
-        self.device_s, self.host_s, self.tokens_per_visit = device_s, host_s, tokens_per_visit
+    def __init__(self, model, config, drafter=None, on_tokens=None, *, steps_per_visit: int, step_s: float,
+                 tokens_per_step: int, host_s: float, prefill_s: float, max_num_seqs: int, text_ids: list[int]):
+        self.config = argparse.Namespace(max_num_seqs=max_num_seqs, max_prefill_batch=max_num_seqs,
+                                         steps_per_visit=steps_per_visit)
+        self.step_s, self.host_s, self.tokens_per_step = step_s, host_s, tokens_per_step
         self.prefill_s = prefill_s  # device time a request admitted at a visit adds to it (its prompt's prefill)
         self.on_tokens, self.text_ids = on_tokens, text_ids  # what requests "generate": real text, as detokenized
         self.running: dict[str, list] = {}  # id -> [request, tokens so far, arrival, first token time]
         self.waiting: list = []
-        self.visits = 0
+        self.visits = self.steps = self.busy_slot_steps = 0
         self.spin_wall_s = self.spin_cpu_s = 0.0
 
     def check(self, request) -> None:
@@ -82,12 +83,18 @@ class StandInEngine:
             pass
         self.spin_wall_s += time.perf_counter() - wall
         self.spin_cpu_s += time.thread_time() - cpu
-        time.sleep(self.device_s + admitted * self.prefill_s)  # the device's, which releases it
+        steps = self.config.steps_per_visit
+        if (self.waiting or end_on_finish) and self.running:  # as the engine: the visit ends at the first end
+            steps = min(steps, min(-(-(row[0].max_tokens - len(row[1])) // self.tokens_per_step)
+                                   for row in self.running.values()))
+        time.sleep(steps * self.step_s + admitted * self.prefill_s)  # the device's, which releases the lock
         self.visits += 1
+        self.steps += steps
+        self.busy_slot_steps += len(self.running) * steps
         new, outputs, now = {}, [], time.perf_counter()
         for request_id, row in list(self.running.items()):
             request, tokens = row[0], row[1]
-            count = min(self.tokens_per_visit, request.max_tokens - len(tokens))
+            count = min(steps * self.tokens_per_step, request.max_tokens - len(tokens))
             ids = [self.text_ids[(request.seed + len(tokens) + i) % len(self.text_ids)] for i in range(count)]
             tokens += ids
             row[3] = row[3] or now
@@ -103,9 +110,9 @@ class StandInEngine:
 
 
 def stand_in_settings(args, text_ids: list[int]) -> dict:
-    return dict(device_s=args.steps_per_visit * args.step_ms / 1e3, host_s=args.host_ms / 1e3,
-                prefill_s=args.prefill_ms / 1e3, tokens_per_visit=args.steps_per_visit * args.tokens_per_step,
-                max_num_seqs=args.max_num_seqs, text_ids=text_ids)
+    return dict(steps_per_visit=args.steps_per_visit, step_s=args.step_ms / 1e3, tokens_per_step=args.tokens_per_step,
+                host_s=args.host_ms / 1e3, prefill_s=args.prefill_ms / 1e3, max_num_seqs=args.max_num_seqs,
+                text_ids=text_ids)
 
 
 def in_process(args) -> dict:
@@ -147,7 +154,7 @@ def measure(http: str, loop: str, args) -> dict:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     config = ServeConfig(max_num_seqs=args.max_num_seqs, max_model_len=4096, port=port, log_stats_interval_s=0,
-                         admit_wait_ms=args.admit_wait_ms)
+                         admit_wait_ms=args.admit_wait_ms, end_visits_on_finish=args.end_visits_on_finish)
     metrics = ServerMetrics(config.model_name)
     runner = _runner.EngineRunner.for_server(None, None, None, config, metrics)
     if args.admit_share is not None:
@@ -175,7 +182,8 @@ def measure(http: str, loop: str, args) -> dict:
     loop_cpu, engine_cpu, spin_wall, spin_cpu = (b - a for a, b in zip(before, after))
     requests = result["requests"]
     return {"http": http, "loop": loop, "requests": requests, "output_tok_s": round(result["output_tok_s"]),
-            "ttft_mean_ms": round(result["ttft_mean_ms"]), "visits": engine.visits,
+            "ttft_mean_ms": round(result["ttft_mean_ms"]), "visits": engine.visits, "steps": engine.steps,
+            "busy_slots": round(engine.busy_slot_steps / max(engine.steps, 1), 1),
             "loop_cpu_us_per_request": round(loop_cpu / requests * 1e6),
             "engine_thread_cpu_us_per_request": round((engine_cpu - spin_cpu) / requests * 1e6),
             "engine_host_stretch": round(spin_wall / spin_cpu, 3), "loop_cpu_share": round(loop_cpu / result["wall_s"], 3)}
@@ -196,6 +204,7 @@ def main() -> None:
     parser.add_argument("--host-ms", type=float, default=2.0, help="a visit's engine host time (holding the lock)")
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="device time a request admitted adds")
     parser.add_argument("--admit-wait-ms", type=float, default=ServeConfig.admit_wait_ms)
+    parser.add_argument("--end-visits-on-finish", action="store_true")
     parser.add_argument("--admit-share", type=float, default=None, help="EngineRunner.admit_share (default its own)")
     parser.add_argument("--in-process", action="store_true", help="first the same load without HTTP (the peer)")
     parser.add_argument("--client-processes", type=int, default=2)
