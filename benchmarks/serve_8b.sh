@@ -65,19 +65,23 @@ case $part in
     # Eight requests per stream (2026-12-03: at two, a point of 64 streams lasted 2.1 s over HTTP, its first wave's
     # mean TTFT 0.4 s of it).
     common+=(--requests-per-stream ${REQUESTS_PER_STREAM:-8})
-    # 320 streams on 256 slots: a queue is never empty, so a slot that frees is refilled at once on both paths and
-    # the ratio is the HTTP layer's cost per token, not the client's round trip before a replacement arrives.
+    # 320 streams on 256 slots: in process a queue is never empty and a slot that frees is refilled at once; over HTTP
+    # a replacement comes a client round trip after its request ended, and one that misses the visit's start waits
+    # the visit out (docs/performance.md, the stand-in's reproduction). RATES=120: open-loop Poisson arrivals at
+    # those rates instead (requests/s; 120 is above this workload's ~105 a second), where both paths keep a queue.
     loads=${LOADS:-1,64,256,320}
+    load_flags=(--concurrency $loads)
+    [ -z "${RATES:-}" ] || load_flags=(--rate $RATES)
     # In process first: its programs fill the compile cache the server's warm-up then reads (on 2026-12-03 the
     # server's own warm-up of greedy and sampled programs outlasted a 240 s wait and no request was served).
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
     # INPROC=0 skips it (a second device call after the first filled the cache: each call has 10 minutes).
     if [ "${INPROC:-1}" != 0 ]; then
-      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency $loads \
+      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 "${load_flags[@]}" \
         --name bench_serve_8b_inproc --output "$out"
       # The same through the server's engine thread, no HTTP: which part of HTTP's loss is the thread's scheduling
       # (RUNNER=0 skips it).
-      [ "${RUNNER:-1}" = 0 ] || python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency $loads \
+      [ "${RUNNER:-1}" = 0 ] || python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 "${load_flags[@]}" \
         --through runner --name bench_serve_8b_runner --output "$out"
       [ "${SERVE:-1}" != 0 ] || exit 0
     fi
@@ -112,7 +116,7 @@ case $part in
     # One client process, then four sharing the load (one Python event loop parsing 256 streams may be the bound).
     for processes in ${CLIENT_PROCESSES:-1 4}; do
       JAX_PLATFORMS=cpu python3 scripts/bench_serve.py --url http://127.0.0.1:8765 "${common[@]}" --methods eagle:5:4 \
-        --concurrency $loads --client-processes $processes \
+        "${load_flags[@]}" --client-processes $processes \
         --name bench_serve_8b_http$([ "$processes" = 1 ] || echo "_p$processes") --output "$out"
     done
     # Then the last load again under the profiler (/start_profile, /stop_profile): the device's busy share and idle

@@ -116,22 +116,35 @@ def stand_in_settings(args, text_ids: list[int]) -> dict:
 
 
 def in_process(args) -> dict:
-    """The stand-in engine driven as bench_serve drives the engine in process: `concurrency` requests in it, each
-    replaced as it ends (a queue that never empties when concurrency > slots), no HTTP."""
+    """The stand-in engine driven as bench_serve drives the engine in process, no HTTP: `concurrency` requests in
+    it, each replaced as it ends (a queue that never empties when concurrency > slots), or with --rate, requests
+    arriving at that Poisson rate."""
+    import numpy as np
+
     from specjax.engine import Request
 
     engine = StandInEngine(None, None, on_tokens=lambda new: None, **stand_in_settings(args, [1]))
+    if args.rate is None:
+        arrivals = [0.0] * min(args.concurrency, args.num_requests)  # the rest as requests end
+    else:
+        gaps = np.random.default_rng(0).exponential(1.0 / args.rate, args.num_requests)
+        arrivals = list(np.cumsum(gaps) - gaps[0])
     sent = tokens = 0
     start = time.perf_counter()
-    while sent < min(args.concurrency, args.num_requests):
-        engine.add_request(Request.make(f"r{sent}", [1], args.new_tokens, seed=sent))
-        sent += 1
+    while sent < args.num_requests:
+        now = time.perf_counter() - start
+        while sent < len(arrivals) and arrivals[sent] <= now:
+            engine.add_request(Request.make(f"r{sent}", [1], args.new_tokens, seed=sent))
+            sent += 1
+        if not engine.has_work():
+            time.sleep(max(arrivals[sent] - now, 0.0))
+            continue
+        outputs = engine.step()
+        tokens += sum(len(output.tokens) for output in outputs)
+        if args.rate is None:
+            arrivals += [time.perf_counter() - start] * min(len(outputs), args.num_requests - len(arrivals))
     while engine.has_work():
-        for output in engine.step():
-            tokens += len(output.tokens)
-            if sent < args.num_requests:
-                engine.add_request(Request.make(f"r{sent}", [1], args.new_tokens, seed=sent))
-                sent += 1
+        tokens += sum(len(output.tokens) for output in engine.step())
     return {"in_process_tok_s": round(tokens / (time.perf_counter() - start))}
 
 
@@ -169,9 +182,10 @@ def measure(http: str, loop: str, args) -> dict:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
     prompts = [list(range(1000 + i, 1000 + i + args.prompt_len)) for i in range(64)]
-    point = dict(new_tokens=args.new_tokens, concurrency=args.concurrency, rate=None, burstiness=1.0, seed=0,
-                 processes=args.client_processes)
-    bench_serve.http_point(url, prompts, num_requests=args.concurrency, **point)  # warm: first imports, paths
+    point = dict(new_tokens=args.new_tokens, concurrency=None if args.rate else args.concurrency, rate=args.rate,
+                 burstiness=1.0, seed=0, processes=args.client_processes)
+    warm = dict(point, concurrency=args.concurrency, rate=None)
+    bench_serve.http_point(url, prompts, num_requests=args.concurrency, **warm)  # warm: first imports, paths
     engine = runner.engine
     before = (thread_cpu_s(thread.ident), thread_cpu_s(runner._thread.ident), engine.spin_wall_s, engine.spin_cpu_s)
     result = bench_serve.http_point(url, prompts, num_requests=args.num_requests, **point)
@@ -194,6 +208,7 @@ def main() -> None:
     parser.add_argument("--http", default="h11,httptools")
     parser.add_argument("--loop", default="asyncio,uvloop")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=None, help="requests/s arriving (Poisson) instead")
     parser.add_argument("--num-requests", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
