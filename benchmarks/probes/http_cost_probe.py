@@ -54,6 +54,7 @@ class StandInEngine:
         self.running: dict[str, list] = {}  # id -> [request, tokens so far, arrival, first token time]
         self.waiting: list = []
         self.visits = self.steps = self.busy_slot_steps = 0
+        self.thread: int | None = None  # the thread that steps it
         self.spin_wall_s = self.spin_cpu_s = 0.0
 
     def check(self, request) -> None:
@@ -73,6 +74,7 @@ class StandInEngine:
         return {"visits": self.visits}
 
     def step(self, end_on_finish: bool = False) -> list[RequestOutput]:
+        self.thread = threading.get_ident()  # the engine's thread: its CPU time is read from the probe's
         admitted = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             row = self.waiting.pop(0)
@@ -187,9 +189,9 @@ def measure(http: str, loop: str, args) -> dict:
     warm = dict(point, concurrency=args.concurrency, rate=None)
     bench_serve.http_point(url, prompts, num_requests=args.concurrency, **warm)  # warm: first imports, paths
     engine = runner.engine
-    before = (thread_cpu_s(thread.ident), thread_cpu_s(runner._thread.ident), engine.spin_wall_s, engine.spin_cpu_s)
+    before = (thread_cpu_s(thread.ident), thread_cpu_s(engine.thread), engine.spin_wall_s, engine.spin_cpu_s)
     result = bench_serve.http_point(url, prompts, num_requests=args.num_requests, **point)
-    after = (thread_cpu_s(thread.ident), thread_cpu_s(runner._thread.ident), engine.spin_wall_s, engine.spin_cpu_s)
+    after = (thread_cpu_s(thread.ident), thread_cpu_s(engine.thread), engine.spin_wall_s, engine.spin_cpu_s)
     server.should_exit = True
     thread.join()
     runner.stop()
