@@ -27,6 +27,13 @@
 #                                                      # 256 and 320 requests: in process, then through the
 #                                                      # server's engine thread (no HTTP); STEPS=4: visits of 4
 #                                                      # steps (async's refill lag is a visit: a quarter of 16's)
+#     PYTHONPATH=. benchmarks/serve_8b.sh ragged OUT   # 128 to 256 new tokens a request (the issue's range; every
+#                                                      # part above gives each request 128, so they end in
+#                                                      # waves), no speculation and EAGLE-1 K 5 tau 4 at 64, 256
+#                                                      # and 320 requests, visits stopping after the paced
+#                                                      # count of ends and at the first (--visit-ends auto,1)
+# BENCH_FLAGS=... adds flags to every bench_serve run of a part (e.g. "--new-tokens 192 --random-range-ratio 0.334"
+# for the ragged lengths in the http part, whose server then needs SERVER_FLAGS="--max-model-len 448").
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
 # gives tau 4.0 at K 5 (the EAGLE-1 figure the issue names) and 2.53, 3.60, 4.87 at K 2, 4, 8.
 # The http part needs fastapi, uvicorn, prometheus_client and httpx; the GPU machine's image lacks the first two and
@@ -35,7 +42,8 @@ set -uo pipefail
 part=$1
 out=${2:-benchmarks/results}
 export PYTHONUNBUFFERED=1
-common=(--models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 --max-num-seqs 256 --max-prefill-batch 64)
+common=(--models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 --max-num-seqs 256 --max-prefill-batch 64
+        ${BENCH_FLAGS:-})
 case $part in
   load)
     python3 scripts/bench_serve.py "${common[@]}" --methods none,eagle:2:2.53,eagle:4:3.6,eagle:8:4.87 \
@@ -154,5 +162,11 @@ case $part in
         --name bench_serve_8b_async_${through}_s${STEPS:-16} --output "$out"
     done
     ;;
-  *) echo "usage: $0 load|methods|http|offload|profile|async [OUT]"; exit 2 ;;
+  ragged)
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
+    python3 scripts/bench_serve.py "${common[@]}" --new-tokens 192 --random-range-ratio 0.334 \
+      --requests-per-stream ${REQUESTS_PER_STREAM:-4} --methods ${METHODS:-none,eagle:5:4} \
+      --concurrency ${LOADS:-64,256,320} --visit-ends ${VISIT_ENDS:-auto,1} --name bench_serve_8b_ragged --output "$out"
+    ;;
+  *) echo "usage: $0 load|mixed|methods|http|offload|profile|async|ragged [OUT]"; exit 2 ;;
 esac

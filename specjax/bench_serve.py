@@ -13,7 +13,9 @@ verifier accepting a mean of TAU tokens a step (rejection_sample_method 'synthet
 results). A method ending in :adaptive runs with adaptive verification (specjax.adaptive; its cost curve
 profiled at warm-up for each count of slots and kept on disk), e.g. dflash:7:4.0:adaptive. Load is a fixed number of requests in flight (--concurrency, a closed loop: a new request
 arrives when one ends) or Poisson arrivals at --rate requests/s (--burstiness: gamma-distributed
-gaps of that shape, 1 = Poisson, as vLLM's bench serve). Each point is measured after the engine has
+gaps of that shape, 1 = Poisson, as vLLM's bench serve); --random-range-ratio R draws request i's new tokens
+from [N (1 - R), N (1 + R)] (vLLM's option, on output lengths only: with one length a closed loop's requests
+start and end in waves). Each point is measured after the engine has
 compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
 (arrival to first token), TPOT ((last - first token) / (tokens - 1)), ITL (gaps between a request's
 successive token deliveries; the engine delivers each visit's tokens together), E2E latency, output
@@ -35,6 +37,9 @@ one setting (and one engine size, --max-num-seqs) per process.
 
 --async-scheduling off,on runs each point with the engine's visits read as they end and with each visit dispatched
 before the host reads the one before it (EngineConfig.async_scheduling; not with --draft-kv-offload on).
+
+--visit-ends auto,1 runs each point with the engine's visits stopping, while requests wait, after the rows its pacing
+chooses (EngineConfig.visit_ends None) and at the first end; the table adds each point's visits.
 
 --profile DIR traces each in-process point with JAX's profiler (DIR/<label>_<load>/, a perfetto trace that
 Perfetto's UI opens) and adds what the trace says (specjax.profiling): the device's busy share over the point and
@@ -66,6 +71,7 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
+           ("visits", "visits"), ("visit_ends", "visit ends"),
            ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
            ("async_scheduling", "async scheduling"), ("mixed_prefill", "mixed prefill"),
            ("draft_kv_mib_per_slot", "draft KV MiB/slot"), ("moved_mib_per_visit", "moved MiB/visit"),
@@ -168,11 +174,23 @@ def percentile(values, q) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if len(values) else None
 
 
-def request_for(index: int, prompts, new_tokens: int) -> Request:
+def new_tokens_of(index: int, new_tokens: int, range_ratio: float = 0.0) -> int:
+    """Request `index`'s budget: new_tokens, or with range_ratio r one drawn uniformly from [new_tokens (1 - r),
+    new_tokens (1 + r)] (vLLM's bench --random-range-ratio, here on output lengths only) by the index alone, so
+    that in process and over HTTP, from any client process, request i asks for the same."""
+    if not range_ratio:
+        return new_tokens
+    low, high = max(1, round(new_tokens * (1 - range_ratio))), round(new_tokens * (1 + range_ratio))
+    return int(np.random.default_rng([index, 0x1E4]).integers(low, high + 1))
+
+
+def request_for(index: int, prompts, new_tokens: int, range_ratio: float = 0.0) -> Request:
     """Request `index` of a run, the same in process, through the runner and over HTTP (whose client sends
     the seed): its own seed, so that synthetic acceptance draws differ between rows as real text's does
-    (with one seed, rows admitted together accept alike and finish together, an easier load to batch)."""
-    return Request.make(f"q{index}", prompts[index % len(prompts)], new_tokens, seed=index)
+    (with one seed, rows admitted together accept alike and finish together, an easier load to batch), and its
+    own budget (new_tokens_of)."""
+    return Request.make(f"q{index}", prompts[index % len(prompts)], new_tokens_of(index, new_tokens, range_ratio),
+                        seed=index)
 
 
 def point_requests(args, load: float) -> int:
@@ -181,10 +199,10 @@ def point_requests(args, load: float) -> int:
 
 
 def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None,
-              rate: float | None, burstiness: float, seed: int) -> dict:
+              rate: float | None, burstiness: float, seed: int, range_ratio: float = 0.0) -> dict:
     """Serves num_requests requests under the load; the point's metrics."""
     rng = np.random.default_rng(seed)
-    requests = [request_for(i, prompts, new_tokens) for i in range(num_requests)]
+    requests = [request_for(i, prompts, new_tokens, range_ratio) for i in range(num_requests)]
     stats0 = engine.stats()["prefix_cache"]
     if rate is not None:  # open loop: arrival times drawn up front
         gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
@@ -256,7 +274,7 @@ def host_time(step_s: float, wait_s: float, steps: int) -> dict:
 
 
 def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurrency: int,
-                 client_delay_s: float = 0.0) -> dict:
+                 client_delay_s: float = 0.0, range_ratio: float = 0.0) -> dict:
     """The closed loop through the server's engine thread (serve.EngineRunner) with no HTTP between: clients
     submit and read their queues on an event loop, as the server's handlers do. Against run_point (the host
     admits each replacement before the next visit), it shows what the thread's scheduling costs; against
@@ -275,7 +293,7 @@ def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurr
             first = False
             index = queue.pop()
             arrival, times = time.perf_counter(), []
-            events = runner.submit(request_for(index, prompts, new_tokens))
+            events = runner.submit(request_for(index, prompts, new_tokens, range_ratio))
             while True:  # ("tokens", ids) per visit, then ("done", RequestOutput) or ("failed", why)
                 kind, item = await events.get()
                 if kind == "tokens":
@@ -342,12 +360,12 @@ def summarize(records: list[Record], wall: float) -> dict:
 
 
 def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurrency: int | None, rate: float | None,
-               burstiness: float, seed: int, processes: int = 1) -> dict:
+               burstiness: float, seed: int, processes: int = 1, range_ratio: float = 0.0) -> dict:
     """The same load against a `specjax serve` at url: streamed /v1/completions of token-id prompts, greedy,
     with the usage chunk (and the speculative metrics, where the server reports them). With processes > 1 the
     load is split between that many client processes (each its share of the requests in flight, or of the rate),
     so that one Python event loop parsing every stream does not bound what the server is seen to do."""
-    kwargs = dict(new_tokens=new_tokens, burstiness=burstiness)
+    kwargs = dict(new_tokens=new_tokens, burstiness=burstiness, range_ratio=range_ratio)
     if processes == 1:
         records = http_records(url, prompts, list(range(num_requests)), concurrency=concurrency, rate=rate,
                                seed=seed, **kwargs)
@@ -380,7 +398,8 @@ def http_point(url: str, prompts, *, num_requests: int, new_tokens: int, concurr
 
 
 def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, concurrency: int | None,
-                 rate: float | None, burstiness: float, seed: int, barrier=None) -> list[Record]:
+                 rate: float | None, burstiness: float, seed: int, barrier=None,
+                 range_ratio: float = 0.0) -> list[Record]:
     """One client process's requests (prompts[i] for i in indices): a closed loop of `concurrency`, or arrivals
     at `rate`; each request as the client saw it. barrier: passed by every client process before its first
     request, so that they start together."""
@@ -393,7 +412,8 @@ def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, conc
     gaps = None if rate is None else rng.gamma(burstiness, 1.0 / (rate * burstiness), len(indices))
 
     async def one(client, index: int) -> Record:
-        body = {"prompt": list(prompts[index % len(prompts)]), "max_tokens": new_tokens, "temperature": 0,
+        body = {"prompt": list(prompts[index % len(prompts)]),
+                "max_tokens": new_tokens_of(index, new_tokens, range_ratio), "temperature": 0,
                 "seed": index, "stream": True, "stream_options": {"include_usage": True}}
         arrival, times, usage, metrics = time.perf_counter(), [], None, None
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -470,6 +490,9 @@ def main(argv=None) -> None:
                              "tail are a smaller part of the wall the more there are")
     parser.add_argument("--prompt-len", type=int, default=128, help="8b models' random prompts")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="each request's new tokens drawn uniformly from [N (1 - R), N (1 + R)] for --new-tokens "
+                             "N, by its index (vLLM's bench option, on output lengths only); 0: all N")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="slots of one engine serving every load (default: an engine of c slots for each load c)")
     parser.add_argument("--steps-per-visit", type=int, default=16)
     parser.add_argument("--max-prefill-batch", type=int, default=16, help="requests prefilled in one call at most")
@@ -491,6 +514,8 @@ def main(argv=None) -> None:
     parser.add_argument("--mixed-prefill", default="off", help="comma-separated: off, or TOKENS[xCHUNKS]: prompts "
                         "prefilled by the decode steps, CHUNKS (default 1) chunks of TOKENS a step "
                         "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
+    parser.add_argument("--visit-ends", default="auto", help="comma-separated: auto, or N: with requests waiting, "
+                        "rows a visit lets end before it stops to admit them (EngineConfig.visit_ends; auto: None)")
     parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -548,6 +573,13 @@ def main(argv=None) -> None:
     bad = [mode for mode in scheds if mode not in ON_OFF]
     if bad:
         parser.error(f"--async-scheduling {bad[0]!r} is invalid: allowed a comma-separated list of {list(ON_OFF)}")
+    visit_ends = args.visit_ends.split(",")
+    bad = [ends for ends in visit_ends if ends != "auto" and not re.fullmatch(r"[1-9][0-9]*", ends)]
+    if bad:
+        parser.error(f"--visit-ends {bad[0]!r} is invalid: allowed a comma-separated list of auto and positive "
+                     "integers")
+    if not 0 <= args.random_range_ratio < 1:
+        parser.error(f"--random-range-ratio {args.random_range_ratio} is invalid: allowed 0 <= R < 1")
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream {args.requests_per_stream} is invalid: allowed 1 or more")
     if args.url is not None:
@@ -569,7 +601,8 @@ def main(argv=None) -> None:
     prompt_len = max(len(p) for p in prompts)
     load_label = "request rate (req/s)" if rates else "requests in flight"
     meta = {**benchmarking.environment(), "models": args.models, "load": load_label, "through": args.through,
-            "prompt_len": prompt_len, "new_tokens": args.new_tokens, "steps_per_visit": args.steps_per_visit,
+            "prompt_len": prompt_len, "new_tokens": args.new_tokens, "random_range_ratio": args.random_range_ratio,
+            "steps_per_visit": args.steps_per_visit,
             "max_prefill_batch": args.max_prefill_batch, "workload": args.workload,
             **({"num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len}
                if args.workload == "shared-prefix" else {}),
@@ -590,6 +623,7 @@ def main(argv=None) -> None:
         print(f"static generate AR batch {load}: {rows[-1]['output_tok_s']:.1f} tok/s decoding, "
               f"{rows[-1]['with_prefill_tok_s']:.1f} with prefill", flush=True)
         write()
+    most_new = round(args.new_tokens * (1 + args.random_range_ratio))
     for method in methods:
         spec = method.spec()
         lookahead = 0 if spec is None else spec.num_draft_nodes + 1
@@ -597,9 +631,10 @@ def main(argv=None) -> None:
         # n-gram's, is refused by the engine, naming the field).
         # The engine refuses async scheduling with offload (its buffers move at each visit): not run together.
         # The engine refuses mixed prefill with offload, and with prefix caching and speculation: not run together.
-        for mode, offload, sched, mix in [(m, o, a, x) for m in modes for o in offloads for a in scheds for x in mixes
-                                          if (o == "off" or spec is not None) and "off" in (o, a)
-                                          and (x == "off" or (o == "off" and (spec is None or mode == "off")))]:
+        for mode, offload, sched, mix, ends in [
+                (m, o, a, x, e) for m in modes for o in offloads for a in scheds for x in mixes for e in visit_ends
+                if (o == "off" or spec is not None) and "off" in (o, a)
+                and (x == "off" or (o == "off" and (spec is None or mode == "off")))]:
             engine = runner = None
             for load in loads:
                 # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
@@ -608,13 +643,14 @@ def main(argv=None) -> None:
                 # A prefix cache would carry one load's blocks into the next: a fresh engine for each.
                 if engine is None or engine.config.max_num_seqs != slots or engine.config.enable_prefix_caching:
                     config = EngineConfig(max_num_seqs=slots,
-                                          max_model_len=-(-(prompt_len + args.new_tokens + lookahead) // 64) * 64,
+                                          max_model_len=-(-(prompt_len + most_new + lookahead) // 64) * 64,
                                           spec=spec, steps_per_visit=args.steps_per_visit,
                                           max_prefill_batch=min(slots, args.max_prefill_batch),
                                           block_size=args.block_size, num_prefix_blocks=args.num_prefix_blocks,
                                           max_num_batched_tokens=args.max_num_batched_tokens,
                                           draft_kv_offload=ON_OFF[offload],
-                                          async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode], **mixed_fields(mix))
+                                          async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode], **mixed_fields(mix),
+                                          visit_ends=None if ends == "auto" else int(ends))
                     if runner is not None:
                         runner.stop()
                     engine = runner = None  # the last one's caches go before the next one's are made
@@ -632,13 +668,15 @@ def main(argv=None) -> None:
                 if runner is not None:
                     point = runner_point(runner, prompts, num_requests=point_requests(args, load),
                                          new_tokens=args.new_tokens, concurrency=int(load),
-                                         client_delay_s=args.client_delay_ms / 1e3)
+                                         client_delay_s=args.client_delay_ms / 1e3,
+                                         range_ratio=args.random_range_ratio)
                 label = method.name if spec is None else f"{method.name} K={method.num_speculative_tokens}"
                 label += " adaptive" if method.adaptive else ""
                 label += "" if len(modes) == 1 else f" prefix {mode}"
                 label += "" if len(offloads) == 1 else f" offload {offload}"
                 label += "" if len(scheds) == 1 else f" async {sched}"
                 label += "" if len(mixes) == 1 else f" mixed {mix}"
+                label += "" if len(visit_ends) == 1 else f" ends {ends}"
                 if runner is None:
                     trace_dir = None if args.profile is None else \
                         Path(args.profile) / f"{label.replace(' ', '_').replace('=', '')}_{load}"
@@ -647,13 +685,14 @@ def main(argv=None) -> None:
                             stack.enter_context(jax.profiler.trace(str(trace_dir), create_perfetto_trace=True))
                         point = run_point(engine, prompts, num_requests=point_requests(args, load),
                                           new_tokens=args.new_tokens, concurrency=None if rates else int(load),
-                                          rate=load if rates else None, burstiness=args.burstiness, seed=int(load))
+                                          rate=load if rates else None, burstiness=args.burstiness, seed=int(load),
+                                          range_ratio=args.random_range_ratio)
                     if trace_dir is not None:
                         point.update(profiled_point(trace_dir, point["steps"]))
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                              "label": label, "synthetic_tau": method.synthetic_tau, "slots": slots, "prefix_caching": mode,
                              "adaptive": method.adaptive, "draft_kv_offload": offload, "async_scheduling": sched,
-                             "mixed_prefill": mix,
+                             "mixed_prefill": mix, "visit_ends": ends,
                              **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "
@@ -684,7 +723,8 @@ def http_main(args, method: Method, loads, rates) -> None:
                                                     (1024, args.prompt_len)).tolist()
     load_label = "request rate (req/s)" if rates else "requests in flight"
     meta = {**benchmarking.environment(), "models": args.models, "url": args.url, "load": load_label,
-            "new_tokens": args.new_tokens, "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)",
+            "new_tokens": args.new_tokens, "random_range_ratio": args.random_range_ratio,
+            "through": "HTTP, streamed /v1/completions (token-id prompts, greedy)",
             "client_processes": args.client_processes or f"one per {CLIENT_STREAMS} requests in flight"}
     rows = []
     for load in loads:
@@ -697,7 +737,7 @@ def http_main(args, method: Method, loads, rates) -> None:
         point = http_point(args.url, prompts, num_requests=point_requests(args, load),
                            new_tokens=args.new_tokens, concurrency=None if rates else int(load),
                            rate=load if rates else None, burstiness=args.burstiness, seed=int(load),
-                           processes=min(processes, max(1, int(load))))
+                           processes=min(processes, max(1, int(load))), range_ratio=args.random_range_ratio)
         rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                      "label": f"{method.name} (HTTP)", "client_processes": processes, **point})
         print(f"HTTP load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "

@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ms a visit may wait for arriving requests (default: 50; 0: off)")
     srv.add_argument("--steps-per-visit", type=int, default=None,
                      help="engine steps a visit runs at most, admitting nothing meanwhile (default: 16)")
+    srv.add_argument("--visit-ends", type=int, default=None,
+                     help="with requests waiting, rows a visit lets end before it stops to admit them (default: "
+                          "chosen from the last visits' host and step times; 1: at the first end)")
     srv.add_argument("--end-visits-on-finish", action="store_true", default=None,
                      help="end an engine visit when a request ends, not after its steps (docs/serving.md)")
     srv.add_argument("--async-scheduling", action="store_true", default=None,

@@ -13,7 +13,7 @@ from support.engine import SPECS, drafter_for, load_config, random_requests, ser
 from support.models import EOS, target_and_drafts
 
 from specjax.decoding import generate
-from specjax.engine import Engine, Request
+from specjax.engine import Engine, Request, VisitPacing
 from specjax.serve import EngineRunner, EventReader
 
 
@@ -236,6 +236,38 @@ def test_a_visit_asked_to_end_when_a_row_ends_ends_there_though_nothing_waits(en
     assert [o.request_id for o in ended] == ["short"]
     assert engine.steps_run == (1 if end_on_finish else engine.config.steps_per_visit)
     assert [r.request.request_id for r in engine.running.values()] == ["long"]
+
+
+@pytest.mark.loop
+@pytest.mark.parametrize("visit_ends", [1, 2])
+def test_a_visit_with_requests_waiting_stops_once_visit_ends_rows_ended(visit_ends):
+    """EngineConfig.visit_ends: with every slot taken and two requests waiting, the visit stops at the step where
+    its visit_ends-th row ends (budgets 2 and 3 end at steps 1 and 2), not at the first end; the slots freed go to
+    the waiting requests at the next step. (The programs of the test above: 4 slots, no speculation.)"""
+    engine = Engine(target_and_drafts()[0], load_config(None, visit_ends=visit_ends))
+    for i, budget in enumerate((2, 3, 9, 9, 9, 9)):
+        engine.add_request(Request.make(f"r{i}", [4 + i, 5, 6], budget))
+    ended = engine.step()
+    assert engine.steps_run == visit_ends
+    assert [o.request_id for o in ended] == ["r0", "r1"][:visit_ends]
+    assert len(engine.waiting) == 2
+    engine.step()
+    assert len(engine.waiting) == 2 - visit_ends
+
+
+def test_visit_pacing_waits_for_more_ends_the_more_a_visit_costs_the_host():
+    """VisitPacing: k = sqrt(2 busy h e / s) from its running means; 1 before any visit and with no host time."""
+    pacing = VisitPacing(decay=0.5)
+    assert pacing.ends_to_stop(256) == 1
+    pacing.record(host_s=0.014, device_s=0.1, steps=2, ends=16)  # 50 ms steps, 8 ends a step
+    assert pacing.ends_to_stop(256) == round(math.sqrt(2 * 256 * 0.014 * 8 / 0.05)) == 34
+    assert pacing.ends_to_stop(1) == 1  # at most the rows busy
+    pacing.record(host_s=0.0, device_s=0.05, steps=1, ends=8)  # the means move halfway
+    assert pacing.host_s == pytest.approx(0.007) and pacing.ends_per_step == pytest.approx(8.0)
+    assert pacing.ends_to_stop(256) == round(math.sqrt(2 * 256 * 0.007 * 8 / 0.05)) == 24
+    pacing.record(host_s=0.0, device_s=0.0, steps=0, ends=3)  # a visit of no steps says nothing
+    assert pacing.ends_to_stop(256) == 24
+    assert VisitPacing(host_s=0.0, step_s=0.05, ends_per_step=8.0).ends_to_stop(256) == 1
 
 
 def test_a_reader_behind_the_engine_reads_the_tokens_that_piled_up_as_one_event():

@@ -202,6 +202,40 @@ def test_benchmark_rows_and_requests_each_have_their_own_seed():
     assert [request_for(i, [[1, 2], [3]], 4).seed for i in range(3)] == [0, 1, 2]
 
 
+def test_bench_serve_draws_each_requests_budget_from_its_index_alone(capsys):
+    """--random-range-ratio: request i asks for the same new tokens in process and from any HTTP client process
+    (the index alone draws it), within [N (1 - R), N (1 + R)], spread over that range; R 0 gives N to all."""
+    from specjax.bench_serve import main, new_tokens_of, request_for
+
+    budgets = [new_tokens_of(i, 192, 1 / 3) for i in range(2000)]
+    assert budgets == [new_tokens_of(i, 192, 1 / 3) for i in range(2000)]
+    assert min(budgets) == 128 and max(budgets) == 256 and len(set(budgets)) == 129
+    assert [request_for(i, [[1]], 192, 1 / 3).max_tokens for i in range(5)] == budgets[:5]
+    assert {new_tokens_of(i, 64) for i in range(50)} == {64}
+    with pytest.raises(SystemExit):
+        main(["--models", "tiny", "--random-range-ratio", "1"])
+    assert "--random-range-ratio 1.0 is invalid: allowed 0 <= R < 1" in capsys.readouterr().err
+
+
+@pytest.mark.loop
+def test_bench_serve_in_process_serves_each_request_its_own_budget_under_each_visit_ends(tmp_path):
+    """The in-process path end to end on the tiny shape (no speculation, random weights, no EOS): a row per
+    --visit-ends setting, each point's requests all served with the budgets --random-range-ratio gave them."""
+    import json
+
+    from specjax.bench_serve import main, new_tokens_of
+
+    main(["--models", "tiny", "--methods", "none", "--concurrency", "3", "--max-num-seqs", "2", "--num-requests", "6",
+          "--prompt-len", "8",
+          "--new-tokens", "6", "--random-range-ratio", "0.5", "--visit-ends", "auto,1", "--steps-per-visit", "2",
+          "--name", "ends", "--output", str(tmp_path)])
+    rows = json.loads((tmp_path / "ends.json").read_text())["rows"]
+    assert [(row["label"], row["visit_ends"]) for row in rows] == [("none ends auto", "auto"), ("none ends 1", "1")]
+    for row in rows:
+        assert row["requests"] == 6 and row["output_tokens"] == sum(new_tokens_of(i, 6, 0.5) for i in range(6))
+        assert row["visits"] >= 1 and row["steps"] >= max(new_tokens_of(i, 6, 0.5) for i in range(6)) - 1
+
+
 def test_bench_serve_points_serve_requests_per_stream_and_refuse_fewer_than_one(capsys):
     import argparse
 

@@ -276,6 +276,7 @@ def test_a_long_prompt_prefilled_in_chunks_does_not_stall_the_running_requests()
     (dict(block_size=0), r"EngineConfig.block_size = 0 is invalid: allowed an integer >= 1"),
     (dict(num_prefix_blocks=-1), r"EngineConfig.num_prefix_blocks = -1 is invalid: allowed an integer >= 1"),
     (dict(max_num_batched_tokens=0), r"EngineConfig.max_num_batched_tokens = 0 is invalid: allowed None or an integer"),
+    (dict(visit_ends=0), r"EngineConfig.visit_ends = 0 is invalid: allowed None or an integer >= 1"),
     (dict(enable_prefix_caching="yes"), r"EngineConfig.enable_prefix_caching = 'yes' is invalid: allowed True or False"),
     (dict(disable_eagle_block_drop=True), r"EngineConfig.disable_eagle_block_drop = True is invalid without "
                                           r"enable_prefix_caching"),

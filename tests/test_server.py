@@ -275,14 +275,15 @@ def test_a_bad_request_gets_a_4xx_naming_the_field_and_the_server_goes_on(server
 def test_bench_serves_client_split_over_processes_serves_every_request_once(server):
     """`bench-serve --url --client-processes 2`: the two processes' requests together are the point's, each
     streamed whole (its usage's tokens), and the speculative metrics came back with them; the processes sent
-    their first requests together (a barrier after their start-up, which takes seconds each)."""
+    their first requests together (a barrier after their start-up, which takes seconds each). Each request asks
+    for its own budget (--random-range-ratio), the same from either split."""
     from specjax.bench_serve import http_point
 
     prompts = [[5, 9, 2, 7], [4, 11, 3], [8, 1, 6, 2, 9]]
     one = http_point(server.url, prompts, num_requests=5, new_tokens=6, concurrency=3, rate=None, burstiness=1.0,
-                     seed=0, processes=1)
+                     seed=0, processes=1, range_ratio=0.5)
     two = http_point(server.url, prompts, num_requests=5, new_tokens=6, concurrency=3, rate=None, burstiness=1.0,
-                     seed=0, processes=2)
+                     seed=0, processes=2, range_ratio=0.5)
     assert one["requests"] == two["requests"] == 5
     assert one["output_tokens"] == two["output_tokens"] > 0  # greedy: the same requests, the same tokens
     assert two["mean_acceptance_length"] >= 1
@@ -462,9 +463,13 @@ def test_the_config_from_yaml_flags_and_overrides(tmp_path):
     args = cli.build_parser().parse_args(["serve", "--no-warmup-sampled"])
     assert load_serve_config(None, {name: getattr(args, name) for name in FLAGS}).warmup_sampled is False
     assert ServeConfig().warmup_sampled is True
-    args = cli.build_parser().parse_args(["serve", "--end-visits-on-finish", "--steps-per-visit", "4"])
+    args = cli.build_parser().parse_args(["serve", "--end-visits-on-finish", "--steps-per-visit", "4", "--visit-ends",
+                                          "1"])
     config = load_serve_config(None, {name: getattr(args, name) for name in FLAGS})
-    assert config.end_visits_on_finish is True and config.steps_per_visit == 4
+    assert config.end_visits_on_finish is True and config.steps_per_visit == 4 and config.visit_ends == 1
+    assert ServeConfig().visit_ends is None
+    with pytest.raises(ValueError, match="ServeConfig.visit_ends = 0 is invalid: allowed null or an integer >= 1"):
+        load_serve_config(None, {}, ["visit_ends=0"])
     assert ServeConfig().end_visits_on_finish is False
     with pytest.raises(ValueError, match="ServeConfig.warmup_sampled = 3 is invalid: allowed true or false"):
         load_serve_config(None, {}, ["warmup_sampled=3"])

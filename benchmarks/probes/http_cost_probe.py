@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from specjax import bench_serve
-from specjax.engine import RequestOutput
+from specjax.engine import RequestOutput, VisitPacing
 from specjax.serve import _runner
 from specjax.serve._app import Served, build_app
 from specjax.serve._config import ServeConfig
@@ -45,7 +45,8 @@ class StandInEngine:
     """What EngineRunner uses of Engine, with a visit of fixed device and host time and no model."""
 
     def __init__(self, model, config, drafter=None, on_tokens=None, *, steps_per_visit: int, step_s: float,
-                 tokens_per_step: int, host_s: float, prefill_s: float, max_num_seqs: int, text_ids: list[int]):
+                 tokens_per_step: int, host_s: float, prefill_s: float, max_num_seqs: int, text_ids: list[int],
+                 visit_ends: int | None):
         self.config = argparse.Namespace(max_num_seqs=max_num_seqs, max_prefill_batch=max_num_seqs,
                                          steps_per_visit=steps_per_visit)
         self.step_s, self.host_s, self.tokens_per_step = step_s, host_s, tokens_per_step
@@ -56,6 +57,7 @@ class StandInEngine:
         self.visits = self.steps = self.busy_slot_steps = 0
         self.thread: int | None = None  # the thread that steps it
         self.spin_wall_s = self.spin_cpu_s = 0.0
+        self.visit_ends, self.pacing = visit_ends, VisitPacing()  # as the engine's EngineConfig.visit_ends
 
     def check(self, request) -> None:
         pass
@@ -75,6 +77,7 @@ class StandInEngine:
 
     def step(self, end_on_finish: bool = False) -> list[RequestOutput]:
         self.thread = threading.get_ident()  # the engine's thread: its CPU time is read from the probe's
+        start = time.perf_counter()
         admitted = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             row = self.waiting.pop(0)
@@ -86,10 +89,13 @@ class StandInEngine:
         self.spin_wall_s += time.perf_counter() - wall
         self.spin_cpu_s += time.thread_time() - cpu
         steps = self.config.steps_per_visit
-        if (self.waiting or end_on_finish) and self.running:  # as the engine: the visit ends at the first end
-            steps = min(steps, min(-(-(row[0].max_tokens - len(row[1])) // self.tokens_per_step)
-                                   for row in self.running.values()))
-        time.sleep(steps * self.step_s + admitted * self.prefill_s)  # the device's, which releases the lock
+        if (self.waiting or end_on_finish) and self.running:  # as the engine: the visit ends after k ends
+            k = self.pacing.ends_to_stop(len(self.running)) if self.visit_ends is None else self.visit_ends
+            lives = sorted(-(-(row[0].max_tokens - len(row[1])) // self.tokens_per_step)
+                           for row in self.running.values())
+            steps = min(steps, lives[min(k, len(self.waiting) or 1, len(lives)) - 1])
+        device_s = steps * self.step_s + admitted * self.prefill_s
+        time.sleep(device_s)  # the device's, which releases the lock
         self.visits += 1
         self.steps += steps
         self.busy_slot_steps += len(self.running) * steps
@@ -108,13 +114,14 @@ class StandInEngine:
                 del self.running[request_id]
                 outputs.append(RequestOutput(request_id, tuple(tokens), "length", metrics=None, arrival_time=row[2],
                                              first_token_time=row[3], finish_time=now))
+        self.pacing.record(time.perf_counter() - start - device_s, steps * self.step_s, steps, len(outputs))
         return outputs
 
 
 def stand_in_settings(args, text_ids: list[int]) -> dict:
     return dict(steps_per_visit=args.steps_per_visit, step_s=args.step_ms / 1e3, tokens_per_step=args.tokens_per_step,
                 host_s=args.host_ms / 1e3, prefill_s=args.prefill_ms / 1e3, max_num_seqs=args.max_num_seqs,
-                text_ids=text_ids)
+                text_ids=text_ids, visit_ends=None if args.visit_ends == "auto" else int(args.visit_ends))
 
 
 def in_process(args) -> dict:
@@ -122,8 +129,6 @@ def in_process(args) -> dict:
     it, each replaced as it ends (a queue that never empties when concurrency > slots), or with --rate, requests
     arriving at that Poisson rate."""
     import numpy as np
-
-    from specjax.engine import Request
 
     engine = StandInEngine(None, None, on_tokens=lambda new: None, **stand_in_settings(args, [1]))
     if args.rate is None:
@@ -136,7 +141,7 @@ def in_process(args) -> dict:
     while sent < args.num_requests:
         now = time.perf_counter() - start
         while sent < len(arrivals) and arrivals[sent] <= now:
-            engine.add_request(Request.make(f"r{sent}", [1], args.new_tokens, seed=sent))
+            engine.add_request(bench_serve.request_for(sent, [[1]], args.new_tokens, args.random_range_ratio))
             sent += 1
         if not engine.has_work():
             time.sleep(max(arrivals[sent] - now, 0.0))
@@ -185,7 +190,7 @@ def measure(http: str, loop: str, args) -> dict:
     url = f"http://127.0.0.1:{port}"
     prompts = [list(range(1000 + i, 1000 + i + args.prompt_len)) for i in range(64)]
     point = dict(new_tokens=args.new_tokens, concurrency=None if args.rate else args.concurrency, rate=args.rate,
-                 burstiness=1.0, seed=0, processes=args.client_processes)
+                 burstiness=1.0, seed=0, processes=args.client_processes, range_ratio=args.random_range_ratio)
     warm = dict(point, concurrency=args.concurrency, rate=None)
     bench_serve.http_point(url, prompts, num_requests=args.concurrency, **warm)  # warm: first imports, paths
     engine = runner.engine
@@ -215,7 +220,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0, help="bench_serve's: ragged new tokens")
     parser.add_argument("--steps-per-visit", type=int, default=16)
+    parser.add_argument("--visit-ends", default="auto", help="EngineConfig.visit_ends: auto (None) or a count")
     parser.add_argument("--tokens-per-step", type=int, default=4, help="a request's (EAGLE at τ 4)")
     parser.add_argument("--step-ms", type=float, default=1.25, help="a step's device time")
     parser.add_argument("--host-ms", type=float, default=2.0, help="a visit's engine host time (holding the lock)")

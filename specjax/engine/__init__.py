@@ -5,6 +5,7 @@
 """
 
 from specjax.engine._engine import Engine, EngineConfig
+from specjax.engine._pacing import VisitPacing
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 
-__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "RequestOutput", "check_request"]
+__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "RequestOutput", "VisitPacing", "check_request"]

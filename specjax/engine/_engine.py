@@ -36,6 +36,7 @@ from specjax.config import DTYPES, SamplingConfig, SpecConfig
 from specjax.engine._blocks import PrefixCache, block_keys
 from specjax.engine._mixed import ChunkSchedule, plan_chunks
 from specjax.engine._offload import DraftKVLayout, DraftKVSlots, check_host_memory
+from specjax.engine._pacing import VisitPacing
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 from specjax.engine._slots import batch_axes, insert_rows, move_rows, padded_slots, release_slots
 from specjax.metrics import AcceptanceMetrics
@@ -57,9 +58,13 @@ class EngineConfig:
     max_model_len: int = 512
     # Speculative decoding (vLLM's SpeculativeConfig names); None decodes autoregressively.
     spec: SpecConfig | None = None
-    # Device steps between host visits at most; a visit comes sooner when a row ends and requests wait (and
+    # Device steps between host visits at most; a visit comes sooner when rows end and requests wait (and
     # when a row ends and the caller asked for that: a server's, Engine.step's end_on_finish).
     steps_per_visit: int = 16
+    # With requests waiting, a visit stops once this many of its rows ended (or as many as wait, if fewer). None:
+    # chosen before each visit from the last visits' host time, step time and rate of ends (engine/_pacing.py),
+    # 1 with async_scheduling (whose host work overlaps the device's); 1: at the first end.
+    visit_ends: int | None = None
     # The model's EOS ids: a row ends after emitting one (requests add their own stop_token_ids).
     eos_token_ids: tuple[int, ...] = ()
     # Requests admitted by one prefill call at most (its rows are padded to a power of two).
@@ -110,7 +115,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed an integer >= 1")
-        for name in ("max_num_batched_tokens", "mixed_prefill_tokens"):
+        for name in ("max_num_batched_tokens", "mixed_prefill_tokens", "visit_ends"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed None or an integer >= 1")
@@ -350,6 +355,8 @@ class Engine:
         # between device calls (admission, bookkeeping, streaming).
         self.device_wait_s = 0.0
         self.step_s = 0.0
+        self.pacing = VisitPacing()  # what chooses the ends a visit waits for (EngineConfig.visit_ends None)
+        self._visited: tuple[float, int] | None = None  # the device seconds and steps of the visit this step ran
         spec = config.spec
         self._method = None if spec is None else np.int32(method_index(spec))  # the rule for sampled rows: data
         self._verifiers = None if spec is None else lossless_verifiers(spec)
@@ -667,16 +674,23 @@ class Engine:
         """Admits waiting requests into free slots, runs one device call, and returns the requests that
         ended (and those refused since the last step).
 
-        The call runs steps_per_visit steps, or until a row ends while requests wait. end_on_finish: until a row
+        The call runs steps_per_visit steps, or while requests wait until rows end (EngineConfig.visit_ends:
+        as many as the last visits' costs make worth a visit, or as wait if fewer). end_on_finish: until a row
         ends even though none waits, for a caller whose requests arrive while it runs (a server, whose clients
         replace each request that ends: its slot would otherwise stay empty, and its end unsent, until the
         visit's last step). With async_scheduling the call is dispatched and the step returns what the visit
         before it gave (the host reads that one while the device runs this one)."""
-        start = time.perf_counter()
+        start, waited, self._visited = time.perf_counter(), self.device_wait_s, None
         try:
-            return self._step(end_on_finish)
+            outputs = self._step(end_on_finish)
         finally:
             self.step_s += time.perf_counter() - start
+        if self._visited is not None:
+            device_s, steps = self._visited
+            host_s = time.perf_counter() - start - (self.device_wait_s - waited)
+            self.pacing.record(host_s, device_s, steps,
+                               sum(output.finish_reason in ("stop", "length") for output in outputs))
+        return outputs
 
     def _step(self, end_on_finish: bool) -> list[RequestOutput]:
         ended, self.finished = self.finished, []
@@ -716,7 +730,9 @@ class Engine:
         # All-greedy rows run the greedy program; sampled ones the one that covers every mode seen.
         mode = GREEDY if not mode.sampled else self.mode
         rows = self._rows_to_step()
-        stop_after_ends = 1 if self.waiting or end_on_finish else rows + 1
+        stop_after_ends = rows + 1
+        if self.waiting or end_on_finish:  # as many as wait, when fewer: more ends would leave slots empty
+            stop_after_ends = min(self._visit_ends(), len(self.waiting) or 1)
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit
@@ -731,8 +747,17 @@ class Engine:
         visit, counters = self._run(mode, max_steps, stop_after_ends, rows, plan)
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
+        self._visited = (time.perf_counter() - wait, int(visit.steps))
         self._count(visit, rows, len(self.running), planned)
         return self._collect(visit, dict(self.running), counters)
+
+    def _visit_ends(self) -> int:
+        """The rows a visit lets end before it stops for waiting requests (EngineConfig.visit_ends)."""
+        if self.config.visit_ends is not None:
+            return self.config.visit_ends
+        if self.config.async_scheduling:
+            return 1
+        return self.pacing.ends_to_stop(len(self.running))
 
     def _admit(self, free: list[int], budget: float, prefilled: list) -> int:
         """Prefills the first waiting requests that fit in `budget` prompt tokens into the free slots; the

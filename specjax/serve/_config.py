@@ -63,6 +63,9 @@ class ServeConfig:
     # steps: shorter waits for more host work (docs/performance.md, a stand-in engine at the 8B shape's times)
     # (--steps-per-visit).
     steps_per_visit: int = 16
+    # With requests waiting, the rows a visit lets end before it stops to admit them (EngineConfig.visit_ends):
+    # null, as many as the last visits' host and step times make worth a visit; 1, at the first end (--visit-ends).
+    visit_ends: int | None = None
     # End a visit when a request ends, as one does in process when requests wait, rather than after
     # steps_per_visit: its replacement is on the way (EngineRunner's end_on_finish; --end-visits-on-finish).
     end_visits_on_finish: bool = False
@@ -94,6 +97,8 @@ class ServeConfig:
         for name in ("max_num_seqs", "max_model_len", "max_prefill_batch", "steps_per_visit"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, "ServeConfig", name, value, "an integer >= 1")
+        require(self.visit_ends is None or (isinstance(self.visit_ends, int) and self.visit_ends >= 1), "ServeConfig",
+                "visit_ends", self.visit_ends, "null or an integer >= 1")
         require(isinstance(self.port, int) and 0 <= self.port < 65536, "ServeConfig", "port", self.port,
                 "an integer in 0..65535 (0: any free port)")
         require(self.warmup_prompt_len is None or (isinstance(self.warmup_prompt_len, int)
@@ -149,7 +154,7 @@ FLAGS = {"model": "model", "draft": "drafter", "method": "spec.method",
          "enable_prefix_caching": "enable_prefix_caching", "max_num_batched_tokens": "max_num_batched_tokens",
          "mixed_prefill_tokens": "mixed_prefill_tokens", "mixed_prefill_chunks": "mixed_prefill_chunks",
          "warmup_prompt_len": "warmup_prompt_len", "warmup_sampled": "warmup_sampled", "admit_wait_ms": "admit_wait_ms",
-         "steps_per_visit": "steps_per_visit", "end_visits_on_finish": "end_visits_on_finish",
+         "steps_per_visit": "steps_per_visit", "visit_ends": "visit_ends", "end_visits_on_finish": "end_visits_on_finish",
          "async_scheduling": "async_scheduling",
          "max_prefill_batch": "max_prefill_batch", "log_stats_interval": "log_stats_interval_s",
          "switch_interval_ms": "switch_interval_ms", "profile_dir": "profile_dir", "engine_process": "engine_process"}
