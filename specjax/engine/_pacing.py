@@ -7,7 +7,7 @@ seconds of host work a visit, a visit lasts about k / e steps and its freed slot
 
     lost share ~ (k / 2) / busy  +  h / ((k / e) s),  least at  k = sqrt(2 busy h e / s)
 
-(docs/performance.md, "pacing visits": the measurement that asked for it). Where every request has one length the
+(docs/performance.md, "ragged lengths, and pacing a visit's ends": the measurement that asked for it). Where every request has one length the
 rows end in waves and a wave's first step ends the visit either way.
 """
 
@@ -28,8 +28,8 @@ class VisitPacing:
     host_s: float | None = None
     step_s: float | None = None
     ends_per_step: float | None = None
-    _steps: float = 0.0  # the decayed steps and ends behind ends_per_step
-    _ends: float = 0.0
+    _steps: float = dataclasses.field(default=0.0, init=False, repr=False)  # the decayed steps and ends behind
+    _ends: float = dataclasses.field(default=0.0, init=False, repr=False)  # ends_per_step
 
     def record(self, host_s: float, device_s: float, steps: int, ends: int) -> None:
         """One visit: its host time, the device time of its steps, how many steps it ran and rows it ended."""
