@@ -10,6 +10,9 @@ standard library; prepared there by the first run when absent). Tokens/s: the me
 first --skip of batch x seq_len / the step's time, from metrics.jsonl's per-step timestamps (each log waits
 for its step). The runs of 200 steps give the loss curves, compared step by step. A variant that fails
 (the einsum attention without remat runs out of memory, as on 2026-12-01) records its error message.
+--set profile_steps=N traces N steps of each run after its fifth (specjax.training.loop) and adds what the trace
+says: the device's busy share, its kernel time by kind, the kernels that took the most (the traced steps and the
+trace's writing are slower: take the speed from a run without it).
 --precision-check: a float32 model of the config's shape, random weights, run over random tokens at matmul
 precision 'default' (TF32 on GPUs) and 'highest': the largest logit difference and the share of positions
 whose top-12 set differs. Writes results.json and results.md under --out-dir after each variant.
@@ -74,6 +77,9 @@ def run_variant(name: str, args, work: Path) -> dict:
                peak_gib=summary.get("peak_device_memory_bytes", float("nan")) / 2 ** 30,
                final_loss=records[-1]["loss"], held_out_loss=summary["held_out_loss"],
                losses=[r["loss"] for r in records])
+    profile = work / name / "profile.json"  # --set profile_steps=N: what the profiled steps' trace says
+    if profile.exists():
+        row["profile"] = json.loads(profile.read_text())
     return row
 
 
@@ -138,6 +144,17 @@ def write(rows: list[dict], precision: dict | None, meta: dict, out_dir: Path) -
                   f"against 'highest': largest logit difference {precision['max_abs_logit_difference']:.2e}; "
                   f"top-{TOP_K} sets differing at {precision[f'top{TOP_K}_sets_differing']} positions, argmax at "
                   f"{precision['argmax_differing']}."]
+    for r in rows:
+        breakdown = r.get("profile", {}).get("breakdown")
+        if breakdown:
+            profile = r["profile"]
+            lines += ["", f"Where `{r['variant']}`'s device time went, steps {profile['first_step']} to "
+                      f"{profile['first_step'] + profile['steps'] - 1} under the profiler: device busy "
+                      f"{profile['busy_share']:.1%}, {breakdown['kernel_ms_per_step']:.1f} ms of kernels a step; "
+                      + ", ".join(f"{kind} {v['share']:.1%}" for kind, v in breakdown["kinds"].items()) + ".", "",
+                      "| kernel | kind | ms a step | calls a step | share |", "|---|---|---|---|---|"]
+            lines += [f"| `{k['name'][:90]}` | {k['kind']} | {k['ms'] / profile['steps']:.2f} | "
+                      f"{k['count'] / profile['steps']:.0f} | {k['share']:.1%} |" for k in breakdown["top"]]
     lines += ["", "Commands (each its own process): " + "; ".join(f"`{r['command']}`" for r in rows), ""]
     (out_dir / "results.md").write_text("\n".join(lines))
 

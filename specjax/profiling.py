@@ -1,5 +1,6 @@
 """What a profiler trace says about the device's time: how much of a window it ran kernels, and the idle gaps
-between them, which is the host's overhead the device could not hide (`bench-serve --profile`).
+between them, which is the host's overhead the device could not hide (`bench-serve --profile`); and what the kernel
+time is made of, by kind and by the kernels that took the most (a training run's `profile_steps`).
 
 `jax.profiler.trace(log_dir, create_perfetto_trace=True)` writes `perfetto_trace.json.gz` under
 `log_dir/plugins/profile/<run>/`: Chrome trace events, a `process_name` metadata event per process (the GPU's
@@ -66,8 +67,46 @@ def device_timeline(intervals: list[tuple[float, float]]) -> dict:
             "long_gaps": len(long_gaps), "long_gap_ms": sum(long_gaps), "kernels": len(intervals)}
 
 
-def summarize_trace(log_dir: str | Path) -> dict:
-    """device_timeline of the newest trace under log_dir, and the file it read."""
+# Kinds of GPU kernels by their names (first match; lowercase): what a step's device time is made of.
+KERNEL_KINDS = (
+    ("attention", ("fmha", "flash", "cudnn", "attention")),
+    ("matmul", ("gemm", "cublas", "cutlass", "xmma", "nvjet", "dot", "triton_gemm", "wgmma")),
+    ("reduction", ("reduce", "reduction")),
+    ("fusion", ("fusion", "loop_", "input_", "triton")),
+    ("copy", ("memcpy", "memset", "copy", "transpose")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The KERNEL_KINDS kind a kernel's name says, or 'other'."""
+    lowered = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(word in lowered for word in words)), "other")
+
+
+def kernel_breakdown(events: list[dict], threads: dict[tuple, str] | None = None, top: int = 15) -> dict:
+    """The device's kernel time (milliseconds, summed over the kernel threads: overlapping streams count twice) by
+    kind (KERNEL_KINDS) and the `top` kernel names that took the most, each with its count and share."""
+    threads = kernel_threads(events) if threads is None else threads
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads:
+            entry = by_name.setdefault(str(e.get("name", "")), [0.0, 0])
+            entry[0] += float(e.get("dur", 0.0)) / 1e3
+            entry[1] += 1
+    total = sum(ms for ms, _ in by_name.values())
+    kinds: dict[str, float] = {}
+    for name, (ms, _) in by_name.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"kernel_ms": total,
+            "kinds": {kind: {"ms": ms, "share": ms / total if total else 0.0}
+                      for kind, ms in sorted(kinds.items(), key=lambda item: -item[1])},
+            "top": [{"name": name, "kind": kernel_kind(name), "ms": ms, "count": count,
+                     "share": ms / total if total else 0.0} for name, (ms, count) in ranked]}
+
+
+def summarize_trace(log_dir: str | Path, breakdown: bool = False) -> dict:
+    """device_timeline of the newest trace under log_dir, and the file it read; with breakdown, kernel_breakdown's."""
     path = trace_file(log_dir)
     with gzip.open(path, "rt") as handle:
         trace = json.load(handle)
@@ -75,4 +114,4 @@ def summarize_trace(log_dir: str | Path) -> dict:
     threads = kernel_threads(events)
     # The threads counted, so that a reader sees which lines of the trace the figures come from.
     return {**device_timeline(kernel_intervals(events, threads)), "threads": sorted(set(threads.values())),
-            "trace": str(path)}
+            "trace": str(path), **({"breakdown": kernel_breakdown(events, threads)} if breakdown else {})}

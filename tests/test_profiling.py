@@ -48,3 +48,23 @@ def test_a_trace_without_device_kernels_is_refused_and_a_missing_trace_names_the
     summary = profiling.summarize_trace(tmp_path)
     assert summary["busy_share"] == pytest.approx(0.75) and summary["trace"].endswith("perfetto_trace.json.gz")
     assert summary["threads"] == ["Stream #7(Compute)", "Stream #8(MemcpyD2H)"]  # not the 'XLA Modules' line
+
+
+def test_kernel_time_is_broken_down_by_kind_and_by_the_kernels_that_took_most():
+    """Durations summed per kernel name over the kernel threads (not the host's span, not the 'XLA Modules' line),
+    each name's kind from KERNEL_KINDS, shares of the kernel time."""
+    events = trace_events([], (0.0, 9000.0))
+    for tid, ts, dur, name in [(7, 0.0, 3000.0, "sm90_xmma_gemm_bf16"), (7, 3000.0, 1000.0, "sm90_xmma_gemm_bf16"),
+                               (7, 4000.0, 2000.0, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
+                               (8, 4500.0, 500.0, "loop_multiply_fusion"), (7, 6000.0, 1500.0, "input_reduce_fusion"),
+                               (7, 7500.0, 2000.0, "fusion.12")]:
+        events.append({"ph": "X", "pid": 2, "tid": tid, "ts": ts, "dur": dur, "name": name})
+    breakdown = profiling.kernel_breakdown(events, top=2)
+    assert breakdown["kernel_ms"] == pytest.approx(10.0)
+    assert {kind: round(v["ms"], 3) for kind, v in breakdown["kinds"].items()} == {
+        "matmul": 4.0, "fusion": 2.5, "attention": 2.0, "reduction": 1.5}
+    assert list(breakdown["kinds"]) == ["matmul", "fusion", "attention", "reduction"]  # most first
+    assert [(k["name"], k["count"], k["share"]) for k in breakdown["top"]] == [
+        ("sm90_xmma_gemm_bf16", 2, pytest.approx(0.4)),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 1, pytest.approx(0.2))]
+    assert profiling.kernel_kind("something_else") == "other"

@@ -29,9 +29,10 @@ def train_command(output_dir):
     return [sys.executable, "-m", "specjax.cli", "train-lm", "--config", str(CONFIG), "--set", f"output_dir={output_dir}"]
 
 
-def run_to_end(output_dir) -> str:
-    """Runs (or resumes) the training command to its end; its stderr."""
-    return subprocess.run(train_command(output_dir), check=True, cwd=REPO, capture_output=True, text=True).stderr
+def run_to_end(output_dir, *sets: str) -> str:
+    """Runs (or resumes) the training command to its end, with more --set overrides; its stderr."""
+    command = train_command(output_dir) + [arg for value in sets for arg in ("--set", value)]
+    return subprocess.run(command, check=True, cwd=REPO, capture_output=True, text=True).stderr
 
 
 def final_params(output_dir):
@@ -45,8 +46,9 @@ def final_params(output_dir):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """The run the others compare with; it traces three steps with the profiler, which must change nothing."""
     output_dir = tmp_path_factory.mktemp("uninterrupted")
-    run_to_end(output_dir)
+    (output_dir / "stderr.txt").write_text(run_to_end(output_dir, "profile_steps=3"))
     return output_dir
 
 
@@ -142,6 +144,16 @@ def test_the_run_config_is_written_beside_its_metrics_as_resolved(uninterrupted)
     assert written["optimizer"]["total_steps"] == source["optimizer"]["total_steps"] == TOTAL_STEPS
     assert written["data"]["batch_size"] == source["data"]["batch_size"]
     assert written["model"]["hidden_size"] == source["model"]["hidden_size"]
+
+
+def test_a_profiled_window_writes_its_trace_and_what_it_says(uninterrupted):
+    """profile_steps=3: steps 6 to 8 traced (the first five compile and warm up), profile.json beside the metrics; on
+    a CPU, which has no device kernels, it names the trace and says so (a GPU's: tests/test_profiling.py)."""
+    profile = json.loads((uninterrupted / "profile.json").read_text())
+    assert profile["first_step"] == 6 and profile["steps"] == 3
+    assert Path(profile["trace"]).exists() and str(uninterrupted / "profile") in profile["trace"]
+    assert "no device kernels" in profile["device"]
+    assert "profile of steps 6-8: " in (uninterrupted / "stderr.txt").read_text()
 
 
 def test_tensorboard_events_carry_the_logged_losses(uninterrupted):

@@ -93,9 +93,15 @@ class TrainingRun:
     # ('bfloat16', 'float16', 'float32'); the trained weights and optimizer state stay float32 (master
     # weights). None: the module's own config decides (an LM's model.dtype, a head's its target's).
     compute_dtype: str | None = None
+    # Steps traced with JAX's profiler, from the PROFILE_AFTER-th step after the run's start (compiled and warm) on,
+    # into output_dir/profile (a perfetto trace); what the trace says (the device's busy share, its kernel time by
+    # kind and the kernels that took the most: specjax.profiling) goes to output_dir/profile.json. 0: none.
+    profile_steps: int = 0
 
     def __post_init__(self):
         require_positive_ints(self, "checkpoint_every", "log_every", "grad_accum_steps")
+        require(isinstance(self.profile_steps, int) and self.profile_steps >= 0, type(self).__name__,
+                "profile_steps", self.profile_steps, "an integer >= 0")
         name = type(self).__name__
         require(self.remat in REMAT_POLICIES, name, "remat", self.remat, f"one of {list(REMAT_POLICIES)}")
         require(self.data.batch_size % self.grad_accum_steps == 0, name, "grad_accum_steps", self.grad_accum_steps,

@@ -63,7 +63,10 @@ class EngineConfig:
     steps_per_visit: int = 16
     # With requests waiting, a visit stops once this many of its rows ended (or as many as wait, if fewer). None:
     # chosen before each visit from the last visits' host time, step time and rate of ends (engine/_pacing.py),
-    # 1 with async_scheduling (whose host work overlaps the device's); 1: at the first end.
+    # 1 with async_scheduling (whose host work overlaps the device's); 1: at the first end. With None the visits
+    # follow measured times: outputs are the same, but which requests share a step may differ between two runs,
+    # and with adaptive verification (whose widths depend on the rows a step holds) so may the acceptance counts;
+    # a fixed count makes the schedule a function of the requests alone.
     visit_ends: int | None = None
     # The model's EOS ids: a row ends after emitting one (requests add their own stop_token_ids).
     eos_token_ids: tuple[int, ...] = ()

@@ -182,7 +182,8 @@ def fit(module: nnx.Module, loss_fn, batch_fn, run: TrainingRun, output_dir: Pat
         state = loop.run(state, step,
                          lambda step: sharding.put(batch_fn(step), mesh),
                          total_steps=run.optimizer.total_steps, output_dir=output_dir,
-                         checkpoint_every=run.checkpoint_every, log_every=run.log_every, description=description)
+                         checkpoint_every=run.checkpoint_every, log_every=run.log_every, description=description,
+                         profile_steps=run.profile_steps)
     return nnx.merge(graphdef, state["params"], rest)
 
 

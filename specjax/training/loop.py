@@ -1,6 +1,6 @@
 """The training loop every trainer shares: checkpoints that resume where a killed run stopped and
 refuse to load corrupt data, JSONL metrics that match the restored step (and TensorBoard event files
-where tensorboardX is installed), a progress bar.
+where tensorboardX is installed), a progress bar, and a profiler window of a few steps (profile_steps).
 
 Resuming reproduces an uninterrupted run because nothing outside the checkpoint decides what happens
 next: batches are a function of (seed, step) and the state holds parameters, optimizer state and
@@ -24,7 +24,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from specjax import sharding
+from specjax import profiling, sharding
+
+PROFILE_AFTER = 5  # steps run before a profiler window opens: the first compiles, the next few warm up
 
 
 class CheckpointCorrupted(RuntimeError):
@@ -71,9 +73,10 @@ class Checkpoints:
 
 
 def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, total_steps: int, output_dir: Path,
-        checkpoint_every: int, log_every: int, description: str = "train") -> Any:
+        checkpoint_every: int, log_every: int, description: str = "train", profile_steps: int = 0) -> Any:
     """Runs train_step(state, batch_fn(step)) -> (state, metrics) for steps 1..total_steps, resuming
-    from the latest checkpoint under output_dir/checkpoints; appends metrics to output_dir/metrics.jsonl."""
+    from the latest checkpoint under output_dir/checkpoints; appends metrics to output_dir/metrics.jsonl.
+    profile_steps: that many steps, from the PROFILE_AFTER-th after the start on, traced (profile_window)."""
     output_dir = Path(output_dir)
     checkpoints = Checkpoints(output_dir / "checkpoints")
     metrics_path = output_dir / "metrics.jsonl"
@@ -84,10 +87,19 @@ def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, tot
               file=sys.stderr)
     _truncate_metrics(metrics_path, start)
     tensorboard = _tensorboard_writer(output_dir / "tensorboard", start)
+    window = range(start + PROFILE_AFTER + 1, min(start + PROFILE_AFTER + profile_steps, total_steps) + 1)
+    if profile_steps and not window:
+        print(f"{description}: profile_steps={profile_steps}: nothing traced, the run has no steps past its "
+              f"first {PROFILE_AFTER} after step {start}", file=sys.stderr)
     try:
         with metrics_path.open("a") as log, tqdm(total=total_steps, initial=start, desc=description) as bar:
             for step in range(start + 1, total_steps + 1):
+                if window and step == window.start:
+                    jax.block_until_ready(state)
+                    jax.profiler.start_trace(str(output_dir / "profile"), create_perfetto_trace=True)
                 state, metrics = train_step(state, batch_fn(step))
+                if window and step == window[-1]:
+                    profile_window(state, output_dir, window)
                 if step % log_every == 0 or step == total_steps:
                     record = {"step": step, **{k: float(v) for k, v in jax.device_get(metrics).items()},
                               "time": time.time()}
@@ -106,6 +118,27 @@ def run(state: Any, train_step: Callable, batch_fn: Callable[[int], Any], *, tot
         if tensorboard is not None:
             tensorboard.close()
     return state
+
+
+def profile_window(state: Any, output_dir: Path, window: range) -> dict:
+    """Ends the trace of the window's steps (after they ran) and writes what it says to output_dir/profile.json:
+    specjax.profiling's device timeline and kernel breakdown, per step where it is a sum; on a CPU, which has no
+    device kernels, the trace's file and why. Prints its first line."""
+    jax.block_until_ready(state)
+    jax.profiler.stop_trace()
+    steps = len(window)
+    try:
+        summary = profiling.summarize_trace(output_dir / "profile", breakdown=True)
+        summary["breakdown"]["kernel_ms_per_step"] = summary["breakdown"]["kernel_ms"] / steps
+        line = (f"device busy {summary['busy_share']:.1%} of {summary['wall_ms'] / steps:.1f} ms a step; kernel time "
+                + ", ".join(f"{kind} {v['share']:.0%}" for kind, v in summary["breakdown"]["kinds"].items()))
+    except ValueError as error:
+        summary = {"trace": str(profiling.trace_file(output_dir / "profile")), "device": str(error)}
+        line = str(error)
+    summary.update(first_step=window.start, steps=steps)
+    (output_dir / "profile.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"profile of steps {window.start}-{window[-1]}: {line} ({output_dir / 'profile.json'})", file=sys.stderr)
+    return summary
 
 
 def _tensorboard_writer(directory: Path, start: int):
