@@ -5,7 +5,8 @@ with the device taken away?
     # the 8B shape's times (docs/performance.md): 256 slots, 320 streams, 50 ms steps, 14 ms of host a visit
     PYTHONPATH=. python -m benchmarks.probes.http_cost_probe --in-process --max-num-seqs 256 --concurrency 320 \
         --step-ms 50 --host-ms 14 --prefill-ms 3.2 --num-requests 2560 --client-processes 4 --http httptools \
-        --loop asyncio --repeats 1 [--steps-per-visit 8]
+        --loop asyncio --repeats 1 [--steps-per-visit 8] [--random-range-ratio 0.5] [--visit-ends 1] \
+        [--async-scheduling] [--rate 120]
 
 The real `specjax serve` app and engine thread (serve/_app.py, serve/_runner.py) on the bundled tokenizer, in
 front of a stand-in engine: a visit sleeps its device time (`--steps-per-visit` x `--step-ms`, and `--prefill-ms` a
@@ -118,6 +119,93 @@ class StandInEngine:
         return outputs
 
 
+class AsyncStandInEngine(StandInEngine):
+    """The stand-in under the engine's async scheduling (EngineConfig.async_scheduling): a step lands the visit in
+    flight, releases the slots of the requests read as ended at the step before, admits (`admit_share` of the host
+    work, before the dispatch), dispatches the next visit (its device time slept in a thread, the lock released), and
+    only then reads the landed visit (the rest of the host work, overlapping the next visit). A request's end is
+    known, and its slot refilled, one visit later; a visit ends at its first end while requests wait (k = 1)."""
+
+    def __init__(self, *args, admit_share: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.admit_share = admit_share
+        self.inflight: tuple[threading.Thread, tuple] | None = None  # the visit dispatched: (its thread, its result)
+        self.unreleased: list[str] = []  # requests read as ended, their slots freed at the next step
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.inflight or self.unreleased)
+
+    def spin(self, seconds: float) -> None:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        while time.thread_time() - cpu < seconds:  # the engine's host work, holding the interpreter lock
+            pass
+        self.spin_wall_s += time.perf_counter() - wall
+        self.spin_cpu_s += time.thread_time() - cpu
+
+    def step(self, end_on_finish: bool = False) -> list[RequestOutput]:
+        self.thread = threading.get_ident()
+        landed = None
+        if self.inflight is not None:
+            thread, landed = self.inflight
+            thread.join()
+            self.inflight = None
+        for request_id in self.unreleased:
+            self.running.pop(request_id, None)
+        self.unreleased, admitted = [], 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            row = self.waiting.pop(0) + [0]  # + the tokens the device has been given to emit
+            self.running[row[0].request_id] = row
+            admitted += 1
+        self.spin(self.host_s * self.admit_share)
+        stepping = {rid: row for rid, row in self.running.items() if row[4] < row[0].max_tokens}
+        if stepping:
+            steps = self.config.steps_per_visit
+            if self.waiting or end_on_finish:
+                steps = min(steps, min(-(-(row[0].max_tokens - row[4]) // self.tokens_per_step)
+                                       for row in stepping.values()))
+            result = ({}, [])  # new token counts by request, requests that end in it
+            for request_id, row in stepping.items():
+                count = min(steps * self.tokens_per_step, row[0].max_tokens - row[4])
+                result[0][request_id] = count
+                row[4] += count
+                if row[4] >= row[0].max_tokens:
+                    result[1].append(request_id)
+            thread = threading.Thread(target=time.sleep, args=(steps * self.step_s + admitted * self.prefill_s,))
+            thread.start()
+            self.inflight = (thread, result)
+            self.visits += 1
+            self.steps += steps
+            self.busy_slot_steps += len(stepping) * steps
+        self.spin(self.host_s * (1 - self.admit_share))
+        if landed is None:
+            return []
+        new, outputs, now = {}, [], time.perf_counter()
+        for request_id, count in landed[0].items():
+            row = self.running.get(request_id)
+            if row is None:  # aborted
+                continue
+            request, tokens = row[0], row[1]
+            ids = [self.text_ids[(request.seed + len(tokens) + i) % len(self.text_ids)] for i in range(count)]
+            tokens += ids
+            row[3] = row[3] or now
+            new[request_id] = ids
+        self.on_tokens(new)
+        for request_id in landed[1]:
+            row = self.running.get(request_id)
+            if row is not None:
+                self.unreleased.append(request_id)
+                outputs.append(RequestOutput(request_id, tuple(row[1]), "length", metrics=None, arrival_time=row[2],
+                                             first_token_time=row[3], finish_time=now))
+        return outputs
+
+
+def stand_in(args, *engine_args, **kwargs) -> StandInEngine:
+    """The stand-in engine the arguments ask for (--async-scheduling: AsyncStandInEngine)."""
+    if args.async_scheduling:
+        return AsyncStandInEngine(*engine_args, admit_share=args.async_admit_share, **kwargs)
+    return StandInEngine(*engine_args, **kwargs)
+
+
 def stand_in_settings(args, text_ids: list[int]) -> dict:
     return dict(steps_per_visit=args.steps_per_visit, step_s=args.step_ms / 1e3, tokens_per_step=args.tokens_per_step,
                 host_s=args.host_ms / 1e3, prefill_s=args.prefill_ms / 1e3, max_num_seqs=args.max_num_seqs,
@@ -130,7 +218,7 @@ def in_process(args) -> dict:
     arriving at that Poisson rate."""
     import numpy as np
 
-    engine = StandInEngine(None, None, on_tokens=lambda new: None, **stand_in_settings(args, [1]))
+    engine = stand_in(args, None, None, on_tokens=lambda new: None, **stand_in_settings(args, [1]))
     if args.rate is None:
         arrivals = [0.0] * min(args.concurrency, args.num_requests)  # the rest as requests end
     else:
@@ -168,8 +256,8 @@ def measure(http: str, loop: str, args) -> dict:
     text_ids = tokenizer.encode(Path(__file__).parents[2].joinpath("specjax/decoding.py").read_text(),
                                 add_special_tokens=False)
     kwargs = stand_in_settings(args, text_ids)
-    _runner.Engine = lambda model, config, drafter, on_tokens: StandInEngine(model, config, drafter, on_tokens,
-                                                                             **kwargs)
+    _runner.Engine = lambda model, config, drafter, on_tokens: stand_in(args, model, config, drafter, on_tokens,
+                                                                        **kwargs)
     with socket.socket() as probe:  # a free port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -223,6 +311,9 @@ def main() -> None:
     parser.add_argument("--random-range-ratio", type=float, default=0.0, help="bench_serve's: ragged new tokens")
     parser.add_argument("--steps-per-visit", type=int, default=16)
     parser.add_argument("--visit-ends", default="auto", help="EngineConfig.visit_ends: auto (None) or a count")
+    parser.add_argument("--async-scheduling", action="store_true", help="the stand-in under async scheduling")
+    parser.add_argument("--async-admit-share", type=float, default=0.3,
+                        help="--async-scheduling: the share of a visit's host work before its dispatch (admission)")
     parser.add_argument("--tokens-per-step", type=int, default=4, help="a request's (EAGLE at τ 4)")
     parser.add_argument("--step-ms", type=float, default=1.25, help="a step's device time")
     parser.add_argument("--host-ms", type=float, default=2.0, help="a visit's engine host time (holding the lock)")
