@@ -15,8 +15,8 @@ profiled at warm-up for each count of slots and kept on disk), e.g. dflash:7:4.0
 arrives when one ends) or Poisson arrivals at --rate requests/s (--burstiness: gamma-distributed
 gaps of that shape, 1 = Poisson, as vLLM's bench serve); --random-range-ratio R draws request i's new tokens
 from [N (1 - R), N (1 + R)] (vLLM's option, on output lengths only: with one length a closed loop's requests
-start and end in waves). Each point is measured after the engine has
-compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
+start and end in waves; the static peer, --static-batches, decodes N for every row). Each point is measured
+after the engine has compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
 (arrival to first token), TPOT ((last - first token) / (tokens - 1)), ITL (gaps between a request's
 successive token deliveries; the engine delivers each visit's tokens together), E2E latency, output
 tokens/s over the point's wall time; host overhead = the share of step time not spent waiting for the

@@ -7,8 +7,8 @@ seconds of host work a visit, a visit lasts about k / e steps and its freed slot
 
     lost share ~ (k / 2) / busy  +  h / ((k / e) s),  least at  k = sqrt(2 busy h e / s)
 
-(docs/performance.md, "ragged lengths, and pacing a visit's ends": the measurement that asked for it). Where every request has one length the
-rows end in waves and a wave's first step ends the visit either way.
+(docs/performance.md, "ragged lengths, and pacing a visit's ends": the measurement that asked for it). Where
+every request has one length the rows end in waves and a wave's first step ends the visit either way.
 """
 
 from __future__ import annotations
