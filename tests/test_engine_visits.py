@@ -250,6 +250,7 @@ def test_a_visit_with_requests_waiting_stops_once_visit_ends_rows_ended(visit_en
     ended = engine.step()
     assert engine.steps_run == visit_ends
     assert [o.request_id for o in ended] == ["r0", "r1"][:visit_ends]
+    assert (engine.stats()["paced_visits"], engine.stats()["paced_ends"]) == (1, visit_ends)
     assert len(engine.waiting) == 2
     engine.step()
     assert len(engine.waiting) == 2 - visit_ends

@@ -359,6 +359,8 @@ class Engine:
         self.device_wait_s = 0.0
         self.step_s = 0.0
         self.pacing = VisitPacing()  # what chooses the ends a visit waits for (EngineConfig.visit_ends None)
+        self.paced_visits = 0  # visits run while requests waited, and the ends they were to stop at, summed
+        self.paced_ends = 0
         self._visited: tuple[float, int] | None = None  # the device seconds and steps of the visit this step ran
         spec = config.spec
         self._method = None if spec is None else np.int32(method_index(spec))  # the rule for sampled rows: data
@@ -424,12 +426,13 @@ class Engine:
 
     def stats(self) -> dict:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
-        requests; prompt chunks of mixed prefill), seconds in step() and waiting on the device, and the prefix
+        requests; prompt chunks of mixed prefill), seconds in step() and waiting on the device, visits run while
+        requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the prefix
         cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off)."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
                 "prefilled_requests": self.prefilled_requests, "prefill_chunks": self.prefill_chunks,
-                "step_s": self.step_s,
+                "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
                 "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
                 "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats()}
@@ -736,6 +739,8 @@ class Engine:
         stop_after_ends = rows + 1
         if self.waiting or end_on_finish:  # as many as wait, when fewer: more ends would leave slots empty
             stop_after_ends = min(self._visit_ends(), len(self.waiting) or 1)
+            self.paced_visits += 1
+            self.paced_ends += stop_after_ends
         if prefilled:  # the prefills' first tokens now: on a GPU the call below returns only when its loop has
             self._first_tokens(prefilled)  # ended (the host reads the loop's condition), so reading them after it
             # would make the time to first token that of a whole visit

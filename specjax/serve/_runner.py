@@ -298,7 +298,8 @@ class EngineRunner:
         visits, steps a visit, slots stepped a step and how many held a request, admission prefills, tokens/s,
         and the shares of time: waiting on the visits' device loops, the rest of engine.step (admission and its
         prefills, the host's bookkeeping), gathering arrivals, and the rest (handing events over, metrics; on a
-        busy server, waiting for the GIL). Going idle logs what is left of the interval and
+        busy server, waiting for the GIL); where requests waited, a line of how many ends those visits were to stop
+        after (EngineConfig.visit_ends, paced by default). Going idle logs what is left of the interval and
         stops the clock: no line averages over idle time."""
         if not self.log_stats_interval_s:
             return
@@ -326,6 +327,9 @@ class EngineRunner:
                  d["prefilled_requests"] / max(d["prefill_calls"], 1), d["tokens"] / seconds,
                  100 * d["device_wait_s"] / seconds, 100 * (d["step_s"] - d["device_wait_s"]) / seconds,
                  100 * d["gather_s"] / seconds, 100 * (seconds - d["step_s"] - d["gather_s"]) / seconds)
+        if d["paced_visits"]:  # the visits that ran while requests waited stop after this many ends (visit_ends)
+            log.info("engine pacing: %d visits while requests waited, each to stop after %.1f ends", d["paced_visits"],
+                     d["paced_ends"] / d["paced_visits"])
         if d["spec_steps"]:  # vLLM's SpecDecoding line, counted as requests end
             log.info("speculative, requests ended in the interval: mean acceptance length %.2f, acceptance rate "
                      "%.2f, %.1f drafts verified a step, %.0f%% of steps verifying none",
