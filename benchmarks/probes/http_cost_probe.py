@@ -76,6 +76,14 @@ class StandInEngine:
     def stats(self) -> dict:
         return {"visits": self.visits}
 
+    def spin(self, seconds: float) -> None:
+        """The engine's host work: seconds of this thread's CPU, holding the interpreter lock."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        while time.thread_time() - cpu < seconds:
+            pass
+        self.spin_wall_s += time.perf_counter() - wall
+        self.spin_cpu_s += time.thread_time() - cpu
+
     def step(self, end_on_finish: bool = False) -> list[RequestOutput]:
         self.thread = threading.get_ident()  # the engine's thread: its CPU time is read from the probe's
         start = time.perf_counter()
@@ -84,11 +92,7 @@ class StandInEngine:
             row = self.waiting.pop(0)
             self.running[row[0].request_id] = row
             admitted += 1
-        wall, cpu = time.perf_counter(), time.thread_time()
-        while time.thread_time() - cpu < self.host_s:  # the engine's host work, holding the interpreter lock
-            pass
-        self.spin_wall_s += time.perf_counter() - wall
-        self.spin_cpu_s += time.thread_time() - cpu
+        self.spin(self.host_s)
         steps = self.config.steps_per_visit
         if (self.waiting or end_on_finish) and self.running:  # as the engine: the visit ends after k ends
             k = self.pacing.ends_to_stop(len(self.running)) if self.visit_ends is None else self.visit_ends
@@ -134,13 +138,6 @@ class AsyncStandInEngine(StandInEngine):
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.inflight or self.unreleased)
-
-    def spin(self, seconds: float) -> None:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        while time.thread_time() - cpu < seconds:  # the engine's host work, holding the interpreter lock
-            pass
-        self.spin_wall_s += time.perf_counter() - wall
-        self.spin_cpu_s += time.thread_time() - cpu
 
     def step(self, end_on_finish: bool = False) -> list[RequestOutput]:
         self.thread = threading.get_ident()
