@@ -1,6 +1,7 @@
 """The model with its KV cache: ragged prefill plus token-by-token decode equals one full forward,
 row by row, and each row of a ragged batch equals that prompt run alone."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -72,6 +73,33 @@ def test_bfloat16_compute_stays_close_to_float32():
     bf16, hidden, _ = forward(bf16_model, tokens, positions_like(tokens))
     assert bf16.dtype == jnp.float32 and hidden.final.dtype == jnp.bfloat16
     assert np.abs(np.asarray(bf16) - np.asarray(f32)).max() < 0.15 * np.abs(np.asarray(f32)).max()
+
+
+
+def test_low_precision_products_differentiate_in_their_own_precision(monkeypatch):
+    """On accelerators einsum_f32 (float32 results of bfloat16 products: logits, the row-parallel projections)
+    differentiates as a bfloat16 einsum does, the cotangent rounded to bfloat16 and both backward products
+    bfloat16 x bfloat16, not the float32 cotangent against a bfloat16 input (a TF32 product at half the rate)."""
+    monkeypatch.setattr("jax.default_backend", lambda: "gpu")
+    rng = np.random.default_rng(0)
+    x, w = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16) for shape in ((6, 8), (8, 5)))
+
+    def loss(x, w):
+        return jnp.sum(transformer.einsum_f32("td,dv->tv", x, w) ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr
+    products = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert products and all(v.aval.dtype == jnp.bfloat16 for e in products for v in e.invars)
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+    y = jnp.einsum("td,dv->tv", x, w, preferred_element_type=jnp.float32)
+    cotangent = (2 * y).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(cotangent @ w.T))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(x.T @ cotangent))
+    # Against float32 products throughout: within bfloat16's rounding.
+    fx, fw = jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), argnums=(0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
+    for low, full in ((dx, fx), (dw, fw)):
+        np.testing.assert_allclose(np.asarray(low, np.float32), np.asarray(full), rtol=0, atol=0.02 * float(jnp.abs(full).max()))
 
 
 # The interpreted kernel's cases of gpt2 and qwen2 are long: full tier (`slow`); llama_gqa's stays fast.

@@ -90,7 +90,30 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     DotThunk"), so on the CPU the inputs are upcast first; GPUs and TPUs do it natively."""
     if jax.default_backend() == "cpu":
         return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+    if a.dtype == b.dtype and jnp.finfo(a.dtype).bits < 32:
+        return _einsum_f32_low_precision_grads(spec, a, b)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_f32_low_precision_grads(spec: str, a: Array, b: Array) -> Array:
+    """einsum_f32 whose backward products take the cotangent in the inputs' dtype, as a low-precision
+    einsum's do: JAX's own transpose would multiply the float32 cotangent by a bfloat16 input, which XLA
+    runs as a float32 (TF32) product at half the bfloat16 rate."""
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _einsum_f32_forward(spec, a, b):
+    return _einsum_f32_low_precision_grads(spec, a, b), (a, b)
+
+
+def _einsum_f32_backward(spec, inputs, cotangent):
+    a, b = inputs
+    _, transpose = jax.vjp(functools.partial(jnp.einsum, spec), a, b)
+    return transpose(cotangent.astype(a.dtype))
+
+
+_einsum_f32_low_precision_grads.defvjp(_einsum_f32_forward, _einsum_f32_backward)
 
 
 def normalize(x: Float[Array, "... D"], scale, bias, config: ModelConfig):
