@@ -1,6 +1,8 @@
 """The model with its KV cache: ragged prefill plus token-by-token decode equals one full forward,
 row by row, and each row of a ragged batch equals that prompt run alone."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,6 +98,12 @@ def test_low_precision_products_differentiate_in_their_own_precision(monkeypatch
     cotangent = (2 * y).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(cotangent @ w.T))
     np.testing.assert_array_equal(np.asarray(dw), np.asarray(x.T @ cotangent))
+    # remat 'dots' keeps such a product for the backward pass as it keeps a plain one (the policy cannot see it
+    # inside its custom_vjp: it is named); 'layer' recomputes it, the control.
+    config = hf.load(fixture_dir("llama_gqa")).config
+    for remat, forward_products in (("dots", 1), ("layer", 2)):
+        step = transformer.checkpointed(lambda x, w: loss(jnp.tanh(x), w), dataclasses.replace(config, remat=remat))
+        assert str(jax.make_jaxpr(jax.grad(step, argnums=(0, 1)))(x, w)).count("custom_vjp_call") == forward_products
     # Against float32 products throughout: within bfloat16's rounding.
     fx, fw = jax.grad(lambda x, w: jnp.sum((x @ w) ** 2), argnums=(0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
     for low, full in ((dx, fx), (dw, fw)):

@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -84,6 +85,10 @@ def apply_rope(x: Float[Array, "B T N E"], positions: Int[Array, "B T"], inv_fre
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+# The name einsum_f32 gives its products without batch dimensions on accelerators, for remat 'dots' to save them.
+UNBATCHED_PRODUCT = "einsum_f32_unbatched"
+
+
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     """einsum with a float32 result, accumulated in float32 from low-precision inputs. XLA's CPU dot
     runtime lacks some bf16 x bf16 -> f32 forms (batched ones fail: "Unsupported element type for
@@ -91,7 +96,12 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     if jax.default_backend() == "cpu":
         return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
     if a.dtype == b.dtype and jnp.finfo(a.dtype).bits < 32:
-        return _einsum_f32_low_precision_grads(spec, a, b)
+        product = _einsum_f32_low_precision_grads(spec, a, b)
+        # remat 'dots' saves products without batch dimensions; it cannot see this one inside its custom_vjp.
+        inputs, output = spec.replace(" ", "").split("->")
+        lhs, rhs = inputs.split(",")
+        batched = set(lhs) & set(rhs) & set(output) - {"."}
+        return product if batched else checkpoint_name(product, UNBATCHED_PRODUCT)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
@@ -109,8 +119,10 @@ def _einsum_f32_forward(spec, a, b):
 
 def _einsum_f32_backward(spec, inputs, cotangent):
     a, b = inputs
-    _, transpose = jax.vjp(functools.partial(jnp.einsum, spec), a, b)
-    return transpose(cotangent.astype(a.dtype))
+    cotangent = cotangent.astype(a.dtype)
+    da, = jax.linear_transpose(lambda a: jnp.einsum(spec, a, b), a)(cotangent)
+    db, = jax.linear_transpose(lambda b: jnp.einsum(spec, a, b), b)(cotangent)
+    return da, db
 
 
 _einsum_f32_low_precision_grads.defvjp(_einsum_f32_forward, _einsum_f32_backward)
@@ -205,7 +217,10 @@ def checkpointed(step, config: ModelConfig):
     (the weight products), so that only the elementwise work and attention are recomputed."""
     if config.remat == "none":
         return step
-    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if config.remat == "dots" else None
+    policies = jax.checkpoint_policies
+    policy = (policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
+                                               policies.save_only_these_names(UNBATCHED_PRODUCT))
+              if config.remat == "dots" else None)
     return jax.checkpoint(step, prevent_cse=False, policy=policy)  # prevent_cse is not needed inside a scan
 
 
