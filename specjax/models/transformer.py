@@ -95,7 +95,7 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     DotThunk"), so on the CPU the inputs are upcast first; GPUs and TPUs do it natively."""
     if jax.default_backend() == "cpu":
         return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
-    if a.dtype == b.dtype and jnp.finfo(a.dtype).bits < 32:
+    if a.dtype == b.dtype and jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits < 32:
         product = _einsum_f32_low_precision_grads(spec, a, b)
         # remat 'dots' saves products without batch dimensions; it cannot see this one inside its custom_vjp.
         inputs, output = spec.replace(" ", "").split("->")
