@@ -92,7 +92,8 @@ UNBATCHED_PRODUCT = "einsum_f32_unbatched"
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     """einsum with a float32 result, accumulated in float32 from low-precision inputs. XLA's CPU dot
     runtime lacks some bf16 x bf16 -> f32 forms (batched ones fail: "Unsupported element type for
-    DotThunk"), so on the CPU the inputs are upcast first; GPUs and TPUs do it natively."""
+    DotThunk"), so on the CPU the inputs are upcast first; GPUs and TPUs do it natively, and there the
+    gradient of bfloat16 inputs is a bfloat16 product's (_einsum_f32_low_precision_grads)."""
     if jax.default_backend() == "cpu":
         return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
     if a.dtype == b.dtype and jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits < 32:
