@@ -96,7 +96,8 @@ def kernel_breakdown(events: list[dict], threads: dict[tuple, str] | None = None
     total = sum(ms for ms, _ in by_name.values())
     kinds: dict[str, float] = {}
     for name, (ms, _) in by_name.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     return {"kernel_ms": total,
             "kinds": {kind: {"ms": ms, "share": ms / total if total else 0.0}
