@@ -99,9 +99,9 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     if a.dtype == b.dtype and jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits < 32:
         product = _einsum_f32_low_precision_grads(spec, a, b)
         # remat 'dots' saves products without batch dimensions; it cannot see this one inside its custom_vjp.
-        inputs, output = spec.replace(" ", "").split("->")
+        inputs, _, output = spec.replace(" ", "").partition("->")
         lhs, rhs = inputs.split(",")
-        batched = set(lhs) & set(rhs) & set(output) - {"."}
+        batched = not output or set(lhs) & set(rhs) & set(output) - {"."}  # implicit output: left unnamed
         return product if batched else checkpoint_name(product, UNBATCHED_PRODUCT)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
