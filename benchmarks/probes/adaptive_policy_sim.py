@@ -8,7 +8,9 @@ no model runs, so the estimator's loss is seen apart from the switch's cost on t
 
 For each results row (a batch) of bench_decode.py --adaptive: tokens per second of every fixed compiled width
 and of the adaptive choice over `steps` steps (the generation's length at the profile's tau), mean over seeds,
-all costed by the row's profiled curve, and adaptive's ratio to the best fixed width.
+all costed by the row's profiled curve, and adaptive's ratio to the best fixed width. --finish steps as static
+generation does (every row stops at the length and the batch runs until its last row has it), which is what
+bench_decode measures: without it the probe steps until the mean row is done and misses the slowest row's steps.
 
 --profile (repeatable; default `measured`): `measured` is the results file's profile, `geometric:A` has
 P(L >= i) = A^i (EAGLE-like: a flat conditional acceptance A), `P|Q` gives the even rows profile P and the odd
@@ -119,10 +121,30 @@ def lengths(rng, rates):
     return (rng.random(rates.shape[0])[:, None] < rates).sum(axis=1)
 
 
-def simulate_fixed(rates, costs, index, width, steps, seed):
+def simulate_fixed(rates, costs, index, width, steps, seed, new_tokens=None):
+    """Tokens per second at a fixed width over `steps` steps; with new_tokens, as static generation runs: each row
+    stops at new_tokens and the batch steps until its last row has them (finish_of)."""
     rng = np.random.default_rng(seed)
+    if new_tokens is not None:
+        return finish_of(lambda active: (index, np.minimum(lengths(rng, rates), width)), rates.shape[0],
+                         new_tokens, costs)[0]
     tokens = sum(rates.shape[0] + np.minimum(lengths(rng, rates), width).sum() for _ in range(steps))
     return tokens / (steps * costs[index])
+
+
+def finish_of(step, batch, new_tokens, costs):
+    """Static generation: step(active) -> (width index, accepted drafts a row) until every row has emitted
+    new_tokens (a row emits its accepted drafts and one token a step, capped at new_tokens; a finished row is
+    inactive but its slot is still computed). Returns tokens per second and the widths chosen."""
+    emitted = np.zeros(batch, np.int64)
+    seconds, chosen = 0.0, []
+    while (emitted < new_tokens).any():
+        active = emitted < new_tokens
+        index, accepted = step(active)
+        emitted = np.where(active, np.minimum(emitted + 1 + accepted, new_tokens), emitted)
+        seconds += costs[index]
+        chosen.append(index)
+    return batch * new_tokens / seconds, chosen
 
 
 def adaptive_step(estimator, widths):
@@ -137,12 +159,23 @@ def adaptive_step(estimator, widths):
     return jax.jit(estimator.traced(step))
 
 
-def simulate_adaptive(step, estimator, rates, widths, costs, new_tokens, seed):
-    """Steps until the batch has emitted new_tokens a row on average (a step that skips drafting emits one a row)."""
+def simulate_adaptive(step, estimator, rates, widths, costs, new_tokens, seed, finish=False):
+    """Steps until the batch has emitted new_tokens a row on average (a step that skips drafting emits one a row);
+    with finish, until every row has (finish_of), the estimate and choice over the unfinished rows as in the loop."""
     rng = np.random.default_rng(seed)
     batch, k = rates.shape
     state, active = estimator.init(batch, k), jnp.ones((batch,), bool)
     costs_array = jnp.asarray(costs, jnp.float32)
+    if finish:
+        holder = [state]
+
+        def one(active):
+            length = jnp.asarray(lengths(rng, rates), jnp.int32)
+            holder[0], index, _ = step(holder[0], jnp.asarray(active), costs_array, length)
+            return int(index), np.minimum(np.asarray(length), widths[int(index)])
+
+        rate, chosen = finish_of(one, batch, new_tokens, costs)
+        return rate, float(np.mean([widths[i] for i in chosen]))
     tokens = seconds = 0.0
     chosen = []
     while tokens < batch * new_tokens:
@@ -164,6 +197,9 @@ def main():
     parser.add_argument("--skip", action="store_true",
                         help="width 0 skips drafting: costed as the row's autoregressive forward")
     parser.add_argument("--new-tokens", type=int, default=None, help="the generation's length (default: the row's)")
+    parser.add_argument("--finish", action="store_true",
+                        help="static generation's ends: every row stops at the length, the batch steps until the "
+                             "last has it (its slowest row's steps), as bench_decode measures; else the mean row's")
     args = parser.parse_args()
     estimators = [estimator_of(spec) for spec in (args.estimator or ["moving-average", "counts"])]
     for path in args.results:
@@ -181,15 +217,16 @@ def main():
                 rates = profile_rates(spec, measured, row["B"])
                 tau = 1 + rates.sum(axis=1).mean()
                 steps = int(np.ceil((args.new_tokens or row["new"]) / tau))
-                fixed = {w: np.mean([simulate_fixed(rates, costs, i, w, steps, s) for s in range(args.seeds)])
+                length = (args.new_tokens or row["new"]) if args.finish else None
+                fixed = {w: np.mean([simulate_fixed(rates, costs, i, w, steps, s, length) for s in range(args.seeds)])
                          for i, w in enumerate(widths)}
                 best = max(fixed, key=fixed.get)
                 print(f"B {row['B']}, profile {spec} (tau {tau:.2f}, {steps} steps): fixed widths (curve-costed) "
                       + ", ".join(f"{w}: {v:,.0f}" for w, v in fixed.items()))
                 for estimator in estimators:
                     step = steps_by.setdefault(estimator.label, adaptive_step(estimator, widths))
-                    runs = [simulate_adaptive(step, estimator, rates, widths, costs, args.new_tokens or row["new"], s)
-                            for s in range(args.seeds)]
+                    runs = [simulate_adaptive(step, estimator, rates, widths, costs, args.new_tokens or row["new"], s,
+                                              args.finish) for s in range(args.seeds)]
                     rate = np.mean([r[0] for r in runs])
                     print(f"  {estimator.label}: {rate:,.0f} tok/s at mean width {np.mean([r[1] for r in runs]):.1f}"
                           f" = {rate / fixed[best]:.3f} of width {best}")
