@@ -32,7 +32,9 @@
 #                                                      # waves), no speculation and EAGLE-1 K 5 tau 4 at 64, 256
 #                                                      # and 320 requests, visits stopping after the paced
 #                                                      # count of ends and at the first (--visit-ends auto,1),
-#                                                      # static AR at 64 and 256 (STATIC= skips it) decoding 192
+#                                                      # static AR at 64 and 256 (STATIC= skips it) decoding 192;
+#                                                      # MIXED=off,128x16: mixed prefill as well (requests that end
+#                                                      # apart leave decode steps whose idle compute it can fill)
 # BENCH_FLAGS=... adds flags to every bench_serve run of a part (e.g. "--new-tokens 192 --random-range-ratio 0.334"
 # for the ragged lengths in the http part, whose server then needs SERVER_FLAGS="--max-model-len 448").
 # The K sweep's tau follows one per-draft acceptance rate a = 0.835: tau(K) = (1 - a^(K+1)) / (1 - a), which
@@ -168,7 +170,7 @@ case $part in
     python3 scripts/bench_serve.py "${common[@]}" --new-tokens 192 --random-range-ratio 0.334 \
       --requests-per-stream ${REQUESTS_PER_STREAM:-4} --methods ${METHODS:-none,eagle:5:4} \
       --concurrency ${LOADS:-64,256,320} --visit-ends ${VISIT_ENDS:-auto,1} --static-batches "${STATIC-64,256}" \
-      --name bench_serve_8b_ragged --output "$out"
+      --mixed-prefill ${MIXED:-off} --name bench_serve_8b_ragged --output "$out"
     ;;
   *) echo "usage: $0 load|mixed|methods|http|offload|profile|async|ragged [OUT]"; exit 2 ;;
 esac
