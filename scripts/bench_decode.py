@@ -47,7 +47,9 @@ the unconditional rate r_i; the first K of them; its tau is 1 + their sum). --ad
 adaptive verification (specjax.adaptive: the widths 0, powers of two and K, the cost curve profiled on the
 device once per shape, batch and cache and kept on disk), its tokens/s and mean verified width beside fixed K's.
 --fixed-k k1,k2,... also times each drafter at those fixed K (with --acceptance-rates each K's tau is 1 + the sum
-of the profile's first K rates): the envelope adaptive verification is compared with, best K named per row.
+of the profile's first K rates): the envelope adaptive verification is compared with, best K named per row; with
+each K its loop's steps (its slowest row's: the loop runs until every row is done) and a step's time, to set
+against adaptive's at the same width.
 """
 
 from __future__ import annotations
@@ -199,6 +201,16 @@ def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args, t
     return states
 
 
+def loop_steps(target, drafter, spec: SpecConfig, cache_size: int, run_args, tok_s: float, verify_costs=None):
+    """(acceptance metrics, the loop's steps, seconds a step) of the run tokens_per_s timed: the same program run
+    again for its counters (no compile). The loop steps until its last row is done, so steps are its slowest row's;
+    a step's seconds are the run's time (less a one-token run's: tokens_per_s) over them."""
+    state = speculative_run(target, drafter, spec, cache_size, final_state=True, verify_costs=verify_costs)(run_args)
+    metrics = AcceptanceMetrics.from_counters(state.counters, run_args[0].shape[0])
+    steps = int(metrics.steps.max())
+    return metrics, steps, (float(np.sum(metrics.emitted)) / tok_s / steps if steps else None)
+
+
 def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int, run_args, one_args, name: str,
                   fixed_tok_s: float) -> dict:
     """Tokens/s with adaptive verification (the cost curve profiled once and cached: specjax.adaptive), the mean
@@ -208,20 +220,18 @@ def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int
     curve = adaptive.cached_profile(target, batch, spec.verify_widths, cache_size, timing)
     costs = adaptive.verify_costs(spec, curve, batch)
     tok_s, _ = tokens_per_s(speculative_run(target, drafter, spec, cache_size, verify_costs=costs), run_args, one_args)
-    state = speculative_run(target, drafter, spec, cache_size, final_state=True, verify_costs=costs)(run_args)
-    metrics = AcceptanceMetrics.from_counters(state.counters, batch)
+    metrics, steps, measured_s = loop_steps(target, drafter, spec, cache_size, run_args, tok_s, verify_costs=costs)
     # The loop's steps, each at the width its active rows verified (all the same: one width a step), and the step
-    # time the curve predicts for them against the one measured (the run's time less a one-token run's, a step).
-    steps = int(metrics.steps.max())
+    # time the curve predicts for them against the one measured.
     widths = metrics.per_step_drafted[:, :steps].max(axis=0)
     predicted_s = float(np.mean(curve.costs(batch, widths))) if steps else None
-    measured_s = float(np.sum(metrics.emitted)) / tok_s / steps if steps else None  # tokens_per_s: emitted / time
     return {f"{name}_adaptive_tok_s": tok_s, f"{name}_adaptive_width": metrics.drafted.sum() / metrics.steps.sum(),
             # Steps at width 0: autoregressive steps, which skip drafting where the drafter can (skips_drafting).
             f"{name}_adaptive_width0_share": float(np.mean(widths == 0)) if steps else None,
             f"{name}_adaptive_vs_fixed": tok_s / fixed_tok_s,
             f"{name}_adaptive_step_predicted_ms": None if predicted_s is None else predicted_s * 1e3,
             f"{name}_adaptive_step_measured_ms": None if measured_s is None else measured_s * 1e3,
+            f"{name}_adaptive_steps": steps,
             f"{name}_adaptive_curve": dict(zip(map(str, curve.widths), curve.seconds[0]))}
 
 
@@ -404,9 +414,12 @@ def main():
                            (f"{method}_tau{tau}_adaptive_width0_share", "steps at width 0"),
                            (f"{method}_tau{tau}_adaptive_vs_fixed", "adaptive / fixed K"),
                            (f"{method}_tau{tau}_adaptive_step_predicted_ms", "step ms predicted"),
-                           (f"{method}_tau{tau}_adaptive_step_measured_ms", "step ms measured")]
+                           (f"{method}_tau{tau}_adaptive_step_measured_ms", "step ms measured"),
+                           (f"{method}_tau{tau}_adaptive_steps", "adaptive steps")]
                           if args.adaptive else []),
-                        *((f"{method}_K{k}_tok_s", f"K={k} tok/s") for k in envelope),
+                        *(column for k in envelope for column in ((f"{method}_K{k}_tok_s", f"K={k} tok/s"),
+                                                                   (f"{method}_K{k}_steps", f"K={k} steps"),
+                                                                   (f"{method}_K{k}_step_ms", f"K={k} step ms"))),
                         *([(f"{method}_best_fixed_K", "best fixed K"), (f"{method}_adaptive_vs_best", "adaptive / best")]
                           if envelope else [])]
     if parallel > 1:
@@ -486,6 +499,10 @@ def main():
                         spec = synthetic_spec(method, 1 + sum(rates[:k]), k, rates=rates)
                         fixed[k] = row[f"{method}_K{k}_tok_s"] = tokens_per_s(
                             speculative_run(target, drafters[method], spec, cache_size), run_args, one_args)[0]
+                        # Its steps and a step's time, against adaptive's at the same width.
+                        _, row[f"{method}_K{k}_steps"], step_s = loop_steps(target, drafters[method], spec,
+                                                                            cache_size, run_args, fixed[k])
+                        row[f"{method}_K{k}_step_ms"] = None if step_s is None else step_s * 1e3
                     best = max(fixed, key=fixed.get)
                     row[f"{method}_best_fixed_K"] = best
                     if args.adaptive:
