@@ -25,7 +25,9 @@ chosen twice, first before drafting from the counts alone (a confidence head is 
 is 0 the drafter only idles (Proposer.idle: it writes the last step's features to its cache), so that where drafting
 costs more than it returns (a large batch) the loop runs at autoregressive speed instead of paying the drafter for
 nothing; otherwise it drafts and the width is chosen again with the drafter's confidence where it has one. While
-it skips, the discounted counts fade toward the prior and a later step drafts again to test it.
+it skips, the discounted counts fade toward the prior and a later step drafts again to test it. Where no
+confidence is read, the width chosen before drafting is the step's: the drafter is told it (Context.verified), and
+one that drafts_to_width computes only those drafts (DFlash: its LM head over the first W positions of its block).
 
 cost(W) is a step's seconds at this batch and width, from a cost curve (CostCurve): measured on the device once
 per model, drafter, shape, batch and device and kept on disk, or analytic on the CPU. The target then runs one forward over W + 1 positions (a `lax.switch` over the
@@ -178,9 +180,9 @@ def padded(tree: Any, length: int) -> Any:
 RIDGE_TOKENS = 300.0
 DRAFT_COST = 0.2
 PROFILE_ITERATIONS = 10  # forwards per timed loop when profiling (benchmarking.time_in_loop)
-# How a profile is timed, in the cache key: a change of it (2: a propose timed after an accept of every draft)
-# leaves the curves profiled before unread.
-PROFILE_METHOD = 2
+# How a profile is timed, in the cache key: a change of it (2: a propose timed after an accept of every draft; 3: at
+# each width for a drafter that drafts to it) leaves the curves profiled before unread.
+PROFILE_METHOD = 3
 # A profiled time is a difference of two loops' times: on a busy host a tiny one can come out <= 0.
 MIN_PROFILED_SECONDS = 1e-9
 
@@ -248,6 +250,9 @@ class DraftTiming:
     # A drafter that skips drafting at width 0 (Proposer.skips_drafting): how to time its idle at a batch, what a
     # width-0 step costs instead of the propose; None where it cannot skip.
     idle_seconds: Callable[[int], float] | None = None
+    # A drafter that drafts only the verified drafts (Proposer.drafts_to_width): how to time its propose at a batch
+    # and a width, each width's cost instead of `seconds`'; None where a propose costs the same at every width.
+    width_seconds: Callable[[int, int], float] | None = None
 
     @property
     def skips_drafting(self) -> bool:
@@ -288,17 +293,22 @@ def verify_seconds(model: Any, batch: int, width: int, cache_size: int,
 def profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
             iterations: int = PROFILE_ITERATIONS) -> CostCurve:
     """A step's seconds at each width: the target's verify forward (verify_seconds) plus the drafter's propose,
-    which is the same at every width (timed by `drafter`; without one, DRAFT_COST times the narrowest forward), or at
-    width 0 its idle where it skips drafting there."""
+    which is the same at every width (timed by `drafter`; without one, DRAFT_COST times the narrowest forward) or,
+    for a drafter that drafts to the width, timed at each; at width 0 its idle where it skips drafting there."""
     # A forward too small to time (a tiny model on the CPU) can measure at or below zero: floored, not refused.
     seconds = [max(verify_seconds(model, batch, width, cache_size, iterations), 1e-9) for width in widths]
-    draft = DRAFT_COST * seconds[0] if drafter is None else drafter.seconds(batch)
     skips = drafter is not None and drafter.skips_drafting
+    idle = drafter.idle_seconds(batch) if skips and widths[0] == 0 else 0.0
+    if drafter is not None and drafter.width_seconds is not None:
+        drafts = [idle if skips and w == 0 else drafter.width_seconds(batch, w) for w in widths]
+    else:
+        draft = DRAFT_COST * seconds[0] if drafter is None else drafter.seconds(batch)
+        drafts = [idle if skips and w == 0 else draft for w in widths]
     device = jax.devices()[0]
     what = "the drafter's propose" if drafter is not None else f"{DRAFT_COST} x the narrowest forward for the drafter"
+    what += " at each width" if drafter is not None and drafter.width_seconds is not None else ""
     what += " (at width 0, which skips drafting, its idle)" if skips else ""
-    idle = drafter.idle_seconds(batch) if skips and widths[0] == 0 else 0.0
-    steps = tuple(s + (idle if skips and w == 0 else draft) for w, s in zip(widths, seconds))
+    steps = tuple(s + d for s, d in zip(seconds, drafts))
     return CostCurve((batch,), tuple(widths), (steps,),
                      source=f"profiled on {device.device_kind} ({device.platform}): verify forwards + {what}")
 
@@ -306,7 +316,8 @@ def profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, draf
 def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
                    directory: Path | None = None) -> CostCurve:
     """profile(...), measured once per model, shape, batch, widths, drafter and device, then read from disk."""
-    drafter_key = "" if drafter is None else drafter.key + (" skipping at width 0" if drafter.skips_drafting else "")
+    drafter_key = "" if drafter is None else (drafter.key + (" skipping at width 0" if drafter.skips_drafting else "")
+                                              + (" drafting to the width" if drafter.width_seconds is not None else ""))
     key = curve_key(model, batch, widths, cache_size, drafter_key)
     path = (directory or cost_curve_dir()) / f"{key}.json"
     if path.exists():

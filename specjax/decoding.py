@@ -363,19 +363,21 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     rows = jnp.arange(batch)
     step_keys = jax.vmap(jax.random.fold_in)(decode.streams[:, 1], state.counters.steps)
     draft_keys, verify_keys = split_streams(step_keys)
-    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
     widths = spec.verify_widths
     if state.adaptive is not None and verify_costs is None:
         verify_costs = jnp.asarray(adaptive.CostCurve.analytic((batch,), widths, skips_drafting=proposer.skips_drafting)
                                    .costs(batch, widths))
-
-    def drafted():
-        return proposer.propose(draft_params, state.proposer, context, draft_keys)
-
-    skip, counted = False, None
+    skip, counted, verified = False, None, None
     if state.adaptive is not None:  # the width the counts choose, before drafting (adaptive's docstring)
         counted = adaptive.choose_width(adaptive.conditional_acceptance(spec, state.adaptive, None, active), active,
                                         widths, verify_costs)
+        # The step's width unless a confidence head is read after drafting: a drafter may draft that many only.
+        if not adaptive.reads_confidence(spec, proposer.draft_confidence(state.proposer)):
+            verified = jnp.asarray(widths, jnp.int32)[counted]
+    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling, verified=verified)
+
+    def drafted():
+        return proposer.propose(draft_params, state.proposer, context, draft_keys)
     if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
         skip = counted == 0  # draft nothing
 
@@ -695,17 +697,20 @@ def draft_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> a
     shapes, timed by draft_step_seconds."""
     shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(draft_params)]
     timed = functools.partial(draft_step_seconds, model, draft_params, proposer)
-    return adaptive.DraftTiming(key=repr((proposer.settings.spec, shapes)), seconds=timed,
-                                idle_seconds=functools.partial(timed, idle=True) if proposer.skips_drafting else None)
+    return adaptive.DraftTiming(
+        key=repr((proposer.settings.spec, shapes)), seconds=timed,
+        idle_seconds=functools.partial(timed, idle=True) if proposer.skips_drafting else None,
+        width_seconds=(lambda batch, width: timed(batch, verified=width)) if proposer.drafts_to_width else None)
 
 
 def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int,
-                       idle: bool = False) -> float:
+                       idle: bool = False, verified: int | None = None) -> float:
     """Device seconds of one propose (with idle, one Proposer.idle) at `batch` rows, after a prefill of half the
     proposer's cache (the context adaptive.verify_seconds times the target at), inside a jitted loop that carries
     the proposer's state (its cache written in place: benchmarking.time_in_loop). Each propose follows an accept of
     every draft (a drafter's work over what the last step committed can depend on how much it was: DFlash's); each
-    idle follows an idle, as in a run of steps that skip drafting."""
+    idle follows an idle, as in a run of steps that skip drafting. verified: the propose of a step that verifies
+    that many drafts (Context.verified, for a drafter that drafts_to_width)."""
     prompt_len = proposer.settings.cache_size // 2
     tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
     sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
@@ -714,7 +719,8 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
     state = init(model, draft_params, tokens, jnp.full((batch,), prompt_len, jnp.int32),
                  jnp.ones((batch,), jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
     decode = state.decode
-    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
+    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling,
+                      verified=None if verified is None else jnp.int32(verified))
     # What accept reads after a verify of every draft: the target's hidden states there (their values do not matter).
     num_draft = proposer.settings.spec.num_speculative_tokens
     verified = jax.eval_shape(lambda: model(tokens[:, :num_draft + 1], jnp.arange(num_draft + 1)[None] + prompt_len,

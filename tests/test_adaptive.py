@@ -256,6 +256,13 @@ def test_a_profile_times_each_width_and_the_drafters_propose():
     assert 0.25 < skipping.seconds[0][0] < 0.75 < 1.0 < skipping.seconds[0][1] and idled == [2]  # width 0: idle
     assert timing.key != draft_timing(target, params, build_proposer(
         SpecConfig(num_speculative_tokens=3, enable_adaptive_verification=True), SamplingConfig(), 32, draft)).key
+    assert timing.width_seconds is None  # a draft model's propose drafts all K whatever the width
+    per_width = []  # a drafter that drafts to the width (DFlash) is timed at each nonzero one
+    drafting = adaptive.profile(target, 2, (0, 1, 2), 32, dataclasses.replace(
+        timed, idle_seconds=lambda batch: 0.25, width_seconds=lambda batch, w: per_width.append((batch, w)) or w),
+        iterations=2)
+    assert per_width == [(2, 1), (2, 2)] and 0.25 < drafting.seconds[0][0] < 1.0 < drafting.seconds[0][1] < 1.5
+    assert 2.0 < drafting.seconds[0][2] < 2.5 and "at each width" in drafting.source
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -151,6 +151,32 @@ def test_the_proposers_cache_holds_what_a_forward_from_scratch_computes(zlab, fu
                            TargetOutput(logits=logits, hidden=hidden))
 
 
+def test_a_propose_told_the_verified_width_drafts_those_drafts_alike_and_zeros_past_them(zlab):
+    """Context.verified (adaptive verification's width, chosen before drafting): the LM head runs over the first W
+    drafts only; they and their probabilities are those of the propose of all K, and the rest are zeros."""
+    target, drafter, golden = zlab
+    prompt = golden["prompt"].tolist()
+    spec = SpecConfig(method="dflash", num_speculative_tokens=4, draft_sample_method="probabilistic",
+                      enable_adaptive_verification=True)
+    proposer = build_proposer(spec, T1, 64, drafter)
+    params = proposer.bind(drafter, target)
+    logits, hidden, _ = forward(target, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], target.create_cache(1, 64),
+                                hidden_layers=proposer.hidden_layers)
+    state = proposer.init(params, jnp.asarray([prompt]), jnp.asarray([len(prompt)]), TargetOutput(logits, hidden))
+    propose = jax.jit(proposer.propose)
+    keys = jax.random.split(jax.random.key(3), 1)
+    tokens, lengths = jnp.asarray([prompt + [0] * 16]), jnp.asarray([len(prompt)])
+    every, every_probs, every_state = propose(params, state, Context.of(tokens, lengths, T1), keys)
+    assert proposer.drafts_to_width and spec.verify_widths == (0, 1, 2, 4)
+    for width in (1, 2, 4):
+        context = dataclasses.replace(Context.of(tokens, lengths, T1), verified=jnp.int32(width))
+        drafts, probs, after = propose(params, state, context, keys)
+        np.testing.assert_array_equal(drafts[:, :width], every[:, :width])
+        np.testing.assert_allclose(probs[:, :width], every_probs[:, :width], atol=1e-6, rtol=0)
+        assert not np.asarray(drafts[:, width:]).any() and not np.asarray(probs[:, width:]).any()
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), after, every_state))
+
+
 def test_save_writes_the_tensors_zlab_wrote(zlab, tmp_path):
     _, drafter, _ = zlab
     save_dflash(drafter, tmp_path)

@@ -52,15 +52,19 @@ class UnsupportedSpeculation(ValueError):
     as opposed to a mistake in it; a sweep records such points as skipped and goes on."""
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths", "sampling"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths", "sampling", "verified"),
+                   meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class Context:
     """Committed tokens of every row: tokens[b, :lengths[b]]; the last one is not in any cache yet.
-    sampling: each row's settings (drafters that sample draw with them under settings.sampling's mode)."""
+    sampling: each row's settings (drafters that sample draw with them under settings.sampling's mode).
+    verified: how many drafts the step will verify, where adaptive verification chose it before drafting (one of
+    spec.verify_widths); a drafter that drafts_to_width may leave the drafts past it as zeros. None: all K."""
 
     tokens: Int[Array, "B S"]
     lengths: Int[Array, " B"]
     sampling: SamplingParams
+    verified: Int[Array, ""] | None = None
 
     @classmethod
     def of(cls, tokens: Int[Array, "B S"], lengths: Int[Array, " B"],
@@ -129,6 +133,10 @@ class Proposer:
     # True where `idle` is defined: adaptive verification then skips drafting at width 0 (a step that verifies no
     # draft costs the target's one-position forward and the idle). Elsewhere width 0 drafts and verifies none.
     skips_drafting: ClassVar[bool] = False
+    # True where propose reads Context.verified and computes only the drafts the step verifies (DFlash: its LM head
+    # over the first W of the block's K positions): adaptive verification's narrow widths then cost less to draft,
+    # and its cost profile times a propose at each width (adaptive.DraftTiming.width_seconds).
+    drafts_to_width: ClassVar[bool] = False
     # The drafter options (SpecConfig fields) this drafter reads, each with the off values another method
     # may hold in it (OPTION_IGNORED: any, as n-gram's lookup sizes, which ride along in sweeps of every
     # method); check_options says what this drafter allows in them (check_spec runs both).

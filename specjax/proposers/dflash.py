@@ -68,6 +68,7 @@ class DFlashProposer(Proposer):
     checkpoint_kind: ClassVar[str] = "a DFlash drafter"
     takes_draft_vocabulary: ClassVar[bool] = True
     skips_drafting: ClassVar[bool] = True  # idle writes the pending features, the block's first act
+    drafts_to_width: ClassVar[bool] = True  # the block is drafted whole, its LM head only over the verified drafts
     # dflash_full_block: whether the drafter drafts its whole trained block (null: auto, the whole block where
     # K + 1 is smaller than it). True: it runs its whole trained block (block_size - 1 mask positions) and
     # proposes the first K drafts. False: the anchor and K mask positions (vLLM's meaning of
@@ -171,10 +172,21 @@ class DFlashProposer(Proposer):
     def propose(self, params: DFlashParams, state: DFlashState, context: Context, keys: PRNGKeyArray):
         hidden, state = self.draft_block(params, state, context)
         num_draft, settings = self.settings.spec.num_speculative_tokens, self.settings
-        logits = self.logits(params, hidden)  # [B, K, V]
         slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
-        drafts, draft_probs = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings, context.sampling), in_axes=(1, 1),
-                                       out_axes=(1, 1))(logits, slot_keys)
+
+        def drafted(count: int):  # the first `count` drafts through the LM head, zeros past them
+            logits = self.logits(params, hidden[:, :count])  # [B, count, V]
+            drawn = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings, context.sampling), in_axes=(1, 1),
+                             out_axes=(1, 1))(logits, slot_keys[:, :count])
+            return jax.tree.map(lambda x: jnp.pad(x, [(0, num_draft - count if a == 1 else 0) for a in range(x.ndim)]),
+                                drawn)
+
+        if context.verified is None:
+            drafts, draft_probs = drafted(num_draft)
+        else:  # the LM head over the drafts the step verifies only: at a large batch it is most of a narrow width's
+            widths = [w for w in self.settings.spec.verify_widths if w > 0]  # width 0 drafts nothing (idle)
+            branch = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), context.verified), len(widths) - 1)
+            drafts, draft_probs = jax.lax.switch(branch, [functools.partial(drafted, w) for w in widths])
         return drafts, draft_probs, state
 
     def draft_block(self, params: DFlashParams, state: DFlashState,

@@ -54,6 +54,7 @@ class DSparkProposer(DFlashProposer):
     shaped_description: ClassVar[str | None] = None
     architecture: ClassVar[str] = ARCHITECTURE
     read_checkpoint: ClassVar = staticmethod(load_dspark)
+    drafts_to_width: ClassVar[bool] = False  # its Markov head drafts in sequence and its confidence reads every draft
     # dspark_draft_topk (vLLM's option): each draft is drawn from the dspark_draft_topk candidates of highest
     # base (backbone) logit, with the Markov bias added to those only (vLLM's gathered bias: k rows of W2 read
     # instead of V); null: the whole vocabulary. The draft probabilities the verifier sees are that restricted
