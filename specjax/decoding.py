@@ -700,17 +700,17 @@ def draft_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> a
     return adaptive.DraftTiming(
         key=repr((proposer.settings.spec, shapes)), seconds=timed,
         idle_seconds=functools.partial(timed, idle=True) if proposer.skips_drafting else None,
-        width_seconds=(lambda batch, width: timed(batch, verified=width)) if proposer.drafts_to_width else None)
+        width_seconds=(lambda batch, width: timed(batch, width=width)) if proposer.drafts_to_width else None)
 
 
 def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int,
-                       idle: bool = False, verified: int | None = None) -> float:
+                       idle: bool = False, width: int | None = None) -> float:
     """Device seconds of one propose (with idle, one Proposer.idle) at `batch` rows, after a prefill of half the
     proposer's cache (the context adaptive.verify_seconds times the target at), inside a jitted loop that carries
     the proposer's state (its cache written in place: benchmarking.time_in_loop). Each propose follows an accept of
     every draft (a drafter's work over what the last step committed can depend on how much it was: DFlash's); each
-    idle follows an idle, as in a run of steps that skip drafting. verified: the propose of a step that verifies
-    that many drafts (Context.verified, for a drafter that drafts_to_width)."""
+    idle follows an idle, as in a run of steps that skip drafting. width: the propose of a step that verifies that
+    many drafts (Context.verified, for a drafter that drafts_to_width)."""
     prompt_len = proposer.settings.cache_size // 2
     tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
     sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
@@ -720,7 +720,7 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
                  jnp.ones((batch,), jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
     decode = state.decode
     context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling,
-                      verified=None if verified is None else jnp.int32(verified))
+                      verified=None if width is None else jnp.int32(width))
     # What accept reads after a verify of every draft: the target's hidden states there (their values do not matter).
     num_draft = proposer.settings.spec.num_speculative_tokens
     verified = jax.eval_shape(lambda: model(tokens[:, :num_draft + 1], jnp.arange(num_draft + 1)[None] + prompt_len,
