@@ -285,8 +285,9 @@ def test_bad_settings_are_refused_naming_the_field(options, message):
 
 def test_the_default_widths():
     widths = {k: SpecConfig(num_speculative_tokens=k, enable_adaptive_verification=True).verify_widths
-              for k in (1, 3, 4, 7, 15)}
-    assert widths == {1: (0, 1), 3: (0, 1, 2, 3), 4: (0, 1, 2, 4), 7: (0, 1, 2, 4, 7), 15: (0, 1, 2, 4, 8, 15)}
+              for k in (1, 3, 4, 5, 7, 8, 15, 16)}
+    assert widths == {1: (0, 1), 3: (0, 1, 2, 3), 4: (0, 1, 2, 3, 4), 5: (0, 1, 2, 3, 4, 5), 7: (0, 1, 2, 3, 4, 5, 7),
+                      8: (0, 1, 2, 3, 4, 6, 8), 15: (0, 1, 2, 3, 4, 5, 7, 10, 15), 16: (0, 1, 2, 3, 4, 6, 8, 11, 16)}
     assert SpecConfig(num_speculative_tokens=4).verify_widths == (4,)
     assert SpecConfig(num_speculative_tokens=4, enable_adaptive_verification=True,
                       adaptive_verify_widths=[1, 4]).verify_widths == (1, 4)

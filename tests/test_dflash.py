@@ -167,8 +167,8 @@ def test_a_propose_told_the_verified_width_drafts_those_drafts_alike_and_zeros_p
     keys = jax.random.split(jax.random.key(3), 1)
     tokens, lengths = jnp.asarray([prompt + [0] * 16]), jnp.asarray([len(prompt)])
     every, every_probs, every_state = propose(params, state, Context.of(tokens, lengths, T1), keys)
-    assert proposer.drafts_to_width and spec.verify_widths == (0, 1, 2, 4)
-    for width in (1, 2, 4):
+    assert proposer.drafts_to_width and spec.verify_widths == (0, 1, 2, 3, 4)
+    for width in (1, 2, 3, 4):
         context = dataclasses.replace(Context.of(tokens, lengths, T1), verified=jnp.int32(width))
         drafts, probs, after = propose(params, state, context, keys)
         np.testing.assert_array_equal(drafts[:, :width], every[:, :width])

@@ -122,7 +122,9 @@ class SpecConfig:
       speculative_token_tree or total_tokens).
     adaptive_verify_widths: the verify widths (drafts scored per row) compiled into the loop, from which
       adaptive verification chooses each step by a `lax.switch` over target forwards of width + 1
-      positions; increasing, in 0..K, with K last. null: 0, the powers of two below K, and K. Width 0 is an
+      positions; increasing, in 0..K, with K last. null: every width up to 4, then from K down, each at most
+      1.5x the next (K 15: 0-5, 7, 10, 15), so that the best width rounded to a compiled one loses a few
+      percent at most (docs/design.md, "Adaptive verification"). Width 0 is an
       autoregressive step: the drafter then drafts nothing (Proposer.skips_drafting). [K] alone
       verifies the whole block with per-row masks, which saves nothing (docs/design.md, "Adaptive
       verification"). Only with enable_adaptive_verification.
@@ -157,7 +159,11 @@ class SpecConfig:
             return (k,)
         if self.adaptive_verify_widths is not None:
             return self.adaptive_verify_widths
-        return (0, *(1 << i for i in range(k.bit_length()) if 1 << i < k), k)
+        widths, width = {k, *range(min(k, 4) + 1)}, k
+        while width > 4:
+            width = max(4, -(-width * 2 // 3))  # the next one down at least K / 1.5 (ceil)
+            widths.add(width)
+        return tuple(sorted(widths))
 
     @property
     def auto_tree_sizes(self) -> tuple[int, ...]:
