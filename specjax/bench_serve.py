@@ -461,12 +461,12 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for label in dict.fromkeys(row["label"] for row in rows):
+    for index, label in enumerate(dict.fromkeys(row["label"] for row in rows)):
         points = [row for row in rows if row["label"] == label]
-        loads = [row["load"] for row in points]
-        left.plot(loads, [row["output_tok_s"] for row in points], marker="o", label=label)
+        loads, color = [row["load"] for row in points], f"C{index % 10}"  # one colour a label in both panels
+        left.plot(loads, [row["output_tok_s"] for row in points], marker="o", label=label, color=color)
         if all(row.get("tpot_mean_ms") for row in points):  # the static peer has no per-request latency
-            right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label)
+            right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label, color=color)
     for axis, title in ((left, "output tokens/s"), (right, "TPOT mean (ms)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel(load_label)

@@ -262,3 +262,21 @@ def test_bench_serve_takes_a_per_position_acceptance_profile_for_every_speculati
     spec = method.spec()
     assert spec.synthetic_acceptance_rates == (0.7, 0.45) and spec.enable_adaptive_verification
     assert spec.rejection_sample_method == "synthetic" and method.synthetic_tau == pytest.approx(2.15)
+
+
+def test_bench_serve_plots_each_label_in_one_colour_in_both_panels(monkeypatch, tmp_path):
+    # The static peer has throughput but no TPOT: before, each panel coloured its lines in its own order.
+    from specjax import bench_serve, benchmarking
+
+    figures = []
+    monkeypatch.setattr(benchmarking, "save_figure", lambda fig, path: figures.append(fig))
+    rows = [{"label": "static generate AR", "load": 64, "output_tok_s": 9.0}]
+    rows += [{"label": label, "load": load, "output_tok_s": 5.0, "tpot_mean_ms": 2.0}
+             for label in ("none", "eagle K=2") for load in (1, 64)]
+    bench_serve.plot(rows, tmp_path / "plot.png", "requests in flight")
+    left, right = figures[0].axes
+    colours = [{line.get_label(): line.get_color() for line in axis.get_lines()} for axis in (left, right)]
+    figures[0].clear()
+    assert set(colours[1]) == {"none", "eagle K=2"}
+    assert all(colours[1][label] == colours[0][label] for label in colours[1])
+    assert len(set(colours[0].values())) == 3
