@@ -13,11 +13,12 @@ for batch in (1, 64):
     run_args = generation_args(target, batch, 16, 64, K + 1, cache)
     one_args = generation_args(target, batch, 16, 1, K + 1, cache)
     fixed = synthetic_spec("dflash", 0, K, rates=rates)
+    switched = dataclasses.replace(fixed, enable_adaptive_verification=True, adaptive_verify_widths=(0, 1, 2, 4, 7))
     cases = {"fixed K7": (fixed, None),
              "adaptive widths (7,) [mask: no switch]": (dataclasses.replace(fixed, enable_adaptive_verification=True, adaptive_verify_widths=(7,)), jnp.ones(1)),
-             "adaptive switch forced 7": (dataclasses.replace(fixed, enable_adaptive_verification=True), jnp.asarray([10., 10, 10, 10, 1])),
-             "adaptive switch forced 4": (dataclasses.replace(fixed, enable_adaptive_verification=True), jnp.asarray([10., 10, 10, 1, 10])),
-             "adaptive switch forced 2": (dataclasses.replace(fixed, enable_adaptive_verification=True), jnp.asarray([10., 10, 1, 10, 10])),
+             "adaptive switch forced 7": (switched, jnp.asarray([10., 10, 10, 10, 1])),
+             "adaptive switch forced 4": (switched, jnp.asarray([10., 10, 10, 1, 10])),
+             "adaptive switch forced 2": (switched, jnp.asarray([10., 10, 1, 10, 10])),
              "fixed K4": (synthetic_spec("dflash", 0, 4, rates=rates), None),
              "fixed K2": (synthetic_spec("dflash", 0, 2, rates=rates), None)}
     for name, (spec, costs) in cases.items():
