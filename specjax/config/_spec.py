@@ -161,7 +161,7 @@ class SpecConfig:
             return self.adaptive_verify_widths
         widths, width = {k, *range(min(k, 4) + 1)}, k
         while width > 4:
-            width = max(4, -(-width * 2 // 3))  # the next one down at least K / 1.5 (ceil)
+            width = max(4, -(-width * 2 // 3))  # two thirds, rounded up: neighbours at most 1.5x apart
             widths.add(width)
         return tuple(sorted(widths))
 
