@@ -367,33 +367,39 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     if state.adaptive is not None and verify_costs is None:
         verify_costs = jnp.asarray(adaptive.CostCurve.analytic((batch,), widths, skips_drafting=proposer.skips_drafting)
                                    .costs(batch, widths))
-    skip, counted, verified = False, None, None
+    skip, counted, first = False, None, False
     if state.adaptive is not None:  # the width the counts choose, before drafting (adaptive's docstring)
         counted = adaptive.choose_width(adaptive.conditional_acceptance(spec, state.adaptive, None, active), active,
                                         widths, verify_costs)
-        # The step's width unless a confidence head is read after drafting: a drafter may draft that many only.
-        if not adaptive.reads_confidence(spec, proposer.draft_confidence(state.proposer)):
-            verified = jnp.asarray(widths, jnp.int32)[counted]
-    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling, verified=verified)
+        # The step's width unless a confidence head is read after drafting. Then drafting moves into the verify
+        # switch's branches: one conditional a step (each costs a device-to-host read of its index), and a drafter
+        # that drafts_to_width drafts the branch's width only.
+        first = not adaptive.reads_confidence(spec, proposer.draft_confidence(state.proposer))
+    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling)
 
-    def drafted():
-        return proposer.propose(draft_params, state.proposer, context, draft_keys)
-    if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
+    def drafted(width: int | None = None):
+        return proposer.propose(draft_params, state.proposer, dataclasses.replace(context, verified=width), draft_keys)
+
+    def idle():
+        tokens, probs, _ = jax.eval_shape(drafted)
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (tokens, probs))
+        return (*zeros, proposer.idle(draft_params, state.proposer, context))
+
+    def drafts_at(width: int):  # a step verifying `width` drafts drafts none at 0 where the drafter can skip
+        return idle() if width == 0 and proposer.skips_drafting else drafted(width)
+    draft_tokens = draft_probs = proposer_state = row_parents = None  # with `first`: drafted in the branches
+    if first:
+        pass
+    elif state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
         skip = counted == 0  # draft nothing
-
-        def idle():
-            tokens, probs, _ = jax.eval_shape(drafted)
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (tokens, probs))
-            return (*zeros, proposer.idle(draft_params, state.proposer, context))
-
         draft_tokens, draft_probs, proposer_state = jax.lax.cond(skip, idle, drafted)
     else:
         draft_tokens, draft_probs, proposer_state = drafted()
 
     last = decode.tokens[rows, decode.lengths - 1]
-    block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1], or [B, N + 1] for a tree
     fill = decode.cache.lengths  # the block's first slot: the last committed token is not cached yet
-    row_parents = proposer.tree_parents(proposer_state, batch)
+    if not first:
+        row_parents = proposer.tree_parents(proposer_state, batch)
     if row_parents is None:
         positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
     else:  # each node sees the cache, the root and its ancestors, at position fill + depth
@@ -405,9 +411,10 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
 
     prompt_chunks = None if chunks is None else chunks.of(decode.tokens)
 
-    def scored(width, num_valid=None, attention_mask=None):
+    def scored(width, draft_tokens, draft_probs, num_valid=None, attention_mask=None):
         """The forward over the block's first width + 1 positions (and the prompt chunks), and its drafts verified:
         (path, accepted, next token, the forward's logits and hidden states, the cache, the chunks' hidden states)."""
+        block = jnp.concatenate([last[:, None], draft_tokens], axis=1)  # [B, K + 1], or [B, N + 1] for a tree
         chunk_hidden = None
         if prompt_chunks is None:
             logits, hidden, cache = model(block[:, :width + 1], positions[:, :width + 1], decode.cache,
@@ -427,23 +434,27 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
 
     num_valid = None
     if state.adaptive is None:
-        path, num_accepted, next_token, logits, hidden, cache, chunk_hidden = scored(block.shape[1] - 1,
-                                                                                     attention_mask=mask)
+        path, num_accepted, next_token, logits, hidden, cache, chunk_hidden = scored(
+            draft_tokens.shape[1], draft_tokens, draft_probs, attention_mask=mask)
     else:  # chains only (SpecConfig refuses trees)
-        confidence = proposer.draft_confidence(proposer_state)
         choice = counted  # chosen again only where the drafter's confidence is read, now that it has drafted
-        if adaptive.reads_confidence(spec, confidence):
+        if not first:
+            confidence = proposer.draft_confidence(proposer_state)
             conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
             choice = jnp.where(skip, 0, adaptive.choose_width(conditional, active, widths, verify_costs))
         num_valid = jnp.where(active, jnp.asarray(widths, jnp.int32)[choice], 0)
 
         def at_width(width):  # verified in the branch: the verifier's work, as the forward's, scales with the width
-            _, accepted, token, _, hidden, cache, chunk_hidden = scored(width, num_valid)
-            return accepted, token, adaptive.padded(hidden, num_draft + 1), cache, chunk_hidden
+            drafts = drafts_at(width) if first else (draft_tokens, draft_probs, proposer_state)
+            _, accepted, token, _, hidden, cache, chunk_hidden = scored(width, *drafts[:2], num_valid)
+            out = accepted, token, adaptive.padded(hidden, num_draft + 1), cache, chunk_hidden
+            return (*out, drafts[0], drafts[2]) if first else out  # the drafts leave the branch only if made there
 
         branches = [functools.partial(at_width, width) for width in widths]
-        num_accepted, next_token, hidden, cache, chunk_hidden = (jax.lax.switch(choice, branches)
-                                                                 if len(branches) > 1 else branches[0]())
+        out = jax.lax.switch(choice, branches) if len(branches) > 1 else branches[0]()
+        num_accepted, next_token, hidden, cache, chunk_hidden = out[:5]
+        if first:
+            draft_tokens, proposer_state = out[5:]
         path, logits = None, None  # no proposer reads the logits of a verify (TargetOutput.logits)
     if path is not None:  # the accepted path into contiguous slots; from here on it reads as a chain
         path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
@@ -719,8 +730,7 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
     state = init(model, draft_params, tokens, jnp.full((batch,), prompt_len, jnp.int32),
                  jnp.ones((batch,), jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
     decode = state.decode
-    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling,
-                      verified=None if width is None else jnp.int32(width))
+    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling, verified=width)
     # What accept reads after a verify of every draft: the target's hidden states there (their values do not matter).
     num_draft = proposer.settings.spec.num_speculative_tokens
     verified = jax.eval_shape(lambda: model(tokens[:, :num_draft + 1], jnp.arange(num_draft + 1)[None] + prompt_len,

@@ -169,7 +169,7 @@ def test_a_propose_told_the_verified_width_drafts_those_drafts_alike_and_zeros_p
     every, every_probs, every_state = propose(params, state, Context.of(tokens, lengths, T1), keys)
     assert proposer.drafts_to_width and spec.verify_widths == (0, 1, 2, 3, 4)
     for width in (1, 2, 3, 4):
-        context = dataclasses.replace(Context.of(tokens, lengths, T1), verified=jnp.int32(width))
+        context = dataclasses.replace(Context.of(tokens, lengths, T1), verified=width)
         drafts, probs, after = propose(params, state, context, keys)
         np.testing.assert_array_equal(drafts[:, :width], every[:, :width])
         np.testing.assert_allclose(probs[:, :width], every_probs[:, :width], atol=1e-6, rtol=0)

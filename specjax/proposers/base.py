@@ -52,19 +52,20 @@ class UnsupportedSpeculation(ValueError):
     as opposed to a mistake in it; a sweep records such points as skipped and goes on."""
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths", "sampling", "verified"),
-                   meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("tokens", "lengths", "sampling"),
+                   meta_fields=("verified",))
 @dataclasses.dataclass(frozen=True)
 class Context:
     """Committed tokens of every row: tokens[b, :lengths[b]]; the last one is not in any cache yet.
     sampling: each row's settings (drafters that sample draw with them under settings.sampling's mode).
     verified: how many drafts the step will verify, where adaptive verification chose it before drafting (one of
-    spec.verify_widths); a drafter that drafts_to_width may leave the drafts past it as zeros. None: all K."""
+    spec.verify_widths; static: the branch of the step's switch that drafts); a drafter that drafts_to_width may
+    leave the drafts past it as zeros. None: all K."""
 
     tokens: Int[Array, "B S"]
     lengths: Int[Array, " B"]
     sampling: SamplingParams
-    verified: Int[Array, ""] | None = None
+    verified: int | None = None
 
     @classmethod
     def of(cls, tokens: Int[Array, "B S"], lengths: Int[Array, " B"],

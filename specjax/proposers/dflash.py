@@ -181,12 +181,8 @@ class DFlashProposer(Proposer):
             return jax.tree.map(lambda x: jnp.pad(x, [(0, num_draft - count if a == 1 else 0) for a in range(x.ndim)]),
                                 drawn)
 
-        if context.verified is None:
-            drafts, draft_probs = drafted(num_draft)
-        else:  # the LM head over the drafts the step verifies only: at a large batch it is most of a narrow width's
-            widths = [w for w in self.settings.spec.verify_widths if w > 0]  # width 0 drafts nothing (idle)
-            branch = jnp.minimum(jnp.searchsorted(jnp.asarray(widths), context.verified), len(widths) - 1)
-            drafts, draft_probs = jax.lax.switch(branch, [functools.partial(drafted, w) for w in widths])
+        # The LM head over the drafts the step verifies only: at a large batch it is most of a narrow width's step.
+        drafts, draft_probs = drafted(num_draft if context.verified is None else max(context.verified, 1))
         return drafts, draft_probs, state
 
     def draft_block(self, params: DFlashParams, state: DFlashState,
