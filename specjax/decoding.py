@@ -352,7 +352,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     With adaptive verification (state.adaptive) the forward scores the first W + 1 positions only, W the
     width of spec.verify_widths chosen from the state's estimates and verify_costs (a step's cost at each
     width; default the analytic curve), and every active row verifies its first W drafts (specjax.adaptive); at
-    width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing.
+    width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing. Where W is chosen before
+    drafting (no confidence head read), each width's branch of the switch drafts as well: one conditional a step.
 
     With `chunks`, prompt chunks of rows waiting for their prefill (admit_prompts) run in the verify forward (mixed
     prefill, as decode_step's): the drafter's state of each chunk's row is extended by it, and a row whose prompt it
@@ -387,19 +388,18 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
 
     def drafts_at(width: int):  # a step verifying `width` drafts drafts none at 0 where the drafter can skip
         return idle() if width == 0 and proposer.skips_drafting else drafted(width)
-    draft_tokens = draft_probs = proposer_state = row_parents = None  # with `first`: drafted in the branches
     if first:
-        pass
-    elif state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
-        skip = counted == 0  # draft nothing
-        draft_tokens, draft_probs, proposer_state = jax.lax.cond(skip, idle, drafted)
+        draft_tokens = draft_probs = proposer_state = row_parents = None  # drafted in the switch's branches
     else:
-        draft_tokens, draft_probs, proposer_state = drafted()
+        if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
+            skip = counted == 0  # draft nothing
+            draft_tokens, draft_probs, proposer_state = jax.lax.cond(skip, idle, drafted)
+        else:
+            draft_tokens, draft_probs, proposer_state = drafted()
+        row_parents = proposer.tree_parents(proposer_state, batch)
 
     last = decode.tokens[rows, decode.lengths - 1]
     fill = decode.cache.lengths  # the block's first slot: the last committed token is not cached yet
-    if not first:
-        row_parents = proposer.tree_parents(proposer_state, batch)
     if row_parents is None:
         positions, mask = fill[:, None] + jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :], None
     else:  # each node sees the cache, the root and its ancestors, at position fill + depth
