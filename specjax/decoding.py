@@ -386,7 +386,7 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (tokens, probs))
         return (*zeros, proposer.idle(draft_params, state.proposer, context))
 
-    def drafts_at(width: int):  # a step verifying `width` drafts drafts none at 0 where the drafter can skip
+    def drafts_at(width: int):  # the drafts of a step that verifies `width`: none at 0 where the drafter can skip
         return idle() if width == 0 and proposer.skips_drafting else drafted(width)
     if first:
         draft_tokens = draft_probs = proposer_state = row_parents = None  # drafted in the switch's branches
