@@ -173,16 +173,14 @@ class DFlashProposer(Proposer):
         hidden, state = self.draft_block(params, state, context)
         num_draft, settings = self.settings.spec.num_speculative_tokens, self.settings
         slot_keys = jax.vmap(lambda key: jax.random.split(key, num_draft))(keys)  # [B, K]
-
-        def drafted(count: int):  # the first `count` drafts through the LM head, zeros past them
-            logits = self.logits(params, hidden[:, :count])  # [B, count, V]
-            drawn = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings, context.sampling), in_axes=(1, 1),
-                             out_axes=(1, 1))(logits, slot_keys[:, :count])
-            return jax.tree.map(lambda x: jnp.pad(x, [(0, num_draft - count if a == 1 else 0) for a in range(x.ndim)]),
-                                drawn)
-
-        # The LM head over the drafts the step verifies only: at a large batch it is most of a narrow width's step.
-        drafts, draft_probs = drafted(num_draft if context.verified is None else max(context.verified, 1))
+        # The LM head over the drafts the step verifies only (at a large batch it is most of a narrow width's step);
+        # zeros past them.
+        count = num_draft if context.verified is None else max(context.verified, 1)
+        logits = self.logits(params, hidden[:, :count])  # [B, count, V]
+        drawn = jax.vmap(lambda lg, k: draw_draft_tokens(lg, k, settings, context.sampling), in_axes=(1, 1),
+                         out_axes=(1, 1))(logits, slot_keys[:, :count])
+        drafts, draft_probs = jax.tree.map(
+            lambda x: jnp.pad(x, [(0, num_draft - count if a == 1 else 0) for a in range(x.ndim)]), drawn)
         return drafts, draft_probs, state
 
     def draft_block(self, params: DFlashParams, state: DFlashState,
