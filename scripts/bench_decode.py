@@ -420,6 +420,8 @@ def main():
                         *(column for k in envelope for column in ((f"{method}_K{k}_tok_s", f"K={k} tok/s"),
                                                                    (f"{method}_K{k}_steps", f"K={k} steps"),
                                                                    (f"{method}_K{k}_step_ms", f"K={k} step ms"))),
+                        *([(f"{method}_K{num_draft}_steps", f"K={num_draft} steps"),
+                           (f"{method}_K{num_draft}_step_ms", f"K={num_draft} step ms")] if envelope else []),
                         *([(f"{method}_best_fixed_K", "best fixed K"), (f"{method}_adaptive_vs_best", "adaptive / best")]
                           if envelope else [])]
     if parallel > 1:
@@ -495,10 +497,11 @@ def main():
                             f"{method}_tau{tau}", spec_tok_s))
                 if envelope:  # the envelope: no speculation, K itself, and every fixed K asked for
                     fixed = {0: row["ar_tok_s"], num_draft: row[f"{method}_tau{taus[0]}_tok_s"]}
-                    for k in envelope:
+                    for k in [*envelope, num_draft]:  # K itself last: its tokens/s is the tau column's
                         spec = synthetic_spec(method, 1 + sum(rates[:k]), k, rates=rates)
-                        fixed[k] = row[f"{method}_K{k}_tok_s"] = tokens_per_s(
-                            speculative_run(target, drafters[method], spec, cache_size), run_args, one_args)[0]
+                        if k not in fixed:
+                            fixed[k] = row[f"{method}_K{k}_tok_s"] = tokens_per_s(
+                                speculative_run(target, drafters[method], spec, cache_size), run_args, one_args)[0]
                         # Its steps and a step's time, against adaptive's at the same width.
                         _, row[f"{method}_K{k}_steps"], step_s = loop_steps(target, drafters[method], spec,
                                                                             cache_size, run_args, fixed[k])
