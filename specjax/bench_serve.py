@@ -230,8 +230,11 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
     bad = [o for o in outputs if o.finish_reason == "error"]
     if bad:
         raise RuntimeError(f"{len(bad)} requests were refused: {bad[0].error}")
-    records = [Record(o.arrival_time, o.first_token_time, o.finish_time, len(o.tokens), o.token_times, o.metrics)
-               for o in outputs]
+    # Open loop: a request arrives when its time comes, not when the visit running then ends and the driver adds it
+    # (as a client's does over HTTP): its TTFT counts that wait.
+    arrived = {} if rate is None else {r.request_id: start + arrivals[i] for i, r in enumerate(requests)}
+    records = [Record(arrived.get(o.request_id, o.arrival_time), o.first_token_time, o.finish_time, len(o.tokens),
+                      o.token_times, o.metrics) for o in outputs]
     step_s, wait_s = engine.step_s - step0, engine.device_wait_s - wait0
     steps = engine.steps_run - steps0
     hit_rate = None

@@ -280,3 +280,49 @@ def test_bench_serve_plots_each_label_in_one_colour_in_both_panels(monkeypatch, 
     assert set(colours[1]) == {"none", "eagle K=2"}
     assert all(colours[1][label] == colours[0][label] for label in colours[1])
     assert len(set(colours[0].values())) == 3
+
+
+class _VisitEngine:
+    """A stand-in for the engine's host side (bench_serve.run_point's use of it): each step() is one visit of
+    `visit_s` that gives every request added before it its whole output, first token at the visit's end."""
+
+    def __init__(self, visit_s: float):
+        self.visit_s, self.added, self.outputs = visit_s, [], []
+        self.steps_run = self.visits = 0
+        self.device_wait_s = self.step_s = 0.0
+
+    def stats(self):
+        return {"prefix_cache": None, "draft_kv_offload": None}
+
+    def add_request(self, request):
+        self.added.append((request, time.perf_counter()))
+
+    def has_work(self):
+        return bool(self.added)
+
+    def step(self):
+        from specjax.engine import RequestOutput
+
+        time.sleep(self.visit_s)
+        now, self.visits, self.steps_run = time.perf_counter(), self.visits + 1, self.steps_run + 1
+        out = [RequestOutput(request_id=r.request_id, tokens=(1, 2), finish_reason="length", arrival_time=added,
+                             first_token_time=now, finish_time=now, token_times=(now, now)) for r, added in self.added]
+        self.added = []
+        self.outputs += out
+        return out
+
+
+def test_bench_serve_open_loop_times_a_request_from_its_arrival_not_from_the_visit_that_admits_it():
+    # In process the driver adds an arrival when the visit running then ends; over HTTP a client's clock starts when
+    # it sends. Before, the in-process TTFT ran from the add (the engine's arrival_time) and missed that wait.
+    from specjax.bench_serve import run_point
+
+    engine = _VisitEngine(visit_s=0.2)
+    point = run_point(engine, [[1, 2, 3]], num_requests=6, new_tokens=2, concurrency=None, rate=20.0,
+                      burstiness=1.0, seed=0)
+    assert point["requests"] == 6 and engine.visits >= 2
+    added_ttft = sum(o.ttft for o in engine.outputs) / 6 * 1e3  # from the add (one visit each): the old measure
+    # The requests arriving during the first visit (seed 0: 50 ms apart on average) waited part of it before they
+    # were added: from their arrival their TTFT is longer by that wait.
+    assert point["ttft_mean_ms"] > added_ttft + 10
+    assert point["ttft_mean_ms"] <= engine.visits * engine.visit_s * 1e3 + 200
