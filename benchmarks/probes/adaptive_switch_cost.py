@@ -1,4 +1,7 @@
-"""CPU: what the switch costs and what a narrower forward saves (tiny shape, bf16, DFlash K 7, synthetic)."""
+"""What the switch costs and what a narrower forward saves (DFlash K 7, synthetic acceptance, bf16).
+
+    PYTHONPATH=. python benchmarks/probes/adaptive_switch_cost.py [SHAPE [BATCHES]]   # tiny 1,64 by default
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL ...   # the switch inside CUDA-graph command buffers"""
 import dataclasses, sys
 import jax, jax.numpy as jnp, numpy as np
 from specjax import benchmarking
@@ -8,7 +11,8 @@ shape = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 tc, dc = benchmarking.SHAPES[shape]
 target = build_target(tc); drafter = build_drafter("dflash", tc, dc)
 K, rates = 7, (0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.15)
-for batch in (1, 64):
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 64]
+for batch in batches:
     cache = cache_size_for(16, 64, K)
     run_args = generation_args(target, batch, 16, 64, K + 1, cache)
     one_args = generation_args(target, batch, 16, 1, K + 1, cache)
