@@ -17,8 +17,8 @@ from support.models import EOS, target_and_drafts
 
 from specjax import verify as verify_registry
 from specjax.config import SamplingConfig, SpecConfig
-from specjax.decoding import generate
-from specjax.engine import Engine, EngineConfig, Request, RequestError
+from specjax.decoding import bucket, generate
+from specjax.engine import Engine, EngineConfig, Request, RequestError, prefill_pieces
 from specjax.verify import standard
 
 
@@ -221,3 +221,32 @@ def test_busy_slots_are_kept_first_and_a_visit_steps_only_a_bucket_of_them():
     assert [list(outputs[r.request_id]) for r in requests] == expected.sequences()
     stepped = {rows for _, rows in engine.step_programs()}
     assert 4 in stepped and 2 in stepped and 8 not in stepped  # 3 busy slots, then 2 once "short" ended
+
+
+def test_prefill_pieces_pad_fewer_rows_than_one_call_by_more_than_a_call_costs():
+    assert prefill_pieces(20, 2.0) == [16, 4] and prefill_pieces(51, 2.0) == [32, 16, 3]
+    assert prefill_pieces(63, 2.0) == [63] and prefill_pieces(63, 0) == [32, 16, 8, 4, 2, 1]
+    for count in range(1, 130):
+        for call_rows in (0, 2.0, 8.0, float("inf")):
+            pieces = prefill_pieces(count, call_rows)
+            assert sum(pieces) == count and all(piece == bucket(piece) for piece in pieces[:-1]), (count, pieces)
+            assert sum(bucket(piece) + call_rows for piece in pieces) <= bucket(count) + call_rows, (count, pieces)
+        assert prefill_pieces(count, float("inf")) == [count]
+    for bad in (-1, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match=r"EngineConfig.prefill_call_rows = .+ is invalid: allowed a number >= 0"):
+            EngineConfig(prefill_call_rows=bad)
+
+
+@pytest.mark.loop
+def test_an_admission_split_into_several_prefills_gives_the_same_outputs():
+    """Seven requests admitted together: one prefill of 8 rows, or (prefill_call_rows 0) calls of 4, 2 and 1 rows;
+    every output is its autoregressive one either way."""
+    target, drafts = target_and_drafts()
+    requests = [Request.make(f"r{i}", [3, 9, 27, i], 6 + i) for i in range(7)]
+    expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests])
+    for call_rows, calls in ((0, 3), (float("inf"), 1)):
+        engine = Engine(target, EngineConfig(max_num_seqs=8, max_model_len=64, spec=SPECS["draft_model"],
+                                             steps_per_visit=2, prefill_call_rows=call_rows), drafter=drafts["perturbed"])
+        outputs = {o.request_id: o.tokens for o in engine.run(requests)}
+        assert [list(outputs[r.request_id]) for r in requests] == expected.sequences(), call_rows
+        assert engine.stats()["prefill_calls"] == calls

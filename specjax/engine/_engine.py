@@ -72,6 +72,10 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     # Requests admitted by one prefill call at most (its rows are padded to a power of two).
     max_prefill_batch: int = 8
+    # A prefill call's fixed cost in padded rows' worth (its weight read and launches): an admission splits into
+    # calls of power-of-two rows where that pads fewer rows by more than this per extra call (prefill_pieces: 20
+    # requests as 16 + 4 rather than one call of 32). 0 splits wherever it saves padding; float("inf") never splits.
+    prefill_call_rows: float = 2.0
     kv_cache_dtype: str | None = None  # the target's cache dtype (None: the model's)
     # Prefix caching (vLLM's name): full prompt blocks of the target's and the drafter's caches kept in a pool
     # beside the slots, keyed by a hash chain of their tokens; a request's matched blocks are copied into its
@@ -131,6 +135,10 @@ class EngineConfig:
                 if value not in (None, False):
                     raise ValueError(f"EngineConfig.{name} = {value} is invalid with mixed_prefill_tokens = "
                                      f"{self.mixed_prefill_tokens}: allowed {allowed}")
+        if isinstance(self.prefill_call_rows, bool) or not isinstance(self.prefill_call_rows, (int, float)) or not (
+                self.prefill_call_rows >= 0):
+            raise ValueError(f"EngineConfig.prefill_call_rows = {self.prefill_call_rows!r} is invalid: allowed a "
+                             f"number >= 0 (float('inf') never splits an admission)")
         for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
@@ -263,6 +271,20 @@ class _Program:
 def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None, *, program: _Program):
     """program.init, compiled per program, batch and prompt width (and prefix width)."""
     return program.init(weights, tokens, lengths, budgets, seeds, sampling, prefix)
+
+
+def prefill_pieces(count: int, call_rows: float) -> list[int]:
+    """How `count` admitted requests split into prefill calls, each padded to a power of two rows: the split (a
+    power of two, then the rest split alike) with the fewest padded rows plus call_rows a call. Each piece is a
+    count warm-up compiled (power-of-two counts up to the admission's own bucket)."""
+    best = {0: (0.0, [])}
+    for n in range(1, count + 1):
+        whole = (decoding.bucket(n) + call_rows, [n])
+        top = 1 << (n.bit_length() - 1)  # the largest power of two below n, then the rest
+        rest = best[n - top]
+        best[n] = whole if top == n or whole[0] <= top + call_rows + rest[0] else (
+            top + call_rows + rest[0], [top, *rest[1]])
+    return best[count][1]
 
 
 @functools.partial(jax.jit, static_argnames=("program", "rows", "width", "axes", "layout"), donate_argnums=1)
@@ -782,8 +804,10 @@ class Engine:
             used += todo
         for _ in admitted:
             self.waiting.popleft()
-        if admitted:
-            prefilled.append(self._prefill(admitted, free[:len(admitted)]))
+        start = 0
+        for piece in prefill_pieces(len(admitted), self.config.prefill_call_rows):
+            prefilled.append(self._prefill(admitted[start:start + piece], free[start:start + piece]))
+            start += piece
         if self.waiting and self.chunked is None and budget - used > 0 and len(free) > len(admitted) and (
                 len(admitted) < self.config.max_prefill_batch):
             request, arrival = self.waiting.popleft()  # too long for what is left of the budget: in chunks
