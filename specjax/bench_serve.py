@@ -41,6 +41,10 @@ before the host reads the one before it (EngineConfig.async_scheduling; not with
 --visit-ends auto,1 runs each point with the engine's visits stopping, while requests wait, after the rows its pacing
 chooses (EngineConfig.visit_ends None) and at the first end; the table adds each point's visits.
 
+--prefill-call-rows 2,inf runs each point with an admission split into prefill calls of power-of-two rows where that
+pads fewer rows by more than 2 rows a call, and with one padded call per admission (EngineConfig.prefill_call_rows);
+the table adds each point's prefill calls and the rows they padded.
+
 --profile DIR traces each in-process point with JAX's profiler (DIR/<label>_<load>/, a perfetto trace that
 Perfetto's UI opens) and adds what the trace says (specjax.profiling): the device's busy share over the point and
 its idle time per step, the host's overhead the device did not hide (admission, scheduling, reading tokens between
@@ -71,7 +75,8 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
-           ("visits", "visits"), ("visit_ends", "visit ends"),
+           ("visits", "visits"), ("visit_ends", "visit ends"), ("prefill_call_rows", "prefill call rows"),
+           ("prefill_calls", "prefill calls"), ("prefill_padded_rows", "prefill rows padded"),
            ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
            ("async_scheduling", "async scheduling"), ("mixed_prefill", "mixed prefill"),
            ("draft_kv_mib_per_slot", "draft KV MiB/slot"), ("moved_mib_per_visit", "moved MiB/visit"),
@@ -209,6 +214,7 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
         arrivals = np.cumsum(gaps) - gaps[0]
     steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
     offload0 = engine.stats()["draft_kv_offload"]
+    prefills0 = {key: engine.stats()[key] for key in ("prefill_calls", "prefill_padded_rows")}
     in_use = []  # device bytes in use after each visit (its run has ended: _collect read its tokens)
     outputs, sent, start = [], 0, time.perf_counter()
     while len(outputs) < num_requests:
@@ -246,6 +252,7 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
     offload = engine.stats()["draft_kv_offload"]
     moved = None if offload is None else sum(offload[k] - offload0[k] for k in ("bytes_to_device", "bytes_to_host"))
     return {**summarize(records, wall), "steps": steps, "visits": visits, "hit_rate": hit_rate,
+            **{key: engine.stats()[key] - before for key, before in prefills0.items()},
             **host_time(step_s, wait_s, steps),
             "draft_kv_mib_per_slot": None if offload is None else offload["bytes_per_slot"] / 2**20,
             "moved_mib_per_visit": None if moved is None else moved / max(visits, 1) / 2**20,
@@ -519,6 +526,8 @@ def main(argv=None) -> None:
                         "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
     parser.add_argument("--visit-ends", default="auto", help="comma-separated: auto, or N: with requests waiting, "
                         "rows a visit lets end before it stops to admit them (EngineConfig.visit_ends; auto: None)")
+    parser.add_argument("--prefill-call-rows", default="2", help="comma-separated: numbers >= 0 or inf: a prefill "
+                        "call's fixed cost in rows, against which an admission splits (EngineConfig.prefill_call_rows)")
     parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -581,6 +590,11 @@ def main(argv=None) -> None:
     if bad:
         parser.error(f"--visit-ends {bad[0]!r} is invalid: allowed a comma-separated list of auto and positive "
                      "integers")
+    call_rows = args.prefill_call_rows.split(",")
+    bad = [rows for rows in call_rows if not re.fullmatch(r"inf|[0-9]+(\.[0-9]*)?", rows)]
+    if bad:
+        parser.error(f"--prefill-call-rows {bad[0]!r} is invalid: allowed a comma-separated list of numbers >= 0 and "
+                     "inf")
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio {args.random_range_ratio} is invalid: allowed 0 <= R < 1")
     if args.requests_per_stream < 1:
@@ -634,8 +648,9 @@ def main(argv=None) -> None:
         # n-gram's, is refused by the engine, naming the field).
         # The engine refuses async scheduling with offload (its buffers move at each visit): not run together.
         # The engine refuses mixed prefill with offload, and with prefix caching and speculation: not run together.
-        for mode, offload, sched, mix, ends in [
-                (m, o, a, x, e) for m in modes for o in offloads for a in scheds for x in mixes for e in visit_ends
+        for mode, offload, sched, mix, ends, rows_a_call in [
+                (m, o, a, x, e, r) for m in modes for o in offloads for a in scheds for x in mixes for e in visit_ends
+                for r in call_rows
                 if (o == "off" or spec is not None) and "off" in (o, a)
                 and (x == "off" or (o == "off" and (spec is None or mode == "off")))]:
             engine = runner = None
@@ -653,7 +668,8 @@ def main(argv=None) -> None:
                                           max_num_batched_tokens=args.max_num_batched_tokens,
                                           draft_kv_offload=ON_OFF[offload],
                                           async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode], **mixed_fields(mix),
-                                          visit_ends=None if ends == "auto" else int(ends))
+                                          visit_ends=None if ends == "auto" else int(ends),
+                                          prefill_call_rows=float(rows_a_call))
                     if runner is not None:
                         runner.stop()
                     engine = runner = None  # the last one's caches go before the next one's are made
@@ -680,6 +696,7 @@ def main(argv=None) -> None:
                 label += "" if len(scheds) == 1 else f" async {sched}"
                 label += "" if len(mixes) == 1 else f" mixed {mix}"
                 label += "" if len(visit_ends) == 1 else f" ends {ends}"
+                label += "" if len(call_rows) == 1 else f" prefill calls {rows_a_call}"
                 if runner is None:
                     trace_dir = None if args.profile is None else \
                         Path(args.profile) / f"{label.replace(' ', '_').replace('=', '')}_{load}"
@@ -695,7 +712,7 @@ def main(argv=None) -> None:
                 rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                              "label": label, "synthetic_tau": method.synthetic_tau, "slots": slots, "prefix_caching": mode,
                              "adaptive": method.adaptive, "draft_kv_offload": offload, "async_scheduling": sched,
-                             "mixed_prefill": mix, "visit_ends": ends,
+                             "mixed_prefill": mix, "visit_ends": ends, "prefill_call_rows": rows_a_call,
                              **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "

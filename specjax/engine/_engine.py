@@ -373,6 +373,7 @@ class Engine:
         self.slot_steps = 0  # slots stepped times steps, all visits together (free slots below busy ones count)
         self.busy_slot_steps = 0  # ... of which the slot held a request when its visit began
         self.prefill_calls = 0  # admission prefills (each of up to max_prefill_batch requests)
+        self.prefill_padded_rows = 0  # rows those calls computed past their requests (each padded to a power of two)
         self.prefilled_requests = 0
         self.prefill_chunks = 0  # prompt chunks prefilled by decode steps (mixed prefill)
         # Seconds of step() spent waiting on the device (the loop's call, reading its results, and reading the
@@ -448,12 +449,12 @@ class Engine:
 
     def stats(self) -> dict:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
-        requests; prompt chunks of mixed prefill), seconds in step() and waiting on the device, visits run while
+        requests, rows padded; prompt chunks of mixed prefill), seconds in step() and waiting on the device, visits run while
         requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the prefix
         cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off)."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
-                "prefilled_requests": self.prefilled_requests, "prefill_chunks": self.prefill_chunks,
+                "prefill_padded_rows": self.prefill_padded_rows, "prefilled_requests": self.prefilled_requests, "prefill_chunks": self.prefill_chunks,
                 "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
                 "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
@@ -904,6 +905,7 @@ class Engine:
         self.prefilled_requests += count
         mode = self._mode_of([request for request, _ in admitted])
         batch = decoding.bucket(count)
+        self.prefill_padded_rows += batch - count
         arrays = self._row_arrays(admitted, batch, self._prompt_width(admitted, mode, batch))
         looked = [self._lookup(request.prompt) for request, _ in admitted]
         if self.prefix_cache is None:
