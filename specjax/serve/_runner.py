@@ -295,7 +295,8 @@ class EngineRunner:
     def _log_stats(self, idle: bool = False) -> None:
         """Every log_stats_interval_s while working, one line of what the engine did since the last (as vLLM's
         periodic stats): requests running and waiting (in the engine's queue, or arrived since the visit began),
-        visits, steps a visit, slots stepped a step and how many held a request, admission prefills, tokens/s,
+        visits, steps a visit, slots stepped a step and how many held a request, admission prefills (and the rows
+        each padded to a power of two), tokens/s,
         and the shares of time: waiting on the visits' device loops, the rest of engine.step (admission and its
         prefills, the host's bookkeeping), gathering arrivals, and the rest (handing events over, metrics; on a
         busy server, waiting for the GIL); where requests waited, a line of how many ends those visits were to stop
@@ -320,13 +321,15 @@ class EngineRunner:
         seconds, steps, visits = now - then, max(d["steps"], 1), max(d["visits"], 1)
         with self._wake:  # arrived since the visit began: the engine takes them at the next
             waiting = after["waiting"] + self._arrivals()
+        calls = max(d["prefill_calls"], 1)
         log.info("engine: %d running, %d waiting; %.1f visits/s, %.1f steps/visit, %.1f slots stepped/step "
-                 "(%.1f busy), %d prefills of %.1f requests, %.0f tokens/s; device %.0f%%, engine host %.0f%%, "
-                 "gathering %.0f%%, the rest %.0f%% of the time", after["running"], waiting, d["visits"] / seconds,
-                 d["steps"] / visits, d["slot_steps"] / steps, d["busy_slot_steps"] / steps, d["prefill_calls"],
-                 d["prefilled_requests"] / max(d["prefill_calls"], 1), d["tokens"] / seconds,
-                 100 * d["device_wait_s"] / seconds, 100 * (d["step_s"] - d["device_wait_s"]) / seconds,
-                 100 * d["gather_s"] / seconds, 100 * (seconds - d["step_s"] - d["gather_s"]) / seconds)
+                 "(%.1f busy), %d prefills of %.1f requests (%.1f rows padded), %.0f tokens/s; device %.0f%%, "
+                 "engine host %.0f%%, gathering %.0f%%, the rest %.0f%% of the time", after["running"], waiting,
+                 d["visits"] / seconds, d["steps"] / visits, d["slot_steps"] / steps, d["busy_slot_steps"] / steps,
+                 d["prefill_calls"], d["prefilled_requests"] / calls, d["prefill_padded_rows"] / calls,
+                 d["tokens"] / seconds, 100 * d["device_wait_s"] / seconds,
+                 100 * (d["step_s"] - d["device_wait_s"]) / seconds, 100 * d["gather_s"] / seconds,
+                 100 * (seconds - d["step_s"] - d["gather_s"]) / seconds)
         if d["paced_visits"]:  # the visits that ran while requests waited stop after this many ends (visit_ends)
             log.info("engine pacing: %d visits while requests waited, each to stop after %.1f ends", d["paced_visits"],
                      d["paced_ends"] / d["paced_visits"])
