@@ -245,8 +245,9 @@ def test_an_admission_split_into_several_prefills_gives_the_same_outputs():
     requests = [Request.make(f"r{i}", [3, 9, 27, i], 6 + i) for i in range(7)]
     expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests])
     for call_rows, calls, padded in ((0, 3, 0), (float("inf"), 1, 1)):
-        engine = Engine(target, EngineConfig(max_num_seqs=8, max_model_len=64, spec=SPECS["draft_model"],
-                                             steps_per_visit=2, prefill_call_rows=call_rows), drafter=drafts["perturbed"])
+        config = EngineConfig(max_num_seqs=8, max_model_len=64, spec=SPECS["draft_model"], steps_per_visit=2,
+                              prefill_call_rows=call_rows)
+        engine = Engine(target, config, drafter=drafts["perturbed"])
         outputs = {o.request_id: o.tokens for o in engine.run(requests)}
         assert [list(outputs[r.request_id]) for r in requests] == expected.sequences(), call_rows
         assert engine.stats()["prefill_calls"] == calls and engine.stats()["prefill_padded_rows"] == padded

@@ -280,7 +280,7 @@ def prefill_pieces(count: int, call_rows: float) -> list[int]:
     best = {0: (0.0, [])}
     for n in range(1, count + 1):
         whole = (decoding.bucket(n) + call_rows, [n])
-        top = 1 << (n.bit_length() - 1)  # the largest power of two below n, then the rest
+        top = 1 << (n.bit_length() - 1)  # the largest power of two up to n, then the rest
         rest = best[n - top]
         best[n] = whole if top == n or whole[0] <= top + call_rows + rest[0] else (
             top + call_rows + rest[0], [top, *rest[1]])
@@ -449,12 +449,13 @@ class Engine:
 
     def stats(self) -> dict:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
-        requests, rows padded; prompt chunks of mixed prefill), seconds in step() and waiting on the device, visits run while
-        requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the prefix
-        cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off)."""
+        requests, rows padded; prompt chunks of mixed prefill), seconds in step() and waiting on the device, visits
+        run while requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the
+        prefix cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off)."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
-                "prefill_padded_rows": self.prefill_padded_rows, "prefilled_requests": self.prefilled_requests, "prefill_chunks": self.prefill_chunks,
+                "prefill_padded_rows": self.prefill_padded_rows, "prefilled_requests": self.prefilled_requests,
+                "prefill_chunks": self.prefill_chunks,
                 "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
                 "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),

@@ -296,12 +296,11 @@ class EngineRunner:
         """Every log_stats_interval_s while working, one line of what the engine did since the last (as vLLM's
         periodic stats): requests running and waiting (in the engine's queue, or arrived since the visit began),
         visits, steps a visit, slots stepped a step and how many held a request, admission prefills (and the rows
-        each padded to a power of two), tokens/s,
-        and the shares of time: waiting on the visits' device loops, the rest of engine.step (admission and its
-        prefills, the host's bookkeeping), gathering arrivals, and the rest (handing events over, metrics; on a
-        busy server, waiting for the GIL); where requests waited, a line of how many ends those visits were to stop
-        after (EngineConfig.visit_ends, paced by default). Going idle logs what is left of the interval and
-        stops the clock: no line averages over idle time."""
+        each padded to a power of two), tokens/s, and the shares of time: waiting on the visits' device loops, the
+        rest of engine.step (admission and its prefills, the host's bookkeeping), gathering arrivals, and the rest
+        (handing events over, metrics; on a busy server, waiting for the GIL); where requests waited, a line of
+        how many ends those visits were to stop after (EngineConfig.visit_ends, paced by default). Going idle logs
+        what is left of the interval and stops the clock: no line averages over idle time."""
         if not self.log_stats_interval_s:
             return
         now = time.monotonic()
