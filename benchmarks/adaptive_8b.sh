@@ -4,6 +4,7 @@
 # rates below, tau 3.65; benchmarks/results/dflash_k_sweep), each part one 10-minute device call:
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh decode B OUT  # generate at batch B: adaptive against fixed K, the
 #                                                          # envelope K chosen for B (1: 4, 8; 16: 4, 8; 64: 2, 3, 4)
+#         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~40 steps of one row's draws: ratios move +-5%)
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests; two calls:
 #         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
@@ -17,7 +18,7 @@ case $part in
     batch=$2; out=${3:-benchmarks/results}
     case $batch in 1) fixed=4,8 ;; 16) fixed=4,8 ;; 64) fixed=2,3,4 ;; *) fixed=2,4,8 ;; esac
     python3 scripts/bench_decode.py --shape 8b --methods dflash --num-speculative-tokens 15 --acceptance-rates $rates \
-      --adaptive --fixed-k $fixed --batches $batch --prompt-lens 128 --new-tokens 128 \
+      --adaptive --fixed-k $fixed --batches $batch --prompt-lens 128 --new-tokens ${NEW_TOKENS:-128} \
       --name bench_decode_adaptive_8b_b$batch --out-dir "$out"
     ;;
   serve)
