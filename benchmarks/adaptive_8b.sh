@@ -4,7 +4,7 @@
 # rates below, tau 3.65; benchmarks/results/dflash_k_sweep), each part one 10-minute device call:
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh decode B OUT  # generate at batch B: adaptive against fixed K, the
 #                                                          # envelope K chosen for B (1: 4, 8; 16: 4, 8; 64: 2, 3, 4)
-#         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~40 steps of one row's draws: ratios move +-5%)
+#         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~36 steps of one row's draws, 16% s.d. between seeds)
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests; two calls:
 #         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
