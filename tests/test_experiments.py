@@ -292,7 +292,7 @@ class _VisitEngine:
         self.device_wait_s = self.step_s = 0.0
 
     def stats(self):
-        return {"prefix_cache": None, "draft_kv_offload": None}
+        return {"prefix_cache": None, "draft_kv_offload": None, "prefill_calls": self.visits, "prefill_padded_rows": 0}
 
     def add_request(self, request):
         self.added.append((request, time.perf_counter()))
