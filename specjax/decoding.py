@@ -447,15 +447,18 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
         def at_width(width):  # verified in the branch: the verifier's work, as the forward's, scales with the width
             drafts = drafts_at(width) if first else (draft_tokens, draft_probs, proposer_state)
             _, accepted, token, _, hidden, cache, chunk_hidden = scored(width, *drafts[:2], num_valid)
-            out = accepted, token, adaptive.padded(hidden, num_draft + 1), cache, chunk_hidden
-            return (*out, drafts[0], drafts[2]) if first else out  # the drafts leave the branch only if made there
+            # The drafter takes the committed positions here too, where their window (width + 1) is static.
+            taken = proposer.accept_verified(draft_params, drafts[2], accepted, token,
+                                             TargetOutput(logits=None, hidden=hidden, path=None), context)
+            out = accepted, token, cache, chunk_hidden, taken
+            return (*out, drafts[0]) if first else out  # the drafts leave the branch only if made there
 
         branches = [functools.partial(at_width, width) for width in widths]
         out = jax.lax.switch(choice, branches) if len(branches) > 1 else branches[0]()
-        num_accepted, next_token, hidden, cache, chunk_hidden = out[:5]
+        num_accepted, next_token, cache, chunk_hidden, proposer_state = out[:5]
         if first:
-            draft_tokens, proposer_state = out[5:]
-        path, logits = None, None  # no proposer reads the logits of a verify (TargetOutput.logits)
+            draft_tokens = out[5]
+        path = None
     if path is not None:  # the accepted path into contiguous slots; from here on it reads as a chain
         path = path[:, :num_draft]  # a path is at most the tree's depth (K) long
         cache = masks.move_path(cache, fill, path, num_accepted)
@@ -467,8 +470,9 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     emitted = jnp.concatenate([draft_tokens, jnp.zeros_like(last)[:, None]], axis=1)
     emitted = emitted.at[rows, num_accepted].set(next_token)
     decode, kept = commit(dataclasses.replace(decode, cache=cache), emitted, num_accepted + 1, eos_token_ids)
-    target_out = TargetOutput(logits=logits, hidden=hidden, path=path)
-    proposer_state = proposer.accept(proposer_state, num_accepted, next_token, target_out)
+    if state.adaptive is None:  # else accepted in the switch's branch
+        proposer_state = proposer.accept(proposer_state, num_accepted, next_token,
+                                         TargetOutput(logits=logits, hidden=hidden, path=path))
     if chunks is not None:
         prompt_len = decode.lengths[jnp.minimum(chunks.rows, batch - 1)]  # a waiting row's tokens are its prompt
         decode = _prompts_prefilled(model, decode, prompt_chunks, chunk_hidden.final, proposer.settings.sampling,
@@ -719,9 +723,10 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
     """Device seconds of one propose (with idle, one Proposer.idle) at `batch` rows, after a prefill of half the
     proposer's cache (the context adaptive.verify_seconds times the target at), inside a jitted loop that carries
     the proposer's state (its cache written in place: benchmarking.time_in_loop). Each propose follows an accept of
-    every draft (a drafter's work over what the last step committed can depend on how much it was: DFlash's); each
-    idle follows an idle, as in a run of steps that skip drafting. width: the propose of a step that verifies that
-    many drafts (Context.verified, for a drafter that drafts_to_width)."""
+    every draft (accept_verified's under adaptive verification: a drafter's work over what the last step committed
+    can depend on how much it was, DFlash's); each idle follows an idle, as in a run of steps that skip drafting.
+    width: the propose of a step that verifies that many drafts (Context.verified, for a drafter that
+    drafts_to_width)."""
     prompt_len = proposer.settings.cache_size // 2
     tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
     sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
@@ -743,8 +748,13 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
             proposer_state = proposer.idle(params, proposer_state, context)
             return ([leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)],
                     (proposer_state, context, keys, verified))
-        proposer_state = proposer.accept(proposer_state, jnp.full((batch,), num_draft, jnp.int32),
-                                         jnp.zeros((batch,), jnp.int32), verified)
+        every = (jnp.full((batch,), num_draft if width is None else width, jnp.int32), jnp.zeros((batch,), jnp.int32))
+        if proposer.settings.spec.enable_adaptive_verification:  # the loop's accept, in the branch of this width
+            scored = dataclasses.replace(verified, hidden=jax.tree.map(
+                lambda x: x[..., :(num_draft if width is None else width) + 1, :], verified.hidden))
+            proposer_state = proposer.accept_verified(params, proposer_state, *every, scored, context)
+        else:
+            proposer_state = proposer.accept(proposer_state, *every, verified)
         drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
         return drafts, (proposer_state, context, keys, verified)
 

@@ -21,6 +21,7 @@ from specjax import adaptive, decoding
 from specjax.config import ConfigError, SamplingConfig, SpecConfig
 from specjax.decoding import generate, speculative_loop
 from specjax.models.dflash import init_dflash
+from specjax.proposers import Context, Proposer
 from specjax.verify import block, greedy, standard, synthetic
 from specjax.verify.common import make_draws, race_sample
 
@@ -387,9 +388,10 @@ def skip_twice_then_draft(method: str, proposer_kind: str):
     skipping = static["proposer"]
     assert skipping.skips_drafting
     fields = {field.name: getattr(skipping, field.name) for field in dataclasses.fields(skipping)}
+    forgets = {"idle": lambda self, params, state, context: state,
+               "accept_verified": Proposer.accept_verified}  # DFlash's pending window then reaches no cache
     proposer = {"skips": skipping, "drafts": type("Drafts", (type(skipping),), {"skips_drafting": False})(**fields),
-                "forgets": type("Forgets", (type(skipping),), {"idle": lambda self, params, state, context: state})(
-                    **fields)}[proposer_kind]
+                "forgets": type("Forgets", (type(skipping),), forgets)(**fields)}[proposer_kind]
     *loop_args, method_arg = args
     init = functools.partial(decoding.speculative_init, proposer=proposer, eos_token_ids=static["eos_token_ids"])
     state = jax.jit(init)(*loop_args)
@@ -414,12 +416,54 @@ def test_steps_that_skip_drafting_leave_the_drafter_as_steps_that_drafted_and_ve
     """Proposer.idle does what propose does to the state besides drafting: after two steps that skipped, the next
     step drafts, verifies and leaves everything (tokens, counts, the drafter's cache) exactly as after two steps that
     drafted for nothing; an idle that leaves the state as it is (the skipped positions never reach the drafter's
-    cache) is caught."""
+    cache; for DFlash, which writes them in accept_verified, with the default accept_verified) is caught."""
     skipped, drafted = (host_leaves(skip_twice_then_draft(method, kind)) for kind in ("skips", "drafts"))
     for (path, a), (_, b) in zip(skipped, drafted):
         np.testing.assert_array_equal(a, b, err_msg=path)
     forgot = host_leaves(skip_twice_then_draft(method, "forgets"))
     assert [path for (path, a), (_, b) in zip(forgot, drafted) if not np.array_equal(a, b)]
+
+
+def steps_at_k(method: str, adaptive_k: bool, forget: bool = False) -> tuple:
+    """Four steps at K 3 (an adaptive loop's only width, or fixed K): the committed tokens, the accepted counts
+    and the drafter's cache. forget: the proposer's accept_verified is the default (the negative control)."""
+    target, _ = target_and_drafts()
+    spec = SpecConfig(method=method, num_speculative_tokens=3, enable_adaptive_verification=adaptive_k,
+                      adaptive_verify_widths=(3,) if adaptive_k else None)
+    prompts, _ = ragged_requests()
+    args, static = speculative_loop_args(target, drafter_for(method), prompts[:4], 16, spec, SamplingConfig())
+    proposer = static["proposer"]
+    if forget:
+        forgets = type("Forgets", (type(proposer),), {"accept_verified": Proposer.accept_verified})
+        proposer = forgets(**{field.name: getattr(proposer, field.name) for field in dataclasses.fields(proposer)})
+    *loop_args, method_arg = args
+    state = jax.jit(functools.partial(decoding.speculative_init, proposer=proposer,
+                                      eos_token_ids=static["eos_token_ids"]))(*loop_args)
+    step = jax.jit(functools.partial(decoding.speculative_step, **dict(static, proposer=proposer)))
+    for _ in range(4):
+        state = step(*args[:2], state, method_arg)
+    decode = state.decode  # the fixed loop's last features are pending: written as its next propose would
+    settled = proposer.idle(args[1], state.proposer, Context(decode.tokens, decode.lengths, decode.sampling))
+    return decode.tokens, state.counters.accepted, proposer.prefix_cache(settled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_writing_the_committed_features_in_the_branch_drafts_as_the_next_proposes_window_does(method):
+    """DFlash's accept_verified writes the verified positions' context features inside the switch's branch (at its
+    width + 1) where a fixed-K loop leaves them pending for the next propose's window of K + 1: four steps of an
+    adaptive loop whose one width is K commit the same tokens, accept the same drafts and leave the same drafter cache
+    as the fixed-K loop's. An accept_verified that writes nothing (the default's pending window, which an adaptive
+    loop's propose does not write) is caught."""
+    fixed, branch = steps_at_k(method, False), steps_at_k(method, True)
+    assert fixed[1].sum() > 0  # the trained drafter's drafts are accepted: the features matter
+    np.testing.assert_array_equal(fixed[0], branch[0])
+    np.testing.assert_array_equal(fixed[1], branch[1])
+    for a, b in zip(jax.tree.leaves(fixed[2]), jax.tree.leaves(branch[2])):  # the projections fused apart: rounding
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    forgot = steps_at_k(method, True, forget=True)
+    assert not all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+                   for a, b in zip(jax.tree.leaves(fixed), jax.tree.leaves(forgot)))
 
 
 @pytest.mark.loop

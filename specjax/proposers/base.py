@@ -5,6 +5,7 @@ over a state pytree:
   init(params, prompt[B,T], lengths[B], target_out) -> state
   propose(params, state, context, keys[B]) -> (draft_tokens[B,K], draft_probs[B,K,V] | None, state)
   accept(state, num_accepted[B], next_token[B], target_out) -> state
+  (under adaptive verification the loop calls accept_verified, whose default is accept)
 and, to prefill from an offset (prefix caching, chunked prefill), `new_cache` / `extend` (init is extend
 from an empty cache) and `prefix_cache`; where drafting can be skipped (`skips_drafting`), `idle`:
   idle(params, state, context) -> state: propose's effect on the state without drafting, for a step that
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from specjax import adaptive
 from specjax.trees import structure
 from specjax.config import DTYPES, ConfigError, ModelConfig, SamplingConfig, SpecConfig, require
 from specjax.models.transformer import Hidden
@@ -227,6 +229,15 @@ class Proposer:
     def accept(self, state: Any, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
                target_out: TargetOutput) -> Any:
         raise NotImplementedError
+
+    def accept_verified(self, params: Any, state: Any, num_accepted: Int[Array, " B"], next_token: Int[Array, " B"],
+                        target_out: TargetOutput, context: Context) -> Any:
+        """accept under adaptive verification, called inside the switch's branch of width W, where target_out
+        covers the W + 1 scored positions only (W static there) and `context` is the step's (before it commits).
+        Default: accept, with the hidden states padded to K + 1 positions as after a step of every draft. A drafter
+        whose work on the committed positions scales with how many there are does it here, at W + 1 (DFlash's)."""
+        hidden = adaptive.padded(target_out.hidden, self.settings.spec.num_speculative_tokens + 1)
+        return self.accept(state, num_accepted, next_token, dataclasses.replace(target_out, hidden=hidden))
 
     def idle(self, params: Any, state: Any, context: Context) -> Any:
         """The state a propose leaves, less its drafts, for a step that drafts nothing (skips_drafting): the next

@@ -3,7 +3,8 @@
 The drafter's cache holds one context feature per committed token but the last (its keys and values
 in every layer: specjax.models.dflash). After a verify step the features of the verify block's
 positions 0..n (the last committed token and the n accepted drafts) are pending; the next propose
-writes them as a fixed window of K + 1 at the row's fill level, of which the first n + 1 count, then
+writes them as a fixed window of K + 1 at the row's fill level, of which the first n + 1 count (under
+adaptive verification the step's accept writes the W + 1 it scored instead, W its chosen width), then
 runs the block [last committed token, M mask tokens] at the slots after them, non-causally, which
 also overwrites the window's unused part (M = K, or block_size - 1 with SpecConfig.dflash_full_block, by
 default where K + 1 < block_size, of which the first K drafts are proposed). The block's own keys and
@@ -205,26 +206,14 @@ class DFlashProposer(Proposer):
         """The pending features (the last step's committed positions) written to the cache, none pending."""
         drafter, width = params.drafter, self.settings.spec.num_speculative_tokens + 1
         anchor_slot = context.lengths - 1
+        done = dataclasses.replace(state, num_pending=jnp.zeros_like(state.num_pending))
+        if self.settings.spec.enable_adaptive_verification:  # accept_verified wrote them: nothing is pending
+            return dataclasses.replace(done, cache=state.cache.with_lengths(anchor_slot))
         # Rows that finished keep their committed length, so their cache stays inside its slots.
         cache = state.cache.with_lengths(anchor_slot - state.num_pending)
         positions = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-
-        def window_kv(count: int):  # the first `count` pending positions' keys and values, zero past them
-            part = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, 0, count, axis=x.ndim - 2), state.pending)
-            kv = drafter.context_kv(drafter.context(part), positions[:, :count])
-            return jax.tree.map(lambda x: jnp.pad(x, [(0, width - count if a == x.ndim - 3 else 0)
-                                                      for a in range(x.ndim)]), kv)
-
-        # After steps that verified nothing (adaptive verification's width 0) one position is pending in every
-        # row: the whole window's projections would cost K + 1 times its own. Only a loop that can verify nothing
-        # pays for the conditional (a GPU reads its predicate back to the host before it goes on).
-        if 0 in self.settings.spec.verify_widths:
-            kv = jax.lax.cond(jnp.all(state.num_pending <= 1), lambda: window_kv(1), lambda: window_kv(width))
-        else:
-            kv = window_kv(width)
-        cache = drafter.write_kv(kv, cache)
-        return dataclasses.replace(state, cache=cache.with_lengths(anchor_slot),
-                                   num_pending=jnp.zeros_like(state.num_pending))
+        cache = drafter.write_context(drafter.context(state.pending), positions, cache)
+        return dataclasses.replace(done, cache=cache.with_lengths(anchor_slot))
 
     def logits(self, params: DFlashParams, hidden: Float[Array, "B K D"]) -> Float[Array, "B K V"]:
         """The drafts' logits through the target's LM head; with a draft vocabulary (FR-Spec), through its
@@ -236,3 +225,14 @@ class DFlashProposer(Proposer):
                target_out: TargetOutput) -> DFlashState:
         """The verify block's positions 0..n (the last committed token and the accepted drafts) are pending."""
         return dataclasses.replace(state, pending=target_out.hidden, num_pending=num_accepted + 1)
+
+    def accept_verified(self, params: DFlashParams, state: DFlashState, num_accepted: Int[Array, " B"],
+                        next_token: Int[Array, " B"], target_out: TargetOutput, context: Context) -> DFlashState:
+        """The verify block's positions 0..n written now, from the W + 1 the branch scored: a window of the chosen
+        width rather than K + 1 at the next propose, and no conditional for the steps of width 0 (one position)."""
+        drafter, start = params.drafter, context.lengths - 1  # the block's first position: the last committed token
+        hidden = target_out.hidden
+        positions = start[:, None] + jnp.arange(hidden.final.shape[-2], dtype=jnp.int32)[None, :]
+        cache = drafter.write_context(drafter.context(hidden), positions, state.cache.with_lengths(start))
+        return dataclasses.replace(state, cache=cache.with_lengths(start + num_accepted + 1),
+                                   num_pending=jnp.zeros_like(state.num_pending))
