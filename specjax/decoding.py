@@ -748,10 +748,11 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
             proposer_state = proposer.idle(params, proposer_state, context)
             return ([leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)],
                     (proposer_state, context, keys, verified))
-        every = (jnp.full((batch,), num_draft if width is None else width, jnp.int32), jnp.zeros((batch,), jnp.int32))
+        count = num_draft if width is None else width
+        every = (jnp.full((batch,), count, jnp.int32), jnp.zeros((batch,), jnp.int32))
         if proposer.settings.spec.enable_adaptive_verification:  # the loop's accept, in the branch of this width
-            scored = dataclasses.replace(verified, hidden=jax.tree.map(
-                lambda x: x[..., :(num_draft if width is None else width) + 1, :], verified.hidden))
+            scored = dataclasses.replace(verified, hidden=jax.tree.map(lambda x: x[..., :count + 1, :],
+                                                                       verified.hidden))
             proposer_state = proposer.accept_verified(params, proposer_state, *every, scored, context)
         else:
             proposer_state = proposer.accept(proposer_state, *every, verified)
