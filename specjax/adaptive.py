@@ -52,7 +52,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -63,6 +65,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specjax import benchmarking
 from specjax.config import SpecConfig
+
+log = logging.getLogger("specjax.adaptive")
 
 # A step's weight in the counts against the step before's: a row's outcomes count for about its last
 # 1 / (1 - DISCOUNT) = 10 steps, so estimates follow a request whose text changes and untested positions forget.
@@ -181,8 +185,9 @@ RIDGE_TOKENS = 300.0
 DRAFT_COST = 0.2
 PROFILE_ITERATIONS = 10  # forwards per timed loop when profiling (benchmarking.time_in_loop)
 # How a profile is timed, in the cache key: a change of it (2: a propose timed after an accept of every draft; 3: at
-# each width for a drafter that drafts to it) leaves the curves profiled before unread.
-PROFILE_METHOD = 3
+# each width for a drafter that drafts to it; 4: after the loop's accept_verified at that width) leaves the curves
+# profiled before unread.
+PROFILE_METHOD = 4
 # A profiled time is a difference of two loops' times: on a busy host a tiny one can come out <= 0.
 MIN_PROFILED_SECONDS = 1e-9
 
@@ -322,9 +327,13 @@ def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: in
     path = (directory or cost_curve_dir()) / f"{key}.json"
     if path.exists():
         return CostCurve.from_json(json.loads(path.read_text()))
+    start = time.perf_counter()
     curve = profile(model, batch, widths, cache_size, drafter)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve.to_json(), indent=1))
+    # Profiling compiles two programs a width at each batch: minutes at a large shape, so an operator sees why.
+    log.info("profiled the step's cost at batch %d, widths %s in %.1f s; cached in %s", batch, list(widths),
+             time.perf_counter() - start, path)
     return curve
 
 
