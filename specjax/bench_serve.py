@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -488,6 +489,8 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
 
 
 def main(argv=None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specjax.adaptive").setLevel(logging.INFO)  # each batch's cost profile and its seconds
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", choices=("bundled", *benchmarking.SHAPES), default="bundled")
     parser.add_argument("--methods", default="none,eagle", help="comma-separated: none or NAME[:K[:TAU]]")
@@ -526,7 +529,7 @@ def main(argv=None) -> None:
                         "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
     parser.add_argument("--visit-ends", default="auto", help="comma-separated: auto, or N: with requests waiting, "
                         "rows a visit lets end before it stops to admit them (EngineConfig.visit_ends; auto: None)")
-    parser.add_argument("--prefill-call-rows", default="2", help="comma-separated: numbers >= 0 or inf: a prefill "
+    parser.add_argument("--prefill-call-rows", default="inf", help="comma-separated: numbers >= 0 or inf: a prefill "
                         "call's fixed cost in rows, against which an admission splits (EngineConfig.prefill_call_rows)")
     parser.add_argument("--block-size", type=int, default=16, help="prefix cache block size")
     parser.add_argument("--num-prefix-blocks", type=int, default=1024, help="prefix cache pool size in blocks")
@@ -681,7 +684,11 @@ def main(argv=None) -> None:
                         engine = runner.engine
                     else:
                         engine = Engine(target, config, drafter=drafters[method.name])
+                    warm = time.perf_counter()
                     engine.warmup(prompt_len)
+                    print(f"{method.name}: the engine of {slots} slots compiled"
+                          f"{' and profiled its adaptive costs' if method.adaptive else ''} in "
+                          f"{time.perf_counter() - warm:.0f} s", flush=True)
                     if runner is not None:
                         runner.start()
                 if runner is not None:

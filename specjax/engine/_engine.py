@@ -74,8 +74,9 @@ class EngineConfig:
     max_prefill_batch: int = 8
     # A prefill call's fixed cost in padded rows' worth (its weight read and launches): an admission splits into
     # calls of power-of-two rows where that pads fewer rows by more than this per extra call (prefill_pieces: 20
-    # requests as 16 + 4 rather than one call of 32). 0 splits wherever it saves padding; float("inf") never splits.
-    prefill_call_rows: float = 2.0
+    # requests as 16 + 4 rather than one call of 32). 0 splits wherever it saves padding; float("inf") (the default:
+    # measured at the 8B shape, 2 lost 3%, docs/performance.md) never splits.
+    prefill_call_rows: float = float("inf")
     kv_cache_dtype: str | None = None  # the target's cache dtype (None: the model's)
     # Prefix caching (vLLM's name): full prompt blocks of the target's and the drafter's caches kept in a pool
     # beside the slots, keyed by a hash chain of their tokens; a request's matched blocks are copied into its
