@@ -448,13 +448,13 @@ def steps_at_k(method: str, adaptive_k: bool, forget: bool = False) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["dflash", "dspark"])
+@pytest.mark.parametrize("method", ["eagle", "dflash", "dspark"])
 def test_writing_the_committed_features_in_the_branch_drafts_as_the_next_proposes_window_does(method):
-    """DFlash's accept_verified writes the verified positions' context features inside the switch's branch (at its
-    width + 1) where a fixed-K loop leaves them pending for the next propose's window of K + 1: four steps of an
-    adaptive loop whose one width is K commit the same tokens, accept the same drafts and leave the same drafter cache
-    as the fixed-K loop's. An accept_verified that writes nothing (the default's pending window, which an adaptive
-    loop's propose does not write) is caught."""
+    """accept_verified takes the committed positions inside the switch's branch (at its width + 1: DFlash writes
+    their context features, EAGLE runs its head over their pairs) where a fixed-K loop leaves them pending for the
+    next propose's window of K + 1: four steps of an adaptive loop whose one width is K commit the same tokens,
+    accept the same drafts and leave the same drafter cache as the fixed-K loop's. An accept_verified that writes
+    nothing (the default's pending window, which an adaptive loop's propose does not take) is caught."""
     fixed, branch = steps_at_k(method, False), steps_at_k(method, True)
     assert fixed[1].sum() > 0  # the trained drafter's drafts are accepted: the features matter
     np.testing.assert_array_equal(fixed[0], branch[0])

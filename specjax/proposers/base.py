@@ -235,7 +235,8 @@ class Proposer:
         """accept under adaptive verification, called inside the switch's branch of width W, where target_out
         covers the W + 1 scored positions only (W static there) and `context` is the step's (before it commits).
         Default: accept, with the hidden states padded to K + 1 positions as after a step of every draft. A drafter
-        whose work on the committed positions scales with how many there are does it here, at W + 1 (DFlash's)."""
+        whose work on the committed positions scales with how many there are does it here, at W + 1 (DFlash's,
+        EAGLE's)."""
         hidden = adaptive.padded(target_out.hidden, self.settings.spec.num_speculative_tokens + 1)
         return self.accept(state, num_accepted, next_token, dataclasses.replace(target_out, hidden=hidden))
 

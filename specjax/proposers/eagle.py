@@ -9,7 +9,8 @@ Pairs whose feature came from the target are committed to the head's cache; pair
 head's own predicted features (while drafting) sit after them and are dropped at the next step by
 resetting the fill level. After a verify step the next pairs are the verify block's features at
 positions 0..n with the tokens d_1..d_n, next_token: n + 1 pairs, fed as a fixed window of K + 1
-whose output at index n starts the next draft.
+whose output at index n starts the next draft. Under adaptive verification the step's accept_verified
+feeds them at once, as a window of the chosen width W + 1, and keeps that output (EagleState.feature).
 
 Dynamic trees (EAGLE-2; SpecConfig.total_tokens, top_k; the algorithm is specjax.structure.grow): the
 head runs each level's frontier as pairs (the parent's output, the node's token) at position
@@ -54,7 +55,7 @@ class EagleParams(TargetHeadParams):
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("cache", "committed", "tokens", "hidden", "num_pending", "drafts", "parents",
-                                "tree_log_probs"),
+                                "tree_log_probs", "feature"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class EagleState:
@@ -66,6 +67,9 @@ class EagleState:
     drafts: Int[Array, "B N"]  # the last proposal (K chain drafts or N tree nodes), to rebuild the pairs
     parents: Int[Array, "B N"] | None = None  # the last dynamic tree's parents; None for chains
     tree_log_probs: Float[Array, "B N"] | None = None  # its path log-probabilities, highest first (grow)
+    # Under adaptive verification: the head's output at the last committed pair, where the next draft starts
+    # (accept_verified commits the pairs; nothing is pending). None otherwise.
+    feature: Float[Array, "B D"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,7 @@ class EagleProposer(Proposer):
 
     version: ClassVar[int] = 1
     drafts_dynamic_trees: ClassVar[bool] = True
-    skips_drafting: ClassVar[bool] = True  # idle: the head over the pending pairs, a fraction of a propose
+    skips_drafting: ClassVar[bool] = True  # idle: the head over the pending pairs (none under adaptive verification)
     draft_kv_reads_next_token: ClassVar[bool] = True  # pair j is (f_j, x_{j+1})
 
     def __init_subclass__(cls, **kwargs):
@@ -162,14 +166,18 @@ class EagleProposer(Proposer):
         positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
         # Window pairs past a row's prompt read a clipped token: their entries lie past the fill level set below.
         next_tokens = jnp.take_along_axis(prompt, jnp.minimum(positions + 1, prompt.shape[1] - 1), axis=1)
-        _, cache = head(next_tokens, features, positions, cache.with_lengths(start), params.embed)
+        out, cache = head(next_tokens, features, positions, cache.with_lengths(start), params.embed)
         prompt_len = lengths - 1
         rows = jnp.arange(batch)
         pending_tokens = jnp.zeros((batch, width), jnp.int32).at[:, 0].set(prompt[rows, prompt_len])
         last = jax.tree.map(lambda x: _at_position(x, prompt_len - 1 - start, width), target_out.hidden)
         spec = self.settings.spec
-        return EagleState(cache=cache.with_lengths(prompt_len - 1), committed=prompt_len - 1, tokens=pending_tokens,
-                          hidden=last, num_pending=jnp.ones_like(lengths),
+        committed, pending, feature = prompt_len - 1, jnp.ones_like(lengths), None
+        if spec.enable_adaptive_verification:  # the last pair (with the prefill's token) ran in the window: committed
+            committed, pending = prompt_len, jnp.zeros_like(lengths)
+            feature = out[rows, jnp.clip(prompt_len - 1 - start, 0, out.shape[1] - 1)]
+        return EagleState(cache=cache.with_lengths(committed), committed=committed, tokens=pending_tokens,
+                          hidden=last, num_pending=pending, feature=feature,
                           drafts=jnp.zeros((batch, spec.num_draft_nodes), jnp.int32),
                           parents=None if spec.total_tokens is None
                           else structure.chain_parents(batch, spec.num_draft_nodes),
@@ -188,15 +196,21 @@ class EagleProposer(Proposer):
         return out, cache, state.committed + state.num_pending
 
     def idle(self, params: EagleParams, state: EagleState, context: Context) -> EagleState:
-        """The pending pairs committed to the head's cache (one head forward over them), nothing drafted."""
+        """The pending pairs committed to the head's cache (one head forward over them), nothing drafted; under
+        adaptive verification none are pending (accept_verified committed them)."""
+        if state.feature is not None:
+            return state
         _, cache, committed = self.commit_pending(params, state)
         return dataclasses.replace(state, cache=cache.with_lengths(committed), committed=committed)
 
     def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens
         rows = jnp.arange(state.tokens.shape[0])
-        out, cache, committed = self.commit_pending(params, state)
-        feature = out[rows, state.num_pending - 1]
+        if state.feature is not None:  # adaptive verification: accept_verified committed the pairs
+            feature, cache, committed = state.feature, state.cache, state.committed
+        else:
+            out, cache, committed = self.commit_pending(params, state)
+            feature = out[rows, state.num_pending - 1]
         if self.settings.spec.total_tokens is not None:
             drafts, parents, log_probs = self.draft_tree(params, feature, cache.with_lengths(committed))
             return drafts, None, dataclasses.replace(state, cache=cache, committed=committed, drafts=drafts,
@@ -254,6 +268,21 @@ class EagleProposer(Proposer):
         tokens = jnp.concatenate([drafts, jnp.zeros_like(next_token)[:, None]], axis=1)
         tokens = tokens.at[rows, num_accepted].set(next_token)
         return dataclasses.replace(state, tokens=tokens, hidden=hidden, num_pending=num_accepted + 1)
+
+    def accept_verified(self, params: EagleParams, state: EagleState, num_accepted: Int[Array, " B"],
+                        next_token: Int[Array, " B"], target_out: TargetOutput, context: Context) -> EagleState:
+        """The verify block's n + 1 pairs committed now, through one head forward over the W + 1 the branch scored
+        (a window of the chosen width, not K + 1 at the next propose); its output at pair n starts the next draft."""
+        head, hidden = params.head, target_out.hidden
+        rows, width = jnp.arange(next_token.shape[0]), hidden.final.shape[-2]
+        tokens = jnp.concatenate([state.drafts[:, :width - 1], jnp.zeros_like(next_token)[:, None]], axis=1)
+        tokens = tokens.at[rows, num_accepted].set(next_token)
+        positions = state.committed[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        out, cache = head(tokens, head.fuse(hidden), positions, state.cache.with_lengths(state.committed),
+                          params.embed)
+        committed = state.committed + num_accepted + 1
+        return dataclasses.replace(state, cache=cache.with_lengths(committed), committed=committed,
+                                   num_pending=jnp.zeros_like(num_accepted), feature=out[rows, num_accepted])
 
 
 def _at_position(x: Array, position: Int[Array, " B"], width: int) -> Array:
