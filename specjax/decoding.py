@@ -724,9 +724,9 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
     proposer's cache (the context adaptive.verify_seconds times the target at), inside a jitted loop that carries
     the proposer's state (its cache written in place: benchmarking.time_in_loop). Each propose follows an accept of
     every draft (accept_verified's under adaptive verification: a drafter's work over what the last step committed
-    can depend on how much it was, DFlash's); each idle follows an idle, as in a run of steps that skip drafting.
-    width: the propose of a step that verifies that many drafts (Context.verified, for a drafter that
-    drafts_to_width)."""
+    can depend on how much it was, DFlash's); each idle follows an idle, as in a run of steps that skip drafting
+    (under adaptive verification, with the accept_verified of a width-0 step: one position). width: the propose of
+    a step that verifies that many drafts (Context.verified, for a drafter that drafts_to_width)."""
     prompt_len = proposer.settings.cache_size // 2
     tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
     sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
@@ -744,18 +744,18 @@ def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer
     verified = TargetOutput(logits=None, hidden=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), verified))
 
     def propose(params, proposer_state, context, keys, verified):  # verified passes the loop's barrier: not folded
-        if idle:  # an element of every leaf out, so that no part of the idle's work is dead
-            proposer_state = proposer.idle(params, proposer_state, context)
-            return ([leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)],
-                    (proposer_state, context, keys, verified))
-        count = num_draft if width is None else width
+        count = 0 if idle else num_draft if width is None else width
         every = (jnp.full((batch,), count, jnp.int32), jnp.zeros((batch,), jnp.int32))
         if proposer.settings.spec.enable_adaptive_verification:  # the loop's accept, in the branch of this width
             scored = dataclasses.replace(verified, hidden=jax.tree.map(lambda x: x[..., :count + 1, :],
                                                                        verified.hidden))
             proposer_state = proposer.accept_verified(params, proposer_state, *every, scored, context)
-        else:
+        elif not idle:
             proposer_state = proposer.accept(proposer_state, *every, verified)
+        if idle:  # an element of every leaf out, so that no part of the idle's work is dead
+            proposer_state = proposer.idle(params, proposer_state, context)
+            return ([leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)],
+                    (proposer_state, context, keys, verified))
         drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
         return drafts, (proposer_state, context, keys, verified)
 
