@@ -198,7 +198,7 @@ class EagleProposer(Proposer):
     def idle(self, params: EagleParams, state: EagleState, context: Context) -> EagleState:
         """The pending pairs committed to the head's cache (one head forward over them), nothing drafted; under
         adaptive verification none are pending (accept_verified committed them)."""
-        if state.feature is not None:
+        if self.settings.spec.enable_adaptive_verification:
             return state
         _, cache, committed = self.commit_pending(params, state)
         return dataclasses.replace(state, cache=cache.with_lengths(committed), committed=committed)
@@ -206,7 +206,7 @@ class EagleProposer(Proposer):
     def propose(self, params: EagleParams, state: EagleState, context: Context, keys: PRNGKeyArray):
         head, num_draft = params.head, self.settings.spec.num_speculative_tokens
         rows = jnp.arange(state.tokens.shape[0])
-        if state.feature is not None:  # adaptive verification: accept_verified committed the pairs
+        if self.settings.spec.enable_adaptive_verification:  # accept_verified committed the pairs
             feature, cache, committed = state.feature, state.cache, state.committed
         else:
             out, cache, committed = self.commit_pending(params, state)
