@@ -209,13 +209,11 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
     """Serves num_requests requests under the load; the point's metrics."""
     rng = np.random.default_rng(seed)
     requests = [request_for(i, prompts, new_tokens, range_ratio) for i in range(num_requests)]
-    stats0 = engine.stats()["prefix_cache"]
     if rate is not None:  # open loop: arrival times drawn up front
         gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
         arrivals = np.cumsum(gaps) - gaps[0]
     steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
-    offload0 = engine.stats()["draft_kv_offload"]
-    prefills0 = {key: engine.stats()[key] for key in ("prefill_calls", "prefill_padded_rows")}
+    before = engine.stats()  # the counters this point's figures are differences from
     in_use = []  # device bytes in use after each visit (its run has ended: _collect read its tokens)
     outputs, sent, start = [], 0, time.perf_counter()
     while len(outputs) < num_requests:
@@ -244,16 +242,17 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
                       o.token_times, o.metrics) for o in outputs]
     step_s, wait_s = engine.step_s - step0, engine.device_wait_s - wait0
     steps = engine.steps_run - steps0
+    after = engine.stats()
     hit_rate = None
-    if stats0 is not None:
-        stats = engine.stats()["prefix_cache"]
-        queried = stats["queried_tokens"] - stats0["queried_tokens"]
-        hit_rate = (stats["hit_tokens"] - stats0["hit_tokens"]) / queried if queried else 0.0
+    if before["prefix_cache"] is not None:
+        cache0, cache = before["prefix_cache"], after["prefix_cache"]
+        queried = cache["queried_tokens"] - cache0["queried_tokens"]
+        hit_rate = (cache["hit_tokens"] - cache0["hit_tokens"]) / queried if queried else 0.0
     visits = engine.visits - visits0
-    offload = engine.stats()["draft_kv_offload"]
+    offload, offload0 = after["draft_kv_offload"], before["draft_kv_offload"]
     moved = None if offload is None else sum(offload[k] - offload0[k] for k in ("bytes_to_device", "bytes_to_host"))
     return {**summarize(records, wall), "steps": steps, "visits": visits, "hit_rate": hit_rate,
-            **{key: engine.stats()[key] - before for key, before in prefills0.items()},
+            **{key: after[key] - before[key] for key in ("prefill_calls", "prefill_padded_rows")},
             **host_time(step_s, wait_s, steps),
             "draft_kv_mib_per_slot": None if offload is None else offload["bytes_per_slot"] / 2**20,
             "moved_mib_per_visit": None if moved is None else moved / max(visits, 1) / 2**20,
