@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.checkpoints import fixture_dir
-from support.models import forward, positions_like
+from support.models import assert_float32_close, forward, positions_like
 
 from specjax.trees import masks, structure
 from specjax.models import hf
@@ -92,8 +92,7 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
     alone, _ = padded_forward(model, [sequence for _, _, sequence in sequences])
     logits, alone = np.asarray(logits), np.asarray(alone)  # indexed on the host: no program per index
     for row, (b, i, sequence) in enumerate(sequences):
-        np.testing.assert_allclose(logits[b, i + 1], alone[row, len(sequence) - 1], atol=1e-5,
-                                   rtol=0, err_msg=f"row {b} node {i}")
+        assert_float32_close(logits[b, i + 1], alone[row, len(sequence) - 1], err_msg=f"row {b} node {i}")
 
     # Accept the path to each row's deepest node, move it, and compare with a plain prefill of the result.
     leaves = np.asarray(structure.depths(jnp.asarray(parents))).argmax(1)

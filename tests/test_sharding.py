@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.models import positions_like
+from support.models import assert_float32_close, positions_like
 from jax.sharding import PartitionSpec
 
 from specjax import sharding
@@ -93,7 +93,7 @@ def test_logits_match_one_device(models, mesh_shape):
         got, _, _ = jax.jit(lambda m, t: m(t, positions_like(t)))(sharding.shard(target, mesh),
                                                                    sharding.put(tokens, mesh))
     assert not got.sharding.is_fully_replicated or mesh_shape == (1, 1)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    assert_float32_close(got, want)
 
 
 @pytest.mark.loop

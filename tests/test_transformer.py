@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.checkpoints import fixture_dir
-from support.models import forward, positions_like
+from support.models import assert_float32_close, forward, positions_like
 
 from specjax.models import hf, transformer
 from specjax.models.kv_cache import KVCache
@@ -43,8 +43,7 @@ def test_ragged_prefill_then_decode_equals_full_forward_of_each_row(name):
 
     for row, seq in enumerate(sequences):
         alone, _, _ = forward(model, jnp.asarray(seq[None]), positions_like(seq[None]), None)
-        np.testing.assert_allclose(np.concatenate(incremental[row]), np.asarray(alone[0]), atol=1e-5, rtol=0,
-                                   err_msg=f"row {row}")
+        assert_float32_close(np.concatenate(incremental[row]), alone[0], err_msg=f"row {row}")
 
 
 def test_rollback_is_only_resetting_lengths():
@@ -58,7 +57,7 @@ def test_rollback_is_only_resetting_lengths():
     _, _, cache = forward(model, jnp.asarray([[7, 7, 7, 7]]), jnp.arange(3, 7)[None], cache)  # drafts, rejected
     cache = cache.with_lengths(jnp.asarray([3]))
     logits, _, _ = forward(model, seq[:, 3:], positions[:, 3:], cache)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, 3:]), atol=1e-5, rtol=0)
+    assert_float32_close(logits, full[:, 3:])
 
 
 def test_hidden_layers_out_of_range_is_refused():
@@ -128,7 +127,7 @@ def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_ker
     hidden_layers = (0, c.num_layers - 1, c.num_layers)
     (la, ha, _), (lb, hb, _) = (forward(m, tokens, positions_like(tokens), hidden_layers=hidden_layers)
                                 for m in (stacked, split))
-    np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0)
+    assert_float32_close(lb, la)
     # The residual stream grows to ~10 here: float32 rounding of differently blocked products, to scale.
     scale = float(np.abs(np.asarray(ha.layers)).max())
     np.testing.assert_allclose(np.asarray(hb.layers), np.asarray(ha.layers), atol=2e-6 * scale, rtol=0)
@@ -140,8 +139,8 @@ def test_the_decoding_layout_is_the_same_model(name, model_shards, attention_ker
         positions = positions_like(chunk) + 3 * step
         (la, _, caches[0]), (lb, _, caches[1]) = (forward(m, chunk, positions, cache) for m, cache in
                                                    zip((stacked, split), caches))
-        np.testing.assert_allclose(np.asarray(lb), np.asarray(la), atol=1e-5, rtol=0, err_msg=f"step {step}")
-    np.testing.assert_allclose(np.stack(caches[1].k), np.asarray(caches[0].k), atol=1e-5, rtol=0)
+        assert_float32_close(lb, la, err_msg=f"step {step}")
+    assert_float32_close(np.stack(caches[1].k), caches[0].k)
     np.testing.assert_array_equal(caches[1].lengths, caches[0].lengths)
 
 

@@ -32,6 +32,16 @@ def forward(model, tokens, positions, cache=None, *, hidden_layers=(), compute_l
                  causal=causal, attention_mask=attention_mask)
 
 
+def assert_float32_close(actual, desired, err_msg: str = "") -> None:
+    """actual equals desired up to float32 rounding of differently ordered sums: within 1e-5 of desired's
+    largest magnitude (~80 float32 ulps of it). The rounding differs by CPU (XLA's kernels block a product by
+    the vector width): an absolute 1e-5 on logits of ~5 failed on CI's machine at 1.3e-5 and passed here at
+    6e-6. A wrong cache or mask is off by O(1)."""
+    desired = np.asarray(desired, np.float32)
+    np.testing.assert_allclose(np.asarray(actual), desired, rtol=0, atol=1e-5 * max(1.0, float(np.abs(desired).max())),
+                               err_msg=err_msg)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def initialised(init, config, seed: int):
     """init(config, seed) as one program, the same weights bit for bit: eagerly each weight's initialiser
