@@ -64,7 +64,7 @@ import numpy as np
 from specjax import adaptive, benchmarking, sharding
 from specjax.trees import masks, structure
 from specjax.config import SamplingConfig, SpecConfig
-from specjax.decoding import decode_loop, draft_timing, speculative_loop
+from specjax.decoding import decode_loop, speculative_loop, step_timing
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Hidden
 from specjax.proposers.base import build_proposer
@@ -216,7 +216,7 @@ def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int
     """Tokens/s with adaptive verification (the cost curve profiled once and cached: specjax.adaptive), the mean
     width it verified a step, and its ratio to the same K verified whole."""
     proposer = build_proposer(spec, GREEDY, cache_size, drafter)
-    timing = draft_timing(target, proposer.bind(drafter, target), proposer)
+    timing = step_timing(target, proposer.bind(drafter, target), proposer)
     curve = adaptive.cached_profile(target, batch, spec.verify_widths, cache_size, timing)
     costs = adaptive.verify_costs(spec, curve, batch)
     tok_s, _ = tokens_per_s(speculative_run(target, drafter, spec, cache_size, verify_costs=costs), run_args, one_args)

@@ -63,7 +63,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from specjax import benchmarking
 from specjax.config import SpecConfig
 
 log = logging.getLogger("specjax.adaptive")
@@ -183,13 +182,16 @@ def padded(tree: Any, length: int) -> Any:
 # measures a 16-position forward against one at the 8B shape); the drafter a fixed DRAFT_COST whatever the width.
 RIDGE_TOKENS = 300.0
 DRAFT_COST = 0.2
-PROFILE_ITERATIONS = 10  # forwards per timed loop when profiling (benchmarking.time_in_loop)
+PROFILE_ITERATIONS = 10  # steps per timed loop when profiling (benchmarking.time_in_loop)
 # How a profile is timed, in the cache key: a change of it (2: a propose timed after an accept of every draft; 3: at
-# each width for a drafter that drafts to it; 4: after the loop's accept_verified at that width) leaves the curves
-# profiled before unread.
-PROFILE_METHOD = 4
+# each width for a drafter that drafts to it; 4: after the loop's accept_verified at that width; 5: the loop's own
+# step, its width forced by the cost vector) leaves the curves profiled before unread.
+PROFILE_METHOD = 5
 # A profiled time is a difference of two loops' times: on a busy host a tiny one can come out <= 0.
 MIN_PROFILED_SECONDS = 1e-9
+# A width's cost in a forced_costs vector where it is not the one forced: no expected tokens (at most the batch
+# times K + 1) make it the choice against the forced width's cost of 1.
+FORCED_OUT = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,105 +247,72 @@ def cost_curve_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specjax" / "cost_curves"
 
 
+def forced_costs(widths: Sequence[int], index: int) -> np.ndarray:
+    """A cost vector under which choose_width picks widths[index] whatever the estimates: what a profile passes the
+    loop to time its step at that width."""
+    costs = np.full(len(widths), FORCED_OUT, np.float32)
+    costs[index] = 1.0
+    return costs
+
+
 @dataclasses.dataclass(frozen=True)
-class DraftTiming:
-    """The drafter's side of a profile: what names it in the cache key (its method, K and weights' shapes) and
-    how to time one propose at a batch (seconds; e.g. specjax.decoding.draft_step_seconds)."""
+class StepTiming:
+    """The loop whose step a profile times: what names it in the cache key (the drafter's method, K and weights'
+    shapes) and its step's seconds at a batch under each of several cost vectors (forced_costs: one width each;
+    e.g. specjax.decoding.step_timing)."""
 
     key: str
-    seconds: Callable[[int], float]
-    # A drafter that skips drafting at width 0 (Proposer.skips_drafting): how to time its idle at a batch, what a
-    # width-0 step costs instead of the propose; None where it cannot skip.
-    idle_seconds: Callable[[int], float] | None = None
-    # A drafter that drafts only the verified drafts (Proposer.drafts_to_width): how to time its propose at a batch
-    # and a width, each width's cost instead of `seconds`'; None where a propose costs the same at every width.
-    width_seconds: Callable[[int, int], float] | None = None
-
-    @property
-    def skips_drafting(self) -> bool:
-        return self.idle_seconds is not None
+    seconds: Callable[[int, Sequence[np.ndarray]], list[float]]
+    skips_drafting: bool = False  # width 0 drafts nothing (Proposer.skips_drafting): the analytic curve's case
 
 
-def curve_key(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter_key: str = "") -> str:
+def curve_key(model: Any, batch: int, widths: Sequence[int], cache_size: int, timing_key: str = "") -> str:
     """What a profile depends on: the device, JAX, the model's shape and dtype, the batch, widths and cache, the
-    drafter's key where its time was measured, and how it is timed (PROFILE_METHOD)."""
+    loop's key (its drafter), and how it is timed (PROFILE_METHOD)."""
     device = jax.devices()[0]
     leaf = jax.tree.leaves(model)[0]
     what = {"platform": device.platform, "device": device.device_kind, "jax": jax.__version__,
             "model": repr(model.config), "dtype": str(leaf.dtype), "layout": type(model.layers).__name__,
-            "batch": batch, "widths": list(widths), "cache_size": cache_size, "drafter": drafter_key,
+            "batch": batch, "widths": list(widths), "cache_size": cache_size, "drafter": timing_key,
             "method": PROFILE_METHOD}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def verify_seconds(model: Any, batch: int, width: int, cache_size: int,
-                   iterations: int = PROFILE_ITERATIONS) -> float:
-    """Device seconds of the target's verify forward over [batch, width + 1] positions on a half-full cache,
-    inside a jitted loop that carries the cache as the decode loop does (written in place, not copied:
-    benchmarking.time_in_loop)."""
-    context = cache_size // 2
-    cache = model.create_cache(batch, cache_size).with_lengths(jnp.full((batch,), context, jnp.int32))
-
-    def forward(model, cache, tokens):
-        positions = context + jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        logits, _, written = model(tokens, positions, cache)
-        return logits, (written.with_lengths(cache.lengths), tokens)
-
-    tokens = jnp.zeros((batch, width + 1), jnp.int32)
-    seconds = benchmarking.time_in_loop(forward, model, cache, tokens, invariant=1, carry=True,
-                                        iterations=iterations)["median_s"]
-    return max(seconds, MIN_PROFILED_SECONDS)
-
-
-def profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
-            iterations: int = PROFILE_ITERATIONS) -> CostCurve:
-    """A step's seconds at each width: the target's verify forward (verify_seconds) plus the drafter's propose,
-    which is the same at every width (timed by `drafter`; without one, DRAFT_COST times the narrowest forward) or,
-    for a drafter that drafts to the width, timed at each; at width 0 its idle where it skips drafting there."""
-    # A forward too small to time (a tiny model on the CPU) can measure at or below zero: floored, not refused.
-    seconds = [max(verify_seconds(model, batch, width, cache_size, iterations), 1e-9) for width in widths]
-    skips = drafter is not None and drafter.skips_drafting
-    idle = drafter.idle_seconds(batch) if skips and widths[0] == 0 else 0.0
-    if drafter is not None and drafter.width_seconds is not None:
-        drafts = [idle if skips and w == 0 else drafter.width_seconds(batch, w) for w in widths]
-    else:
-        draft = DRAFT_COST * seconds[0] if drafter is None else drafter.seconds(batch)
-        drafts = [idle if skips and w == 0 else draft for w in widths]
+def profile(batch: int, widths: Sequence[int], timing: StepTiming) -> CostCurve:
+    """A step's seconds at each width: the loop's own step (drafting, the forward over W + 1 positions, the
+    verifier, the commit, the estimator and the switch), its width forced by the cost vector. One program a batch
+    serves every width, since the costs are data."""
+    seconds = timing.seconds(batch, [forced_costs(widths, i) for i in range(len(widths))])
     device = jax.devices()[0]
-    what = "the drafter's propose" if drafter is not None else f"{DRAFT_COST} x the narrowest forward for the drafter"
-    what += " at each width" if drafter is not None and drafter.width_seconds is not None else ""
-    what += " (at width 0, which skips drafting, its idle)" if skips else ""
-    steps = tuple(s + d for s, d in zip(seconds, drafts))
-    return CostCurve((batch,), tuple(widths), (steps,),
-                     source=f"profiled on {device.device_kind} ({device.platform}): verify forwards + {what}")
+    # A step too small to time (a tiny model on a busy CPU) can measure at or below zero: floored, not refused.
+    return CostCurve((batch,), tuple(widths), (tuple(max(s, MIN_PROFILED_SECONDS) for s in seconds),),
+                     source=f"profiled on {device.device_kind} ({device.platform}): the loop's step, its width forced")
 
 
-def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, drafter: DraftTiming | None = None,
+def cached_profile(model: Any, batch: int, widths: Sequence[int], cache_size: int, timing: StepTiming,
                    directory: Path | None = None) -> CostCurve:
     """profile(...), measured once per model, shape, batch, widths, drafter and device, then read from disk."""
-    drafter_key = "" if drafter is None else (drafter.key + (" skipping at width 0" if drafter.skips_drafting else "")
-                                              + (" drafting to the width" if drafter.width_seconds is not None else ""))
-    key = curve_key(model, batch, widths, cache_size, drafter_key)
+    key = curve_key(model, batch, widths, cache_size, timing.key)
     path = (directory or cost_curve_dir()) / f"{key}.json"
     if path.exists():
         return CostCurve.from_json(json.loads(path.read_text()))
     start = time.perf_counter()
-    curve = profile(model, batch, widths, cache_size, drafter)
+    curve = profile(batch, widths, timing)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve.to_json(), indent=1))
-    # Profiling compiles two programs a width at each batch: minutes at a large shape, so an operator sees why.
+    # Profiling compiles the loop's step at each batch: a minute at a large shape, so an operator sees why.
     log.info("profiled the step's cost at batch %d, widths %s in %.1f s; cached in %s", batch, list(widths),
              time.perf_counter() - start, path)
     return curve
 
 
 def default_cost_curve(model: Any, batch: int, widths: Sequence[int], cache_size: int,
-                       drafter: DraftTiming | None = None) -> CostCurve:
+                       timing: StepTiming) -> CostCurve:
     """The cost curve adaptive verification uses when none is given: analytic on the CPU (whose timings say
     nothing of an accelerator's, and which the tests run on), profiled and cached elsewhere."""
     if jax.default_backend() == "cpu":
-        return CostCurve.analytic((batch,), widths, skips_drafting=drafter is not None and drafter.skips_drafting)
-    return cached_profile(model, batch, widths, cache_size, drafter)
+        return CostCurve.analytic((batch,), widths, skips_drafting=timing.skips_drafting)
+    return cached_profile(model, batch, widths, cache_size, timing)
 
 
 def verify_costs(spec: SpecConfig, curve: CostCurve | None, batch: int) -> Float[Array, " W"] | None:

@@ -95,8 +95,27 @@ def time_call(fn: Callable, *args, calls_per_sample: int = 10, samples: int = 15
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
+def loop_program(fn: Callable, invariant: int = 0, carry: bool = False) -> Callable:
+    """time_in_loop's jitted loop of fn, run(count, *args): made once and passed to each time_in_loop call (its
+    `program`), timing fn on other values of its arguments (a profile's cost vectors) compiles nothing again."""
+    def run(count, *inputs):
+        fixed = inputs[:invariant]
+
+        def body(i, state):
+            total, varying = state
+            fresh, _ = jax.lax.optimization_barrier((varying, i))
+            out = fn(*fixed, *fresh)
+            out, varying = out if carry else (out, varying)
+            leaves = jax.tree.leaves(out)
+            return total + sum(jnp.sum(leaf).astype(jnp.float32) for leaf in leaves), tuple(varying)
+
+        return jax.lax.fori_loop(0, count, body, (jnp.float32(0), tuple(inputs[invariant:])))[0]
+
+    return jax.jit(run)
+
+
 def time_in_loop(fn: Callable, *args, invariant: int = 0, carry: bool = False, iterations: int = 50,
-                 samples: int = 7) -> dict:
+                 samples: int = 7, program: Callable | None = None) -> dict:
     """Median time of one fn(*args) inside one jitted fori_loop: the device time a loop step spends
     on it, without host dispatch.
 
@@ -111,21 +130,9 @@ def time_in_loop(fn: Callable, *args, invariant: int = 0, carry: bool = False, i
     them is hoisted out of the loop. With carry=True, fn returns (output, new values of those
     arguments), which the loop carries into the next iteration, as a decode loop carries its cache:
     a cache written in fn is then updated in place, where a cache that every iteration must find
-    unchanged is copied before each write."""
-    def run(count, *inputs):
-        fixed = inputs[:invariant]
-
-        def body(i, state):
-            total, varying = state
-            fresh, _ = jax.lax.optimization_barrier((varying, i))
-            out = fn(*fixed, *fresh)
-            out, varying = out if carry else (out, varying)
-            leaves = jax.tree.leaves(out)
-            return total + sum(jnp.sum(leaf).astype(jnp.float32) for leaf in leaves), tuple(varying)
-
-        return jax.lax.fori_loop(0, count, body, (jnp.float32(0), tuple(inputs[invariant:])))[0]
-
-    compiled = jax.jit(run)
+    unchanged is copied before each write. program: loop_program(fn, invariant, carry), made before (else made
+    here, and compiled again at each call)."""
+    compiled = program or loop_program(fn, invariant, carry)
     short, long = (time_call(compiled, jnp.int32(count), *args, calls_per_sample=1, samples=samples)
                    for count in (iterations, 2 * iterations))
     return {key: (long[key] - short[key]) / iterations for key in short}

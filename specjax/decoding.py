@@ -699,7 +699,7 @@ def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecCon
     if spec.enable_adaptive_verification:
         batch = tokens.shape[0]
         curve = cost_curve or adaptive.default_cost_curve(model, batch, spec.verify_widths, cache_size,
-                                                          draft_timing(model, draft_params, proposer))
+                                                          step_timing(model, draft_params, proposer))
         costs = adaptive.verify_costs(spec, curve, batch)
     state = speculative_loop(model, draft_params, tokens, lengths, budgets, keys, sampling,
                              jnp.int32(method_index(spec)), costs, proposer=proposer, verifiers=lossless_verifiers(spec),
@@ -707,61 +707,53 @@ def run_speculative(model: Transformer, drafter: Any, args: tuple, spec: SpecCon
     return state, proposer
 
 
-def draft_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> adaptive.DraftTiming:
-    """The drafter's side of adaptive verification's cost profile: keyed by the proposer's spec and its weights'
-    shapes, timed by draft_step_seconds."""
+def step_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> adaptive.StepTiming:
+    """The speculative loop's side of adaptive verification's cost profile: keyed by the proposer's spec and its
+    weights' shapes, timed by step_seconds."""
     shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(draft_params)]
-    timed = functools.partial(draft_step_seconds, model, draft_params, proposer)
-    return adaptive.DraftTiming(
-        key=repr((proposer.settings.spec, shapes)), seconds=timed,
-        idle_seconds=functools.partial(timed, idle=True) if proposer.skips_drafting else None,
-        width_seconds=(lambda batch, width: timed(batch, width=width)) if proposer.drafts_to_width else None)
+    return adaptive.StepTiming(key=repr((proposer.settings.spec, shapes)),
+                               seconds=functools.partial(step_seconds, model, draft_params, proposer),
+                               skips_drafting=proposer.skips_drafting)
 
 
-def draft_step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int,
-                       idle: bool = False, width: int | None = None) -> float:
-    """Device seconds of one propose (with idle, one Proposer.idle) at `batch` rows, after a prefill of half the
-    proposer's cache (the context adaptive.verify_seconds times the target at), inside a jitted loop that carries
-    the proposer's state (its cache written in place: benchmarking.time_in_loop). Each propose follows an accept of
-    every draft (accept_verified's under adaptive verification: a drafter's work over what the last step committed
-    can depend on how much it was, DFlash's); each idle follows an idle, as in a run of steps that skip drafting
-    (under adaptive verification, with the accept_verified of a width-0 step: one position). width: the propose of
-    a step that verifies that many drafts (Context.verified, for a drafter that drafts_to_width)."""
-    prompt_len = proposer.settings.cache_size // 2
+def step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int,
+                 costs: Sequence[np.ndarray]) -> list[float]:
+    """Device seconds of one speculative_step at `batch` greedy rows under each cost vector (the width it forces:
+    adaptive.forced_costs), on caches filled to half the proposer's cache size (or less, to leave a block's room).
+    Every vector runs the one program: a jitted loop of steps that carries the state, as the decode loop does (its
+    caches written in place: benchmarking.time_in_loop), and that restores the state's integer leaves (lengths,
+    tokens, counters, done) before each step, so that every step starts where the first did and no row ends."""
+    spec = proposer.settings.spec
+    cache_size, block = proposer.settings.cache_size, spec.num_speculative_tokens + 1
+    prompt_len = min(cache_size // 2, cache_size - 2 * block)
+    if prompt_len < 1:
+        raise ValueError(f"cache_size {cache_size} is too small to profile a step of K + 1 = {block} positions: "
+                         f"allowed at least {2 * block + 1}")
     tokens = jnp.arange(batch * prompt_len, dtype=jnp.int32).reshape(batch, prompt_len) % model.config.vocab_size
     sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * batch, batch))
     init = jax.jit(functools.partial(speculative_init, proposer=proposer, eos_token_ids=()))
-    # Budgets of 1: rows are done after the prefill, which propose does not look at.
+    # A budget past one step's tokens: no row ends inside the step, which always starts from this state.
     state = init(model, draft_params, tokens, jnp.full((batch,), prompt_len, jnp.int32),
-                 jnp.ones((batch,), jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
-    decode = state.decode
-    context = Context(tokens=decode.tokens, lengths=decode.lengths, sampling=decode.sampling, verified=width)
-    # What accept reads after a verify of every draft: the target's hidden states there (their values do not matter).
-    num_draft = proposer.settings.spec.num_speculative_tokens
-    verified = jax.eval_shape(lambda: model(tokens[:, :num_draft + 1], jnp.arange(num_draft + 1)[None] + prompt_len,
-                                            decode.cache, hidden_layers=proposer.hidden_layers,
-                                            compute_logits=False)[1])
-    verified = TargetOutput(logits=None, hidden=jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), verified))
+                 jnp.full((batch,), block + 1, jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
+    is_int = [not jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(state)]
+    start = [leaf for leaf, integer in zip(jax.tree.leaves(state), is_int) if integer]
+    step = functools.partial(_profiled_step, proposer=proposer, verifiers=lossless_verifiers(spec),
+                             is_int=tuple(is_int))
+    program = benchmarking.loop_program(step, invariant=5, carry=True)  # one program for every vector
+    return [benchmarking.time_in_loop(step, model, draft_params, jnp.int32(method_index(spec)), jnp.asarray(forced),
+                                      tuple(start), state, invariant=5, carry=True, program=program,
+                                      iterations=adaptive.PROFILE_ITERATIONS)["median_s"] for forced in costs]
 
-    def propose(params, proposer_state, context, keys, verified):  # verified passes the loop's barrier: not folded
-        count = 0 if idle else num_draft if width is None else width
-        every = (jnp.full((batch,), count, jnp.int32), jnp.zeros((batch,), jnp.int32))
-        if proposer.settings.spec.enable_adaptive_verification:  # the loop's accept, in the branch of this width
-            scored = dataclasses.replace(verified, hidden=jax.tree.map(lambda x: x[..., :count + 1, :],
-                                                                       verified.hidden))
-            proposer_state = proposer.accept_verified(params, proposer_state, *every, scored, context)
-        elif not idle:
-            proposer_state = proposer.accept(proposer_state, *every, verified)
-        if idle:  # an element of every leaf out, so that no part of the idle's work is dead
-            proposer_state = proposer.idle(params, proposer_state, context)
-            return ([leaf.ravel()[0] for leaf in jax.tree.leaves(proposer_state)],
-                    (proposer_state, context, keys, verified))
-        drafts, _, proposer_state = proposer.propose(params, proposer_state, context, keys)
-        return drafts, (proposer_state, context, keys, verified)
 
-    seconds = benchmarking.time_in_loop(propose, draft_params, state.proposer, context, decode.streams[:, 1], verified,
-                                        invariant=1, carry=True, iterations=adaptive.PROFILE_ITERATIONS)["median_s"]
-    return max(seconds, adaptive.MIN_PROFILED_SECONDS)
+def _profiled_step(model, draft_params, method, costs, start, state, *, proposer, verifiers, is_int):
+    """step_seconds' loop body: a step from `state` with its integer leaves set back to `start`; (the rows' lengths
+    as its output, the state carried)."""
+    leaves, treedef = jax.tree.flatten(state)
+    given = iter(start)
+    state = treedef.unflatten([next(given) if integer else leaf for leaf, integer in zip(leaves, is_int)])
+    state = speculative_step(model, draft_params, state, method, proposer=proposer, verifiers=verifiers,
+                             eos_token_ids=(), verify_costs=costs)
+    return state.decode.lengths, (state,)
 
 
 def _result(state: DecodeState, request: PaddedBatch, eos_token_ids: tuple[int, ...]) -> GenerationResult:

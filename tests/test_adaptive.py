@@ -221,49 +221,57 @@ def test_cost_curves_analytic_and_profiled_once_then_read_from_disk(tmp_path, mo
     model = tiny_pair()[0]
     calls = []
     monkeypatch.setattr(adaptive, "profile", lambda *args: calls.append(args) or curve)
-    timing = adaptive.DraftTiming(key="a drafter", seconds=lambda batch: 1.0)
-    first = adaptive.cached_profile(model, 4, (0, 1, 3), 32, directory=tmp_path)
-    assert adaptive.cached_profile(model, 4, (0, 1, 3), 32, directory=tmp_path) == first == curve
+    timing = adaptive.StepTiming(key="a drafter", seconds=lambda batch, costs: [1.0] * len(costs))
+    first = adaptive.cached_profile(model, 4, (0, 1, 3), 32, timing, directory=tmp_path)
+    assert adaptive.cached_profile(model, 4, (0, 1, 3), 32, timing, directory=tmp_path) == first == curve
     assert len(calls) == 1 and len(list(tmp_path.glob("*.json"))) == 1
-    adaptive.cached_profile(model, 8, (0, 1, 3), 32, directory=tmp_path)  # another batch: profiled again
-    adaptive.cached_profile(model, 4, (0, 1, 3), 32, timing, directory=tmp_path)  # another drafter: again
-    assert len(calls) == 3 and calls[-1][-1] is timing
-    adaptive.cached_profile(model, 4, (0, 1, 3), 32, dataclasses.replace(timing, idle_seconds=lambda batch: 0.1),
-                            directory=tmp_path)  # a drafter that skips at width 0 has a curve of its own
-    assert len(calls) == 4
+    adaptive.cached_profile(model, 8, (0, 1, 3), 32, timing, directory=tmp_path)  # another batch: profiled again
+    other = dataclasses.replace(timing, key="another drafter")
+    adaptive.cached_profile(model, 4, (0, 1, 3), 32, other, directory=tmp_path)  # another drafter: again
+    assert len(calls) == 3 and calls[-1][-1] is other
+    monkeypatch.undo()
+    profiled = adaptive.profile(4, (0, 1, 3), timing)  # the timing's seconds, one a width
+    assert profiled.seconds == ((1.0, 1.0, 1.0),) and profiled.source.startswith("profiled on")
 
 
-def test_a_profile_times_each_width_and_the_drafters_propose():
-    """The verify forward at each width and one propose (a draft model's K steps), each in a jitted loop that
-    carries its cache; the drafter's seconds are added to every width."""
-    from specjax.decoding import draft_step_seconds, draft_timing
+def test_a_profile_times_the_loops_own_step_at_the_width_each_cost_vector_forces():
+    """The profile runs speculative_step with its width forced by the cost vector (adaptive.forced_costs): the
+    forced width is the step's whatever the estimates say, and every width is timed through one compiled loop."""
+    from specjax.decoding import speculative_init, speculative_step, step_timing
     from specjax.proposers import build_proposer
+    from specjax.verify import lossless_verifiers
+    from specjax.verify.sampling import SamplingParams
+    from support.compiles import compiled_programs
 
     target, draft = tiny_pair()
-    spec = SpecConfig(num_speculative_tokens=2, enable_adaptive_verification=True)
+    spec = SpecConfig(num_speculative_tokens=3, enable_adaptive_verification=True)
+    widths = spec.verify_widths
+    assert widths == (0, 1, 2, 3)
+    active = jnp.ones(4, bool)
+    for index in range(len(widths)):  # every draft certain, and none: the forced width either way
+        for estimate in (1.0, 0.0):
+            choice = adaptive.choose_width(jnp.full((4, 3), estimate), active, widths,
+                                           jnp.asarray(adaptive.forced_costs(widths, index)))
+            assert int(choice) == index, (index, estimate)
     proposer = build_proposer(spec, SamplingConfig(), 32, draft)
     params = proposer.bind(draft, target)
-    assert 0 < draft_step_seconds(target, params, proposer, 2) < 1  # timed (not compared: a busy host is noisy)
-    calls = []
-    timing = draft_timing(target, params, proposer)
-    timed = adaptive.DraftTiming(key=timing.key, seconds=lambda batch: calls.append(batch) or 1.0)
-    curve = adaptive.profile(target, 2, (0, 2), 32, timed, iterations=2)
-    assert curve.batches == (2,) and curve.widths == (0, 2) and calls == [2]
-    assert all(1.0 < s < 1.5 for s in curve.seconds[0]) and curve.source.startswith("profiled on")
-    assert 0 < timing.idle_seconds(2) < 1  # the draft model skips drafting at width 0: its idle is timed
-    idled = []
-    skipping = adaptive.profile(target, 2, (0, 2), 32, dataclasses.replace(
-        timed, idle_seconds=lambda batch: idled.append(batch) or 0.25), iterations=2)
-    assert 0.25 < skipping.seconds[0][0] < 0.75 < 1.0 < skipping.seconds[0][1] and idled == [2]  # width 0: idle
-    assert timing.key != draft_timing(target, params, build_proposer(
-        SpecConfig(num_speculative_tokens=3, enable_adaptive_verification=True), SamplingConfig(), 32, draft)).key
-    assert timing.width_seconds is None  # a draft model's propose drafts all K whatever the width
-    per_width = []  # a drafter that drafts to the width (DFlash) is timed at each nonzero one
-    drafting = adaptive.profile(target, 2, (0, 1, 2), 32, dataclasses.replace(
-        timed, idle_seconds=lambda batch: 0.25, width_seconds=lambda batch, w: per_width.append((batch, w)) or w),
-        iterations=2)
-    assert per_width == [(2, 1), (2, 2)] and 0.25 < drafting.seconds[0][0] < 1.0 < drafting.seconds[0][1] < 1.5
-    assert 2.0 < drafting.seconds[0][2] < 2.5 and "at each width" in drafting.source
+    sampling = jax.tree.map(jnp.asarray, SamplingParams.of([SamplingConfig()] * 2, 2))
+    state = jax.jit(functools.partial(speculative_init, proposer=proposer, eos_token_ids=()))(
+        target, params, jnp.asarray([[1, 5, 2, 3], [4, 1, 6, 2]]), jnp.asarray([4, 4]), jnp.asarray([16, 16]),
+        jax.vmap(jax.random.key)(jnp.arange(2)), sampling)
+    step = jax.jit(functools.partial(speculative_step, proposer=proposer, verifiers=lossless_verifiers(spec),
+                                     eos_token_ids=()))
+    for index, width in enumerate(widths):
+        after = step(target, params, state, jnp.int32(0), verify_costs=jnp.asarray(adaptive.forced_costs(widths, index)))
+        np.testing.assert_array_equal(after.counters.drafted, [width, width], err_msg=f"forced width {width}")
+
+    timing = step_timing(target, params, proposer)
+    assert timing.skips_drafting and timing.key != step_timing(target, params, build_proposer(
+        dataclasses.replace(spec, num_speculative_tokens=2), SamplingConfig(), 32, draft)).key
+    with compiled_programs() as names:
+        seconds = timing.seconds(2, [adaptive.forced_costs(widths, i) for i in range(len(widths))])
+    assert len(seconds) == len(widths) and all(np.isfinite(seconds))  # timed (not compared: a busy host is noisy)
+    assert names.count("run") == 1, names  # one loop program for every width
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -589,7 +589,7 @@ class Engine:
         if rows not in self._costs:
             curve = self.config.cost_curve or adaptive.default_cost_curve(
                 self.model, rows, spec.verify_widths, self.config.max_model_len,
-                decoding.draft_timing(self.model, self._weights[1], proposer))
+                decoding.step_timing(self.model, self._weights[1], proposer))
             self._costs[rows] = adaptive.verify_costs(spec, curve, rows)
         return self._costs[rows]
 

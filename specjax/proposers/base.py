@@ -137,8 +137,7 @@ class Proposer:
     # draft costs the target's one-position forward and the idle). Elsewhere width 0 drafts and verifies none.
     skips_drafting: ClassVar[bool] = False
     # True where propose reads Context.verified and computes only the drafts the step verifies (DFlash: its LM head
-    # over the first W of the block's K positions): adaptive verification's narrow widths then cost less to draft,
-    # and its cost profile times a propose at each width (adaptive.DraftTiming.width_seconds).
+    # over the first W of the block's K positions): adaptive verification's narrow widths then cost less to draft.
     drafts_to_width: ClassVar[bool] = False
     # The drafter options (SpecConfig fields) this drafter reads, each with the off values another method
     # may hold in it (OPTION_IGNORED: any, as n-gram's lookup sizes, which ride along in sweeps of every
