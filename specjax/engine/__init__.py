@@ -4,8 +4,10 @@
     outputs = engine.run([Request.make("r0", prompt, 64, temperature=0.7, seed=1), ...])
 """
 
-from specjax.engine._engine import Engine, EngineConfig, prefill_pieces
+from specjax.engine._config import EngineConfig
+from specjax.engine._engine import Engine
 from specjax.engine._pacing import VisitPacing
+from specjax.engine._programs import prefill_pieces
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 
 __all__ = ["Engine", "EngineConfig", "Request", "RequestError", "RequestOutput", "VisitPacing", "check_request",

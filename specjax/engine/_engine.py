@@ -27,164 +27,26 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import adaptive, decoding
-from specjax.decoding import NO_BATCH
-from specjax.config import DTYPES, SamplingConfig, SpecConfig
+from specjax.config import SamplingConfig
 from specjax.engine._blocks import PrefixCache, block_keys
+from specjax.engine._config import EngineConfig
 from specjax.engine._mixed import ChunkSchedule, plan_chunks
 from specjax.engine._offload import DraftKVLayout, DraftKVSlots, check_host_memory
 from specjax.engine._pacing import VisitPacing
+from specjax.engine._programs import (Program, Visit, admit_waiting, decode_state, empty_caches, free_rows, init_rows,
+                                      prefill_pieces, run_steps)
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 from specjax.engine._slots import batch_axes, insert_rows, move_rows, padded_slots, release_slots
 from specjax.metrics import AcceptanceMetrics
 from specjax.models.transformer import Transformer
-from specjax.proposers import Proposer, build_proposer, proposer_class
-from specjax.verify import Verifier, lossless_verifiers, method_index
+from specjax.proposers import build_proposer, proposer_class
+from specjax.verify import lossless_verifiers, method_index
 from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams
 
 log = logging.getLogger("specjax.engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs; each field's allowed values are checked when it is built."""
-
-    # Requests decoded at once (the state's rows, vLLM's max_num_seqs).
-    max_num_seqs: int = 16
-    # Cache slots a request may use: prompt + max_tokens + drafts scored per step + 1 (vLLM's max_model_len).
-    max_model_len: int = 512
-    # Speculative decoding (vLLM's SpeculativeConfig names); None decodes autoregressively.
-    spec: SpecConfig | None = None
-    # Device steps between host visits at most; a visit comes sooner when rows end and requests wait (and
-    # when a row ends and the caller asked for that: a server's, Engine.step's end_on_finish).
-    steps_per_visit: int = 16
-    # With requests waiting, a visit stops once this many of its rows ended (or as many as wait, if fewer). None:
-    # chosen before each visit from the last visits' host time, step time and rate of ends (engine/_pacing.py),
-    # 1 with async_scheduling (whose host work overlaps the device's); 1: at the first end. With None the visits
-    # follow measured times: outputs are the same, but which requests share a step may differ between two runs,
-    # and with adaptive verification (whose widths depend on the rows a step holds) so may the acceptance counts;
-    # a fixed count makes the schedule a function of the requests alone.
-    visit_ends: int | None = None
-    # The model's EOS ids: a row ends after emitting one (requests add their own stop_token_ids).
-    eos_token_ids: tuple[int, ...] = ()
-    # Requests admitted by one prefill call at most (its rows are padded to a power of two).
-    max_prefill_batch: int = 8
-    # A prefill call's fixed cost in padded rows' worth (its weight read and launches): an admission splits into
-    # calls of power-of-two rows where that pads fewer rows by more than this per extra call (prefill_pieces: 20
-    # requests as 16 + 4 rather than one call of 32). 0 splits wherever it saves padding; float("inf") (the default:
-    # measured at the 8B shape, 2 lost 3%, docs/performance.md) never splits.
-    prefill_call_rows: float = float("inf")
-    kv_cache_dtype: str | None = None  # the target's cache dtype (None: the model's)
-    # Prefix caching (vLLM's name): full prompt blocks of the target's and the drafter's caches kept in a pool
-    # beside the slots, keyed by a hash chain of their tokens; a request's matched blocks are copied into its
-    # slot and only the rest is prefilled (engine/_blocks.py; saves prefill compute, not memory).
-    enable_prefix_caching: bool = False
-    block_size: int = 16  # prompt tokens per cached block (vLLM's block_size)
-    num_prefix_blocks: int = 256  # blocks the pool holds; unreferenced ones are evicted least recently used first
-    # Keep the last matched block for drafters whose cache entry at i depends on token i + 1 (EAGLE;
-    # Proposer.draft_kv_reads_next_token), which vLLM drops and recomputes: measures what reusing it does to
-    # acceptance (vLLM's disable_eagle_block_drop). Outputs stay lossless either way.
-    disable_eagle_block_drop: bool = False
-    # Prompt tokens prefilled per visit at most (vLLM's max_num_batched_tokens, with chunked prefill on): a
-    # longer prompt is prefilled in chunks over several visits while the running requests step between them.
-    # None: whole prompts, max_prefill_batch of them a call.
-    max_num_batched_tokens: int | None = None
-    # With spec.enable_adaptive_verification: a step's cost by batch and verify width (specjax.adaptive);
-    # None: adaptive.default_cost_curve at each count of slots stepped (profiled once and cached on an
-    # accelerator, analytic on the CPU).
-    cost_curve: adaptive.CostCurve | None = None
-    # Draft KV offload (vLLM-style name): the drafter's KV cache lives in pinned host memory, one buffer per slot;
-    # each visit brings the stepped slots' buffers to the device and sends them back (engine/_offload.py). Frees
-    # the draft cache's device memory between visits and for the slots a visit does not step, for a host-device
-    # copy of the stepped rows' draft cache each way per visit. Needs a drafter that keeps a KV cache and a device
-    # with a pinned_host memory kind.
-    draft_kv_offload: bool = False
-    # Async scheduling (vLLM's name): each visit is dispatched, from a thread of the engine's (on a GPU the call
-    # returns only when its loop has ended), before the host reads the visit before it, so that reading tokens,
-    # ending requests and streaming them overlap the device's next visit. A request's end is known, and its slot
-    # refilled, one visit later; outputs are the same. Not with draft_kv_offload (its buffers move at each visit).
-    async_scheduling: bool = False
-    # Mixed prefill (vLLM's chunked prefill, where one step's batch holds decode tokens and prompt chunks): an
-    # admitted request waits in its slot while each decode step also prefills up to mixed_prefill_chunks chunks of
-    # mixed_prefill_tokens prompt tokens in the same forward (their projections and MLP share the step's weight
-    # reads: a memory-bound step prefills for about the compute), and decodes from the step after its prompt's last
-    # chunk; with speculation the drafter's state is extended by each chunk too, one chunk of a prompt a step. None:
-    # prompts are prefilled in calls of their own between visits. Not with max_num_batched_tokens, which it replaces,
-    # nor with draft_kv_offload, nor with prefix caching and speculation together.
-    mixed_prefill_tokens: int | None = None
-    mixed_prefill_chunks: int = 1  # prompt chunks a mixed step prefills at most
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch", "block_size",
-                     "num_prefix_blocks", "mixed_prefill_chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed an integer >= 1")
-        for name in ("max_num_batched_tokens", "mixed_prefill_tokens", "visit_ends"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"EngineConfig.{name} = {value!r} is invalid: allowed None or an integer >= 1")
-        if self.mixed_prefill_tokens is not None:
-            for name, value, allowed in (
-                    ("max_num_batched_tokens", self.max_num_batched_tokens, "None"),
-                    ("draft_kv_offload", self.draft_kv_offload, "False"),
-                    ("enable_prefix_caching", self.enable_prefix_caching and self.spec is not None,
-                     "False with speculation")):
-                if value not in (None, False):
-                    raise ValueError(f"EngineConfig.{name} = {value} is invalid with mixed_prefill_tokens = "
-                                     f"{self.mixed_prefill_tokens}: allowed {allowed}")
-        if isinstance(self.prefill_call_rows, bool) or not isinstance(self.prefill_call_rows, (int, float)) or not (
-                self.prefill_call_rows >= 0):
-            raise ValueError(f"EngineConfig.prefill_call_rows = {self.prefill_call_rows!r} is invalid: allowed a "
-                             f"number >= 0 (float('inf') never splits an admission)")
-        for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
-        if self.spec is not None and not proposer_class(self.spec.method).defines_extend():
-            for name, off in (("enable_prefix_caching", False), ("max_num_batched_tokens", None),
-                              ("mixed_prefill_tokens", None)):
-                if getattr(self, name) != off:  # each continues a prefill, which this drafter's state cannot
-                    raise ValueError(f"EngineConfig.{name} = {getattr(self, name)} is invalid with method "
-                                     f"{self.spec.method!r}, whose drafter defines no extend: allowed {off}")
-        if self.disable_eagle_block_drop and not self.enable_prefix_caching:
-            raise ValueError("EngineConfig.disable_eagle_block_drop = True is invalid without enable_prefix_caching: "
-                             "allowed only with enable_prefix_caching = True")
-        if self.draft_kv_offload and self.spec is None:
-            raise ValueError("EngineConfig.draft_kv_offload = True is invalid without speculation (spec = None): "
-                             "allowed only with a spec whose drafter keeps a KV cache")
-        if self.async_scheduling and self.draft_kv_offload:
-            raise ValueError("EngineConfig.async_scheduling = True is invalid with draft_kv_offload = True: allowed "
-                             "with one of them at most")
-
-    @property
-    def lookahead(self) -> int:
-        """Cache slots a step may write past the last committed token."""
-        return 0 if self.spec is None else self.spec.num_draft_nodes + 1
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("steps", "tokens", "count", "done"),
-                   meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class _Visit:
-    """What the host reads after a visit, for the slots it stepped: one small transfer, not the whole state."""
-
-    steps: jax.Array  # steps the visit ran
-    tokens: jax.Array  # [rows, W]: each row's tokens of this visit first (W bounds what a visit can emit)
-    count: jax.Array  # [rows]: tokens each row emitted in this visit
-    done: jax.Array  # [rows]
-
-    @classmethod
-    def of(cls, steps, decode: decoding.DecodeState, before: jax.Array, width: int) -> _Visit:
-        """The summary of rows that had generated `before` tokens when the visit began."""
-        size = decode.tokens.shape[1]
-        width = min(width, size)
-        first = decode.lengths - decode.num_generated + before  # where each row's tokens of this visit begin
-        index = jnp.minimum(first[:, None] + jnp.arange(width)[None, :], size - 1)
-        return cls(steps=steps, tokens=jnp.take_along_axis(decode.tokens, index, axis=1),
-                   count=decode.num_generated - before, done=decode.done)
 
 
 @dataclasses.dataclass
@@ -228,131 +90,6 @@ class _Dispatched:
     planned: list  # its prompt chunks (mixed prefill): _mixed.plan_chunks'
 
 
-@dataclasses.dataclass(frozen=True)
-class _Program:
-    """What the engine's prefill and step compute, all static and hashable: the jitted functions below take it as
-    a static argument and the weights and the state as traced ones, so that engines of equal settings (a second
-    test's, a server restarted in one process) share one compiled program per mode and shape."""
-
-    proposer: Proposer | None  # None: autoregressive decoding
-    mode: SamplingMode  # what the rows' sampling settings need of the program
-    eos_token_ids: tuple[int, ...]
-    cache_size: int  # EngineConfig.max_model_len
-    cache_dtype: str | None  # the target's cache dtype (EngineConfig.kv_cache_dtype)
-    verifiers: tuple[Verifier, ...] | None  # the lossless rules a step switches among; None without speculation
-    prefill_chunk: int | None = None  # EngineConfig.mixed_prefill_tokens
-    # With mixed prefill and speculation: the batch axes of the proposer state's leaves and of its per-position cache's
-    # (decoding.ChunkPlan's).
-    proposer_axes: tuple[int, ...] | None = None
-    cache_axes: tuple[int, ...] | None = None
-
-    def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
-        """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
-        model, draft_params = weights
-        if self.proposer is None:
-            offset = {} if prefix is None else dict(cache=prefix.target, start=prefix.start, width=prefix.width)
-            return decoding.prefill(model, tokens, lengths, budgets, _keys(seeds), sampling, mode=self.mode,
-                                    eos_token_ids=self.eos_token_ids, cache_size=self.cache_size,
-                                    cache_dtype=self.cache_dtype, **offset)[0]
-        return decoding.speculative_init(model, draft_params, tokens, lengths, budgets, _keys(seeds), sampling,
-                                         proposer=self.proposer, eos_token_ids=self.eos_token_ids,
-                                         cache_dtype=self.cache_dtype, prefix=prefix)
-
-    def step(self, weights: tuple, state, method, costs, chunks: decoding.ChunkPlan | None = None):
-        """One step of every row of the state (a done row is left as it is), prefilling `chunks` (mixed prefill)."""
-        model, draft_params = weights
-        if self.proposer is None:
-            return decoding.decode_step(model, state, mode=self.mode, eos_token_ids=self.eos_token_ids, chunks=chunks)
-        return decoding.speculative_step(model, draft_params, state, method, proposer=self.proposer,
-                                         verifiers=self.verifiers, eos_token_ids=self.eos_token_ids,
-                                         verify_costs=costs, chunks=chunks)
-
-
-@functools.partial(jax.jit, static_argnames="program")
-def init_rows(weights, tokens, lengths, budgets, seeds, sampling, prefix=None, *, program: _Program):
-    """program.init, compiled per program, batch and prompt width (and prefix width)."""
-    return program.init(weights, tokens, lengths, budgets, seeds, sampling, prefix)
-
-
-def prefill_pieces(count: int, call_rows: float) -> list[int]:
-    """How `count` admitted requests split into prefill calls, each padded to a power of two rows: the split (a
-    power of two, then the rest split alike) with the fewest padded rows plus call_rows a call. Each piece is a
-    count warm-up compiled (power-of-two counts up to the admission's own bucket)."""
-    best = {0: (0.0, [])}
-    for n in range(1, count + 1):
-        whole = (decoding.bucket(n) + call_rows, [n])
-        top = 1 << (n.bit_length() - 1)  # the largest power of two up to n, then the rest
-        rest = best[n - top]
-        best[n] = whole if top == n or whole[0] <= top + call_rows + rest[0] else (
-            top + call_rows + rest[0], [top, *rest[1]])
-    return best[count][1]
-
-
-@functools.partial(jax.jit, static_argnames=("program", "rows", "width", "axes", "layout"), donate_argnums=1)
-def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, plan: ChunkSchedule | None = None, *,
-              program: _Program, rows: int, width: int, axes: tuple[int, ...], layout: DraftKVLayout | None):
-    """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
-    stop_after_ends of them ended in this visit (a slot to fill); the other slots are left as they are. With draft KV
-    offload (layout), draft holds those slots' host buffers: in for the steps, back out after them. method: the
-    lossless rule of sampled rows; costs: adaptive verification's cost of a step of `rows` slots at each verify
-    width (None without it); plan: the prompt chunks its first steps prefill (mixed prefill; None without); axes:
-    the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the visit's summary of those slots,
-    `width` tokens a row (what the host reads), the state, the draft buffers, and the acceptance counters after the
-    visit (a copy, which the host reads when requests end: the state itself may be in the next visit by then; None
-    without speculation)."""
-    def cond(carry, limit, prefilling: bool = False):
-        steps, state = carry
-        done = _decode(state).done
-        busy = True if prefilling else ~jnp.all(done)  # rows being prefilled are done rows
-        return (steps < limit) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
-
-    def step(carry, chunks: bool = False):
-        steps, state = carry
-        plans = plan.at(steps, program.prefill_chunk, program.proposer_axes, program.cache_axes) if chunks else None
-        return steps + 1, program.step(weights, state, method, costs, plans)
-
-    leaves, treedef = jax.tree.flatten(state)
-    busy = [x if a == NO_BATCH else jax.lax.slice_in_dim(x, 0, rows, axis=a) for x, a in zip(leaves, axes)]
-    if layout is not None:
-        busy = layout.unpack(layout.to_device(draft), busy)
-    busy = jax.tree.unflatten(treedef, busy)
-    before, done_before = _decode(busy).num_generated, _decode(busy).done
-    carry = (jnp.int32(0), busy)
-    if plan is not None:  # the steps that prefill come first, in a loop of their own (a lax.cond would copy the caches)
-        carry = jax.lax.while_loop(lambda c: cond(c, jnp.minimum(max_steps, plan.count), prefilling=True),
-                                   lambda c: step(c, chunks=True), carry)
-    steps, busy = jax.lax.while_loop(lambda c: cond(c, max_steps), step, carry)
-    visit = _Visit.of(steps, _decode(busy), before, width)
-    counters = None if isinstance(busy, decoding.DecodeState) else jax.tree.map(jnp.copy, busy.counters)
-    busy = jax.tree.leaves(busy)
-    draft = None if layout is None else layout.to_host(layout.pack(busy))
-    leaves = [x if a == NO_BATCH else jax.lax.dynamic_update_slice_in_dim(x, part, 0, axis=a)
-              for x, part, a in zip(leaves, busy, axes)]
-    return visit, jax.tree.unflatten(treedef, leaves), draft, counters
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def admit_waiting(state, slots, tokens, lengths, budgets, seeds, sampling):
-    """decoding.admit_prompts into the engine's state (donated: written in place): rows waiting for mixed prefill;
-    with speculation their acceptance counters and adaptive counts zero (the drafter's state is the chunks' to
-    build)."""
-    decode = decoding.admit_prompts(_decode(state), slots, tokens, lengths, budgets, _keys(seeds), sampling)
-    if isinstance(state, decoding.DecodeState):
-        return decode
-    zero = lambda x: x.at[slots].set(jnp.zeros((), x.dtype), mode="drop")  # noqa: E731 (batch-first fields)
-    return dataclasses.replace(state, decode=decode, counters=jax.tree.map(zero, state.counters),
-                               adaptive=jax.tree.map(zero, state.adaptive))
-
-
-@functools.partial(jax.jit, static_argnames=("program", "batch"))
-def empty_caches(weights, *, program: _Program, batch: int) -> tuple:
-    """Empty cache rows for a prefill from an offset: (the target's, the drafter's or None)."""
-    model, draft_params = weights
-    draft = None if program.proposer is None else program.proposer.new_cache(draft_params, batch)
-    dtype = program.cache_dtype and DTYPES[program.cache_dtype]
-    return model.create_cache(batch, program.cache_size, dtype), draft
-
-
 class Engine:
     """Continuous batching with speculative decoding over one model (and drafter) on one device.
 
@@ -389,7 +126,7 @@ class Engine:
         spec = config.spec
         self._method = None if spec is None else np.int32(method_index(spec))  # the rule for sampled rows: data
         self._verifiers = None if spec is None else lossless_verifiers(spec)
-        self._programs: dict[SamplingMode, _Program] = {}
+        self._programs: dict[SamplingMode, Program] = {}
         # (the target, the drafter's bound params): arguments of every program, not constants closed over (which XLA
         # would fold into the program: slower to compile and, measured on the CPU, about 4x slower to run).
         self._weights = None
@@ -473,7 +210,7 @@ class Engine:
 
     # ------------------------------------------------------------------ programs
 
-    def _program(self, mode: SamplingMode) -> _Program:
+    def _program(self, mode: SamplingMode) -> Program:
         """The static description of the programs that run rows mode covers (built once per mode)."""
         if mode in self._programs:
             return self._programs[mode]
@@ -485,20 +222,20 @@ class Engine:
             if proposer is not None:
                 proposer.check(self.drafter, self.model.config)
             self._weights = (self.model, None if proposer is None else proposer.bind(self.drafter, self.model))
-        program = _Program(proposer=proposer, mode=mode, eos_token_ids=tuple(config.eos_token_ids),
+        program = Program(proposer=proposer, mode=mode, eos_token_ids=tuple(config.eos_token_ids),
                            cache_size=config.max_model_len, cache_dtype=config.kv_cache_dtype,
                            verifiers=self._verifiers, prefill_chunk=config.mixed_prefill_tokens)
         if config.mixed_prefill_tokens is not None and proposer is not None:
             rows_at = functools.partial(init_rows, self._weights, program=program)
-            drafter_at = lambda batch: rows_at(*_free_rows(batch, 16)).proposer  # noqa: E731
+            drafter_at = lambda batch: rows_at(*free_rows(batch, 16)).proposer  # noqa: E731
             program = dataclasses.replace(program, proposer_axes=batch_axes(drafter_at),
                                           cache_axes=batch_axes(lambda batch: proposer.prefix_cache(drafter_at(batch))))
         self._programs[mode] = program
         if self._axes is None:  # the state's layout, the same in every mode's
             rows_at = functools.partial(init_rows, self._weights, program=program)
-            self._axes = batch_axes(lambda batch: rows_at(*_free_rows(batch, 16)))
+            self._axes = batch_axes(lambda batch: rows_at(*free_rows(batch, 16)))
             if config.draft_kv_offload:
-                shapes = jax.eval_shape(lambda: rows_at(*_free_rows(1, 16)))
+                shapes = jax.eval_shape(lambda: rows_at(*free_rows(1, 16)))
                 self._draft_layout = DraftKVLayout.of(shapes, shapes.proposer, self._axes, self._device,
                                                       config.spec.method)
                 # The slot functions and the run leave the offloaded leaves' placeholders alone.
@@ -561,7 +298,7 @@ class Engine:
         self._count(visit, dispatched.rows, len(dispatched.running), dispatched.planned)
         return visit, dispatched.running, counters
 
-    def _count(self, visit: _Visit, rows: int, busy: int, planned: list) -> None:
+    def _count(self, visit: Visit, rows: int, busy: int, planned: list) -> None:
         """Counts the visit's steps; moves on the prompts whose chunks it prefilled (mixed prefill)."""
         steps = int(visit.steps)
         prefilled = []  # (slot, request) of the prompts whose prefill ended, for the prefix cache
@@ -572,7 +309,7 @@ class Engine:
                 if running.prefilled is None and self.prefix_cache is not None:
                     prefilled.append((slot, running))
         if prefilled:  # the slots are the visit's still: the host compacts them after this
-            stored = self.prefix_cache.store(_decode(self.state).cache, None,
+            stored = self.prefix_cache.store(decode_state(self.state).cache, None,
                                              [(slot, r.keys, len(r.blocks)) for slot, r in prefilled])
             for (_, running), held in zip(prefilled, stored):
                 running.blocks += held
@@ -615,7 +352,7 @@ class Engine:
         """The engine's state: every slot free (done), built by the initialiser over zero-budget rows."""
         if self.state is None:
             rows = self.config.max_num_seqs
-            self.state = self._init(mode, _free_rows(rows, 16))
+            self.state = self._init(mode, free_rows(rows, 16))
             if self._draft_layout is not None:  # every slot gets its host buffer (a free slot's is stepped too)
                 self.draft_kv = DraftKVSlots(self._draft_layout, rows)
                 self.draft_kv.store(self.state, list(range(rows)))
@@ -636,14 +373,14 @@ class Engine:
         batch = 1
         while self.config.mixed_prefill_tokens is None and batch <= decoding.bucket(
                 min(self.config.max_prefill_batch, self.config.max_num_seqs)):
-            rows = self._init(mode, _free_rows(batch, width))
+            rows = self._init(mode, free_rows(batch, width))
             self._insert(rows, [nowhere] * batch)  # every row dropped
             self._warm_widths.setdefault((mode, batch), set()).add(width)
             batch *= 2
         if self.config.mixed_prefill_tokens is not None:  # the admissions' programs (padded_slots' counts)
             for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):
                 slots = padded_slots([nowhere] * count, nowhere)  # every row dropped
-                self.state = admit_waiting(self.state, slots, *_free_rows(count, self.config.max_model_len))
+                self.state = admit_waiting(self.state, slots, *free_rows(count, self.config.max_model_len))
                 if self.prefix_cache is not None:
                     cache, _ = self.prefix_cache.load(self.state.cache, None, [[]] * count, slots)
                     self.state = dataclasses.replace(self.state, cache=cache)
@@ -680,11 +417,11 @@ class Engine:
                 caches = self._empty_caches(mode, batch)
                 if self.prefix_cache is not None:
                     caches = self.prefix_cache.load(*caches, [[]] * batch)
-                rows = self._init(mode, _free_rows(batch, top), decoding.Prefix(
+                rows = self._init(mode, free_rows(batch, top), decoding.Prefix(
                     target=caches[0], draft=caches[1], start=np.zeros(batch, np.int32), width=width))
             if self.prefix_cache is not None:
                 proposer = self._program(mode).proposer
-                self.prefix_cache.copy_in(_decode(rows).cache,
+                self.prefix_cache.copy_in(decode_state(rows).cache,
                                           None if proposer is None else proposer.prefix_cache(rows.proposer),
                                           [], [], [])
 
@@ -942,7 +679,7 @@ class Engine:
             return [[] for _ in keys]
         proposer = self._program(mode).proposer
         draft = None if proposer is None else proposer.prefix_cache(rows.proposer)
-        return self.prefix_cache.store(_decode(rows).cache, draft, keys)
+        return self.prefix_cache.store(decode_state(rows).cache, draft, keys)
 
     def _start(self, slot: int, request: Request, arrival: float, blocks: list, matched: int) -> None:
         self.running[slot] = _Running(request=request, arrival=arrival, stop=frozenset(request.stop_token_ids),
@@ -969,7 +706,7 @@ class Engine:
         rows = self._init(mode, arrays, prefix)
         if not last:
             proposer = self._program(mode).proposer
-            chunked.caches = (_decode(rows).cache, None if proposer is None else proposer.prefix_cache(rows.proposer))
+            chunked.caches = (decode_state(rows).cache, None if proposer is None else proposer.prefix_cache(rows.proposer))
             chunked.start += width
             return width
         slot = free[0]
@@ -984,7 +721,7 @@ class Engine:
         """Streams each admitted request's first token (the prefill's): the time to first token is the
         prefill's, not that of the visit's steps after it."""
         wait = time.perf_counter()  # the prefills' device time: prefill calls return at once
-        read = jax.device_get([(_decode(rows).tokens, _decode(rows).lengths) for rows, _ in prefilled])
+        read = jax.device_get([(decode_state(rows).tokens, decode_state(rows).lengths) for rows, _ in prefilled])
         now = time.perf_counter()
         self.device_wait_s += now - wait
         first = {}
@@ -1000,12 +737,12 @@ class Engine:
         if self.on_tokens is not None:
             self.on_tokens(first)
 
-    def _collect(self, visit: _Visit, running_at: dict[int, _Running], counters) -> list[RequestOutput]:
+    def _collect(self, visit: Visit, running_at: dict[int, _Running], counters) -> list[RequestOutput]:
         """Reads the new tokens of each request the visit stepped (running_at: slot -> request when it began) from
         its summary; ends requests that are done or hit a stop id. Their slots are released now, or with async
         scheduling at the next step (the state is in the next visit)."""
         now = time.perf_counter()
-        if visit.count.size and visit.count.max() > visit.tokens.shape[1]:  # _Visit's width bounds a visit
+        if visit.count.size and visit.count.max() > visit.tokens.shape[1]:  # Visit's width bounds a visit
             raise RuntimeError(f"a row emitted {visit.count.max()} tokens in a visit: the summary holds "
                                f"{visit.tokens.shape[1]}")
         counts, done = visit.count.tolist(), visit.done.tolist()
@@ -1118,23 +855,7 @@ class Engine:
 
     def _release(self, slots: list[int]) -> None:
         """Marks slots done on the device (their requests ended on the host)."""
-        decode = _decode(self.state)
+        decode = decode_state(self.state)
         done = release_slots(decode.done, padded_slots(slots, self.config.max_num_seqs))
         decode = dataclasses.replace(decode, done=done)
         self.state = decode if self.config.spec is None else dataclasses.replace(self.state, decode=decode)
-
-
-def _free_rows(batch: int, width: int) -> tuple:
-    """The initialiser's arguments for `batch` rows of zero budget (done at once: free slots), prompts of width."""
-    return (np.zeros((batch, width), np.int32), np.ones((batch,), np.int32), np.zeros((batch,), np.int32),
-            np.zeros((batch,), np.uint32), SamplingParams.of([], batch))
-
-
-def _keys(seeds: jax.Array) -> jax.Array:
-    """Each row's key from its request's seed (inside the compiled initialiser)."""
-    return jax.vmap(jax.random.key)(seeds)
-
-
-def _decode(state) -> decoding.DecodeState:
-    """The DecodeState of either loop's state."""
-    return state if isinstance(state, decoding.DecodeState) else state.decode

@@ -3,7 +3,7 @@
 Every KVCache in the proposer state (the draft model's, an EAGLE head's, DFlash's context KV, MTP's) has its
 keys and values taken out of the engine's device state and kept on the host, one flat buffer per slot (all
 of a row's draft K and V, packed). A visit's run program brings in the buffers of the slots it steps, unpacks
-them into the cache leaves, runs its steps, and sends them back packed (engine/_engine.py, run_steps).
+them into the cache leaves, runs its steps, and sends them back packed (engine/_programs.py, run_steps).
 Admission packs the prefilled rows and sends them to their slots' buffers; compaction, which moves a busy
 row into a free slot, moves a buffer reference on the host, no data.
 
