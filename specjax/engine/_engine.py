@@ -1,4 +1,5 @@
-"""The engine: requests in, slots of one loop state, a jitted run of steps between host visits.
+"""The engine's host side: requests in, slots of one loop state, a jitted run of steps (engine/_programs.py)
+between host visits.
 
     add_request ──> waiting (FIFO) ──admit──> slot b of the state ──run──> finished ──> RequestOutput
                                   prefill of the admitted rows       K-step rounds until a row ends
