@@ -19,8 +19,9 @@ start and end in waves; the static peer, --static-batches, decodes N for every r
 after the engine has compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
 (arrival to first token), TPOT ((last - first token) / (tokens - 1)), ITL (gaps between a request's
 successive token deliveries; the engine delivers each visit's tokens together), E2E latency, output
-tokens/s over the point's wall time; host overhead = the share of step time not spent waiting for the
-device. Writes NAME.json, NAME.md and NAME.png (throughput and TPOT against load, one line per method).
+tokens/s over the point's wall time, and over the middle half of its requests' ends (steady tok/s: the rate at
+saturation, without the ramp and the drain; not vLLM's); host overhead = the share of step time not spent waiting
+for the device. Writes NAME.json, NAME.md and NAME.png (throughput and TPOT against load, one line per method).
 
 --workload shared-prefix: --num-prefixes system prompts of --prefix-len tokens, request i the system prompt
 i mod N followed by a suffix of --suffix-len tokens of its own (bundled: windows of the held-out set; 8b:
@@ -71,7 +72,8 @@ from specjax.decoding import loop_arrays, pad_request
 from specjax.engine import Engine, EngineConfig, Request
 
 COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "requests"),
-           ("output_tok_s", "output tok/s"), ("with_prefill_tok_s", "static: with prefill tok/s"), ("request_s", "req/s"),
+           ("output_tok_s", "output tok/s"), ("steady_tok_s", "steady tok/s"),
+           ("with_prefill_tok_s", "static: with prefill tok/s"), ("request_s", "req/s"),
            ("ttft_mean_ms", "TTFT mean ms"), ("ttft_p99_ms", "TTFT p99 ms"),
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
@@ -348,6 +350,17 @@ class Record:
     metrics: dict | None  # steps and accepted drafts (the engine's names) or vLLM's object (the server's)
 
 
+def steady_throughput(records: list[Record]) -> float | None:
+    """Output tokens a second over the middle half of the requests' ends, from the n/4-th to the 3n/4-th (the
+    tokens of the requests ending in between, over that time): the rate at saturation, without the ramp and the
+    drain that a run's whole wall includes, more of it the shorter the run. None below 4 requests."""
+    ends = sorted((record.finish, record.num_tokens) for record in records)
+    first, last = len(ends) // 4, len(ends) - 1 - len(ends) // 4
+    if len(ends) < 4 or ends[last][0] <= ends[first][0]:
+        return None
+    return sum(tokens for _, tokens in ends[first + 1:last + 1]) / (ends[last][0] - ends[first][0])
+
+
 def summarize(records: list[Record], wall: float) -> dict:
     """vLLM bench serve's metrics over the requests of one load point."""
     ttft = [r.first_token - r.arrival for r in records]
@@ -359,7 +372,7 @@ def summarize(records: list[Record], wall: float) -> dict:
     accepted = sum(m.get("accepted", m.get("num_accepted_draft_tokens", 0)) for m in metrics)
     return {
         "requests": len(records), "output_tokens": sum(r.num_tokens for r in records),
-        "output_tok_s": sum(r.num_tokens for r in records) / wall,
+        "output_tok_s": sum(r.num_tokens for r in records) / wall, "steady_tok_s": steady_throughput(records),
         "request_s": len(records) / wall, "wall_s": wall,
         "ttft_mean_ms": float(np.mean(ttft)) * 1e3, "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
         "tpot_mean_ms": float(np.mean(tpot)) * 1e3 if tpot else None, "tpot_p50_ms": percentile(tpot, 50),
@@ -766,7 +779,8 @@ def http_main(args, method: Method, loads, rates) -> None:
                            processes=min(processes, max(1, int(load))), range_ratio=args.random_range_ratio)
         rows.append({"method": method.name, "K": method.num_speculative_tokens or None, "load": load,
                      "label": f"{method.name} (HTTP)", "client_processes": processes, **point})
-        print(f"HTTP load {load:>6}: {point['output_tok_s']:8.1f} tok/s, TPOT {point['tpot_mean_ms']:.2f} ms, "
+        print(f"HTTP load {load:>6}: {point['output_tok_s']:8.1f} tok/s ({point['steady_tok_s'] or 0:.1f} steady), "
+              f"TPOT {point['tpot_mean_ms']:.2f} ms, "
               f"TTFT {point['ttft_mean_ms']:.1f} ms, tau {point['mean_acceptance_length'] or 1:.2f}", flush=True)
         json_path, _ = benchmarking.write_results(args.name, rows, COLUMNS, meta, args.output)
         plot(rows, json_path.with_suffix(".png"), load_label)

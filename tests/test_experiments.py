@@ -312,6 +312,19 @@ class _VisitEngine:
         return out
 
 
+def test_bench_serve_steady_throughput_is_the_rate_between_the_middle_half_of_the_ends():
+    # A run whose server ends a request of 100 tokens every 10 ms, after a ramp of 1 s in which 10 end and a drain
+    # of 1 s in which 10 more end: the whole wall's rate mixes them in, the steady rate is the saturated 10,000 tok/s.
+    from specjax.bench_serve import Record, steady_throughput, summarize
+
+    ends = [0.1 * i for i in range(10)] + [1.0 + 0.01 * i for i in range(100)] + [2.0 + 0.1 * i for i in range(10)]
+    records = [Record(0.0, end, end, 100, (end,), None) for end in ends]
+    point = summarize(records, wall=3.0)
+    assert point["steady_tok_s"] == pytest.approx(10_000, rel=1e-6)
+    assert point["output_tok_s"] == pytest.approx(12_000 / 3.0)
+    assert steady_throughput(records[:3]) is None  # too few ends for a middle half
+
+
 def test_bench_serve_open_loop_times_a_request_from_its_arrival_not_from_the_visit_that_admits_it():
     # In process the driver adds an arrival when the visit running then ends; over HTTP a client's clock starts when
     # it sends. Before, the in-process TTFT ran from the add (the engine's arrival_time) and missed that wait.
