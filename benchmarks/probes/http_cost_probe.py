@@ -19,8 +19,9 @@ step. Client processes (bench_serve.http_point: streamed /v1/completions with th
 - the engine thread's CPU time a request outside the stand-in's spin (gathering, handing events over);
 - how much the stand-in's host spin stretched (its wall time over its own CPU time): what sharing the lock with
   the event loop costs the engine's host work;
-- tokens/s and TTFT; with --in-process first the same load on the stand-in without HTTP (bench_serve's closed loop:
-  a request that ends is replaced at once), the peer of the server's tokens/s.
+- tokens/s (over the wall, and steady: over the middle half of the requests' ends, bench_serve.steady_throughput)
+  and TTFT; with --in-process first the same load on the stand-in without HTTP (bench_serve's closed loop: a request
+  that ends is replaced at once), the peer of the server's tokens/s.
 """
 from __future__ import annotations
 
@@ -222,7 +223,14 @@ def in_process(args) -> dict:
         gaps = np.random.default_rng(0).exponential(1.0 / args.rate, args.num_requests)
         arrivals = list(np.cumsum(gaps) - gaps[0])
     sent = tokens = 0
+    ends = []  # a Record for each request that ended (its finish and tokens: bench_serve.steady_throughput's)
     start = time.perf_counter()
+
+    def ended(outputs):
+        finish = time.perf_counter()
+        ends.extend(bench_serve.Record(0.0, finish, finish, len(output.tokens), (), None) for output in outputs)
+        return sum(len(output.tokens) for output in outputs)
+
     while sent < args.num_requests:
         now = time.perf_counter() - start
         while sent < len(arrivals) and arrivals[sent] <= now:
@@ -232,12 +240,13 @@ def in_process(args) -> dict:
             time.sleep(max(arrivals[sent] - now, 0.0))
             continue
         outputs = engine.step()
-        tokens += sum(len(output.tokens) for output in outputs)
+        tokens += ended(outputs)
         if args.rate is None:
             arrivals += [time.perf_counter() - start] * min(len(outputs), args.num_requests - len(arrivals))
     while engine.has_work():
-        tokens += sum(len(output.tokens) for output in engine.step())
-    return {"in_process_tok_s": round(tokens / (time.perf_counter() - start))}
+        tokens += ended(engine.step())
+    return {"in_process_tok_s": round(tokens / (time.perf_counter() - start)),
+            "in_process_steady_tok_s": round(bench_serve.steady_throughput(ends) or 0)}
 
 
 def thread_cpu_s(ident: int) -> float:
@@ -288,6 +297,7 @@ def measure(http: str, loop: str, args) -> dict:
     loop_cpu, engine_cpu, spin_wall, spin_cpu = (b - a for a, b in zip(before, after))
     requests = result["requests"]
     return {"http": http, "loop": loop, "requests": requests, "output_tok_s": round(result["output_tok_s"]),
+            "steady_tok_s": round(result["steady_tok_s"] or 0),
             "ttft_mean_ms": round(result["ttft_mean_ms"]), "visits": engine.visits, "steps": engine.steps,
             "busy_slots": round(engine.busy_slot_steps / max(engine.steps, 1), 1),
             "loop_cpu_us_per_request": round(loop_cpu / requests * 1e6),
