@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.checkpoints import fixture_dir
-from support.models import forward, positions_like
+from support.models import assert_float32_close, forward, positions_like
 
 from specjax.config import ModelConfig
 from specjax.models import hf
@@ -64,7 +64,7 @@ def test_the_kernel_writes_the_cache_and_computes_attention(batch, num_new, num_
     want = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(num_heads, num_kv, 16, sliding_window), causal)
     got = kernel(q, k_new, v_new, k_cache, v_cache, slots, sliding_window=sliding_window,
                  num_splits=num_splits, block=block, causal=causal)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=0)
+    assert_float32_close(got[0], want[0])
     for got_cache, want_cache in zip(got[1:], want[1:]):  # every other slot kept
         np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
 
@@ -90,7 +90,7 @@ def test_a_trees_mask_gives_the_dense_masked_attention(batch, num_new, num_heads
     want, *written = _reference(q, k_new, v_new, k_cache, v_cache, slots, _config(num_heads, num_kv, 16),
                                 visible=mask.dense(slots[:, 0], num_slots))
     got = kernel(q, k_new, v_new, k_cache, v_cache, slots, sees=mask.sees, num_splits=num_splits, block=block)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), atol=2e-6, rtol=0)
+    assert_float32_close(got[0], want)
     for got_cache, want_cache in zip(got[1:], written):
         np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
 

@@ -107,7 +107,7 @@ def test_a_tree_forward_gives_each_node_its_own_paths_logits_and_the_moved_path_
         n = len(sequence)
         for layer in range(model.config.num_layers):
             for got, want in zip(moved.layer(layer), plain.layer(layer)):
-                np.testing.assert_allclose(np.asarray(got)[b, :n], np.asarray(want)[b, :n], atol=1e-5, rtol=0)
+                assert_float32_close(np.asarray(got)[b, :n], np.asarray(want)[b, :n])
 
 
 def test_preorder_keeps_parents_first_siblings_in_rank_order_and_the_first_ranked_path_at_the_front():

@@ -12,7 +12,8 @@ import pytest
 from support.checkpoints import FIXTURES, fixture_dir, golden
 from support.distributions import PROMPT, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
 from support.jaxpr import primitives, speculative_loop_args
-from support.models import EOS, forward, mtp_logits, mtp_modules, positions_like, target_and_drafts, tiny_mtp_modules
+from support.models import (EOS, assert_float32_close, forward, mtp_logits, mtp_modules, positions_like, target_and_drafts,
+                            tiny_mtp_modules)
 from support.requests import REQUESTS, autoregressive_outputs
 
 from specjax import verify as verify_registry
@@ -181,7 +182,7 @@ def test_module_caches_after_rejections_equal_a_fresh_prefill():
     differs = False
     for module in range(modules.config.num_modules):
         for row in range(3):
-            np.testing.assert_allclose(entries(state.cache, module, row), entries(expected, module, row), atol=1e-5)
+            assert_float32_close(entries(state.cache, module, row), entries(expected, module, row))
             differs |= not np.allclose(entries(stale, module, row), entries(expected, module, row), atol=1e-3)
     assert differs  # the rejections did leave stale entries, which the propose repaired
 

@@ -144,9 +144,10 @@ def test_gradient_accumulation_equals_the_whole_batch(tmp_path):
     # data parallel: each of 4 devices holds a share of each of the 2 micro-batches (tests/conftest.py's
     # eight host devices)
     parallel = train_three_steps(tmp_path / "parallel", data_devices=4, grad_accum_steps=2)
+    # Sums in another order: 4e-6 apart on this CPU, 3x that allowed for others' (CI's rounded logits 3x further).
     for name in ("loss", "grad_norm"):
-        np.testing.assert_allclose([r[name] for r in accumulated], [r[name] for r in whole], rtol=1e-5)
-        np.testing.assert_allclose([r[name] for r in parallel], [r[name] for r in whole], rtol=1e-5)
+        np.testing.assert_allclose([r[name] for r in accumulated], [r[name] for r in whole], rtol=5e-5)
+        np.testing.assert_allclose([r[name] for r in parallel], [r[name] for r in whole], rtol=5e-5)
 
 
 @pytest.mark.train
