@@ -19,7 +19,7 @@ start and end in waves; the static peer, --static-batches, decodes N for every r
 after the engine has compiled everything it will run (Engine.warmup). Metrics as vLLM's bench serve computes them: TTFT
 (arrival to first token), TPOT ((last - first token) / (tokens - 1)), ITL (gaps between a request's
 successive token deliveries; the engine delivers each visit's tokens together), E2E latency, output
-tokens/s over the point's wall time, and over the middle half of its requests' ends (steady tok/s: the rate at
+tokens/s over the point's wall time, and between its n/4-th and 3n/4-th request ends (steady tok/s: the rate at
 saturation, without the ramp and the drain; not vLLM's); host overhead = the share of step time not spent waiting
 for the device. Writes NAME.json, NAME.md and NAME.png (throughput and TPOT against load, one line per method).
 
@@ -351,14 +351,22 @@ class Record:
 
 
 def steady_throughput(records: list[Record]) -> float | None:
-    """Output tokens a second over the middle half of the requests' ends, from the n/4-th to the 3n/4-th (the
-    tokens of the requests ending in between, over that time): the rate at saturation, without the ramp and the
-    drain that a run's whole wall includes, more of it the shorter the run. None below 4 requests."""
-    ends = sorted((record.finish, record.num_tokens) for record in records)
-    first, last = len(ends) // 4, len(ends) - 1 - len(ends) // 4
-    if len(ends) < 4 or ends[last][0] <= ends[first][0]:
+    """Output tokens a second between the n/4-th and the 3n/4-th request ends: the rate at saturation, without the
+    ramp and the drain that a run's whole wall includes (more of it the shorter the run). Tokens are counted when
+    they were delivered (a request's tokens shared equally among its token_times: per token in process, per
+    streamed chunk over HTTP), not when their requests ended: a visit ends many requests at one instant, and
+    counting whole requests would be off by up to a visit's ends. None below 4 requests."""
+    ends = sorted(record.finish for record in records)
+    if len(ends) < 4:
         return None
-    return sum(tokens for _, tokens in ends[first + 1:last + 1]) / (ends[last][0] - ends[first][0])
+    start, stop = ends[len(ends) // 4], ends[len(ends) - 1 - len(ends) // 4]
+    if stop <= start:
+        return None
+    tokens = 0.0
+    for record in records:
+        times = np.asarray(record.token_times or (record.finish,))
+        tokens += record.num_tokens / len(times) * np.count_nonzero((times > start) & (times <= stop))
+    return tokens / (stop - start)
 
 
 def summarize(records: list[Record], wall: float) -> dict:

@@ -312,16 +312,24 @@ class _VisitEngine:
         return out
 
 
-def test_bench_serve_steady_throughput_is_the_rate_between_the_middle_half_of_the_ends():
-    # A run whose server ends a request of 100 tokens every 10 ms, after a ramp of 1 s in which 10 end and a drain
-    # of 1 s in which 10 more end: the whole wall's rate mixes them in, the steady rate is the saturated 10,000 tok/s.
+def test_bench_serve_steady_throughput_is_the_saturated_rate_between_the_middle_ends():
     from specjax.bench_serve import Record, steady_throughput, summarize
 
-    ends = [0.1 * i for i in range(10)] + [1.0 + 0.01 * i for i in range(100)] + [2.0 + 0.1 * i for i in range(10)]
-    records = [Record(0.0, end, end, 100, (end,), None) for end in ends]
-    point = summarize(records, wall=3.0)
+    # Visits every 0.1 s. Request r arrives before visit r // 10 + 1 and gets 10 tokens at each of the next 10 visits:
+    # at saturation (visits 10 to 40) 100 requests run, 1,000 tokens a visit, 10,000 tok/s; the ramp and the drain
+    # (the first and last second) hold fewer. The 100th and 300th ends are at 2.0 and 3.9 s, inside saturation.
+    records = []
+    for r in range(400):
+        visits = [0.1 * (r // 10 + v) for v in range(1, 11)]
+        records.append(Record(0.1 * (r // 10), visits[0], visits[-1], 100, tuple(t for t in visits for _ in range(10)),
+                              None))
+    point = summarize(records, wall=max(r.finish for r in records))
     assert point["steady_tok_s"] == pytest.approx(10_000, rel=1e-6)
-    assert point["output_tok_s"] == pytest.approx(12_000 / 3.0)
+    assert point["output_tok_s"] == pytest.approx(40_000 / 4.9)  # the wall's rate holds the ramp and the drain
+    # Ten requests end at each visit: counting the requests that end inside the window instead of the tokens
+    # delivered there would give 199 requests' tokens over 19 visits' time, 10,474.
+    chunked = [dataclasses.replace(r, token_times=tuple(sorted(set(r.token_times)))) for r in records]
+    assert steady_throughput(chunked) == pytest.approx(10_000, rel=1e-6)  # a chunk a visit, as over HTTP
     assert steady_throughput(records[:3]) is None  # too few ends for a middle half
 
 

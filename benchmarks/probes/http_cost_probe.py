@@ -19,7 +19,7 @@ step. Client processes (bench_serve.http_point: streamed /v1/completions with th
 - the engine thread's CPU time a request outside the stand-in's spin (gathering, handing events over);
 - how much the stand-in's host spin stretched (its wall time over its own CPU time): what sharing the lock with
   the event loop costs the engine's host work;
-- tokens/s (over the wall, and steady: over the middle half of the requests' ends, bench_serve.steady_throughput)
+- tokens/s (over the wall, and steady: between the n/4-th and 3n/4-th request ends, bench_serve.steady_throughput)
   and TTFT; with --in-process first the same load on the stand-in without HTTP (bench_serve's closed loop: a request
   that ends is replaced at once), the peer of the server's tokens/s.
 """
@@ -216,19 +216,27 @@ def in_process(args) -> dict:
     arriving at that Poisson rate."""
     import numpy as np
 
-    engine = stand_in(args, None, None, on_tokens=lambda new: None, **stand_in_settings(args, [1]))
+    delivered: dict[str, list[float]] = {}  # each request's token times, as the engine's on_tokens hands them over
+
+    def on_tokens(new: dict) -> None:
+        now = time.perf_counter()
+        for request_id, ids in new.items():
+            delivered.setdefault(request_id, []).extend([now] * len(ids))
+
+    engine = stand_in(args, None, None, on_tokens=on_tokens, **stand_in_settings(args, [1]))
     if args.rate is None:
         arrivals = [0.0] * min(args.concurrency, args.num_requests)  # the rest as requests end
     else:
         gaps = np.random.default_rng(0).exponential(1.0 / args.rate, args.num_requests)
         arrivals = list(np.cumsum(gaps) - gaps[0])
     sent = tokens = 0
-    ends = []  # a Record for each request that ended (its finish and tokens: bench_serve.steady_throughput's)
+    ends = []  # a Record of each request that ended (its end and token times: bench_serve.steady_throughput's)
     start = time.perf_counter()
 
     def ended(outputs):
-        finish = time.perf_counter()
-        ends.extend(bench_serve.Record(0.0, finish, finish, len(output.tokens), (), None) for output in outputs)
+        ends.extend(bench_serve.Record(output.arrival_time, output.first_token_time, output.finish_time,
+                                       len(output.tokens), tuple(delivered.pop(output.request_id, ())), None)
+                    for output in outputs)
         return sum(len(output.tokens) for output in outputs)
 
     while sent < args.num_requests:
