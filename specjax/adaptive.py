@@ -183,8 +183,8 @@ def padded(tree: Any, length: int) -> Any:
 RIDGE_TOKENS = 300.0
 DRAFT_COST = 0.2
 PROFILE_ITERATIONS = 10  # steps per timed loop when profiling (benchmarking.time_in_loop)
-# Timed runs of each loop a width (their median): 3, where time_in_loop's default is 7, since the engine profiles 9
-# widths at each of its 9 slot counts at warm-up (~1,900 steps a count at 7, ~800 at 3).
+# Timed runs of each loop a width (their median) after one untimed run: the engine profiles 9 widths at each of its
+# 9 slot counts at warm-up, ~1,100 steps a count, where time_in_loop's defaults (7 after 2) would run ~2,400.
 PROFILE_SAMPLES = 3
 # How a profile is timed, in the cache key: a change of it (2: a propose timed after an accept of every draft; 3: at
 # each width for a drafter that drafts to it; 4: after the loop's accept_verified at that width; 5: the loop's own

@@ -115,7 +115,7 @@ def loop_program(fn: Callable, invariant: int = 0, carry: bool = False) -> Calla
 
 
 def time_in_loop(fn: Callable, *args, invariant: int = 0, carry: bool = False, iterations: int = 50,
-                 samples: int = 7, program: Callable | None = None) -> dict:
+                 samples: int = 7, warmup: int = 2, program: Callable | None = None) -> dict:
     """Median time of one fn(*args) inside one jitted fori_loop: the device time a loop step spends
     on it, without host dispatch.
 
@@ -131,9 +131,9 @@ def time_in_loop(fn: Callable, *args, invariant: int = 0, carry: bool = False, i
     arguments), which the loop carries into the next iteration, as a decode loop carries its cache:
     a cache written in fn is then updated in place, where a cache that every iteration must find
     unchanged is copied before each write. program: loop_program(fn, invariant, carry), made before (else made
-    here, and compiled again at each call)."""
+    here, and compiled again at each call); warmup: untimed runs of each loop before its samples (time_call's)."""
     compiled = program or loop_program(fn, invariant, carry)
-    short, long = (time_call(compiled, jnp.int32(count), *args, calls_per_sample=1, samples=samples)
+    short, long = (time_call(compiled, jnp.int32(count), *args, calls_per_sample=1, samples=samples, warmup=warmup)
                    for count in (iterations, 2 * iterations))
     return {key: (long[key] - short[key]) / iterations for key in short}
 

@@ -742,8 +742,8 @@ def step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batc
     program = benchmarking.loop_program(step, invariant=5, carry=True)  # one program for every vector
     return [benchmarking.time_in_loop(step, model, draft_params, jnp.int32(method_index(spec)), jnp.asarray(forced),
                                       tuple(start), state, invariant=5, carry=True, program=program,
-                                      iterations=adaptive.PROFILE_ITERATIONS,
-                                      samples=adaptive.PROFILE_SAMPLES)["median_s"] for forced in costs]
+                                      iterations=adaptive.PROFILE_ITERATIONS, samples=adaptive.PROFILE_SAMPLES,
+                                      warmup=1)["median_s"] for forced in costs]
 
 
 def _profiled_step(model, draft_params, method, costs, start, state, *, proposer, verifiers, is_int):
