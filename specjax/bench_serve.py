@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -69,7 +70,7 @@ import numpy as np
 from specjax import benchmarking, profiling, speed
 from specjax.config import SpecConfig
 from specjax.decoding import loop_arrays, pad_request
-from specjax.engine import Engine, EngineConfig, Request
+from specjax.engine import Engine, EngineConfig, Request, freeze_heap
 
 COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "requests"),
            ("output_tok_s", "output tok/s"), ("steady_tok_s", "steady tok/s"),
@@ -696,6 +697,8 @@ def main(argv=None) -> None:
                     if runner is not None:
                         runner.stop()
                     engine = runner = None  # the last one's caches go before the next one's are made
+                    gc.unfreeze()  # with its cycles, which freeze_heap below had put out of the collector's reach
+                    gc.collect()
                     if args.through == "runner":
                         from specjax.serve import EngineRunner
 
@@ -709,6 +712,7 @@ def main(argv=None) -> None:
                     print(f"{method.name}: the engine of {slots} slots compiled"
                           f"{' and profiled its adaptive costs' if method.adaptive else ''} in "
                           f"{time.perf_counter() - warm:.0f} s", flush=True)
+                    freeze_heap()  # as the server does after its warm-up: no full collection mid-run
                     if runner is not None:
                         runner.start()
                 if runner is not None:

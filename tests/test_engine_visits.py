@@ -4,6 +4,7 @@ stop ids, and its acceptance counts are the ones `generate` counts for its promp
 
 import asyncio
 import dataclasses
+import gc
 import math
 import re
 import threading
@@ -13,7 +14,7 @@ from support.engine import SPECS, drafter_for, load_config, random_requests, ser
 from support.models import EOS, target_and_drafts
 
 from specjax.decoding import generate
-from specjax.engine import Engine, Request, VisitPacing
+from specjax.engine import Engine, GcPauses, Request, VisitPacing, freeze_heap
 from specjax.serve import EngineRunner, EventReader
 
 
@@ -165,14 +166,18 @@ def test_the_servers_engine_thread_waits_for_a_replacement_beyond_what_arrived_d
 @pytest.mark.xdist_group("load-eagle")  # the load tests' EAGLE engine: its programs
 def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     """The periodic stats line (vLLM's): one at least for a short burst of requests (going idle ends the last
-    interval), with the counters behind it: the tokens the streams received, slots stepped; and the speculative
-    line's acceptance, the ended requests' counts summed."""
+    interval), with the counters behind it: the tokens the streams received, slots stepped; the speculative
+    line's acceptance, the ended requests' counts summed; and a line of the garbage collector's time, here a full
+    collection the clients' side runs while the engine serves (it stops the whole process)."""
     runner = EngineRunner(target_and_drafts()[0], load_config(SPECS["eagle"]), drafter=drafter_for("eagle"),
                           log_stats_interval_s=1e-3)
     received = []
 
     async def requests():
         queues = [runner.submit(Request.make(f"r{i}", [1 + i, 2, 3], 24)) for i in range(3)]
+        for _ in range(2):  # two visits' tokens: the engine's first stats interval has begun
+            received.extend((await queues[0].get())[1])
+        gc.collect()
         for queue in queues:
             while (event := await queue.get())[0] != "done":
                 received.extend(event[1])
@@ -191,6 +196,29 @@ def test_the_servers_engine_thread_logs_what_the_engine_did(caplog):
     counts = runner.spec_counts
     assert counts["spec_steps"] > 0 and counts["spec_drafted"] == 3 * counts["spec_steps"]  # K 3 at every step
     assert spec_lines and f"{counts['spec_drafted'] / counts['spec_steps']:.1f} drafts verified" in spec_lines[-1]
+    assert runner.gc.seconds > 0
+    assert any(r.getMessage().startswith("garbage collection: ") for r in caplog.records)
+
+
+def test_a_frozen_heap_is_out_of_the_collectors_reach_and_its_pauses_are_counted():
+    """freeze_heap (after a server's warm-up): what lived then is no longer tracked by the collector, so no later
+    collection walks it; GcPauses times collections from its making to its close, and take_longest starts over."""
+    survivor = [[]]  # a container: one the collector tracks
+    assert any(o is survivor for o in gc.get_objects())
+    try:
+        frozen, _ = freeze_heap()
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is survivor for o in gc.get_objects())
+        pauses = GcPauses()
+        gc.collect()
+        assert pauses.seconds > 0 and pauses.take_longest() > 0 and pauses.longest == 0
+        pauses.close()
+        seconds = pauses.seconds
+        gc.collect()
+        assert pauses.seconds == seconds  # closed: no longer counting
+    finally:
+        gc.unfreeze()
+    assert any(o is survivor for o in gc.get_objects())
 
 
 @pytest.mark.loop

@@ -351,7 +351,9 @@ def test_the_engine_in_its_own_process_serves_as_the_thread_does(engine_process,
     engine_process.client.completions.create(**ask)
     summary = httpx.post(f"{engine_process.url}/stop_profile", timeout=60).json()
     assert Path(summary["trace"]).is_file()
-    assert "the engine runs in process" in engine_process.log.read_text()
+    log = engine_process.log.read_text()
+    assert "the engine runs in process" in log
+    assert log.count("froze ") == 2, log  # after warm-up, the engine's heap and the HTTP side's (engine/_heap.py)
     # A terminal's Ctrl-C reaches the whole process group: the engine process ignores it and the server drains
     # through it, so the request in flight finishes and the server exits 0.
     with httpx.stream("POST", f"{engine_process.url}/v1/completions", timeout=60,

@@ -6,9 +6,10 @@
 
 from specjax.engine._config import EngineConfig
 from specjax.engine._engine import Engine
+from specjax.engine._heap import GcPauses, freeze_heap
 from specjax.engine._pacing import VisitPacing
 from specjax.engine._programs import prefill_pieces
 from specjax.engine._request import Request, RequestError, RequestOutput, check_request
 
-__all__ = ["Engine", "EngineConfig", "Request", "RequestError", "RequestOutput", "VisitPacing", "check_request",
-           "prefill_pieces"]
+__all__ = ["Engine", "EngineConfig", "GcPauses", "Request", "RequestError", "RequestOutput", "VisitPacing",
+           "check_request", "freeze_heap", "prefill_pieces"]

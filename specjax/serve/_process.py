@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Callable
 
 from specjax.config import ConfigError
-from specjax.engine import EngineConfig, Request, check_request
+from specjax.engine import EngineConfig, GcPauses, Request, check_request, freeze_heap
 from specjax.serve._config import ServeConfig
 from specjax.serve._runner import DONE, FAILED, EngineRunner, QueueSender, deliver
 
 log = logging.getLogger("specjax.serve")
 
 STOP_WAIT_S = 60.0  # how long stop() waits for the child to end its requests and exit before killing it
+LONG_GC_S = 0.05  # a garbage collection of this process this long or longer is logged (the engine's own: its stats)
 
 
 class EngineProcess:
@@ -52,6 +53,7 @@ class EngineProcess:
         self._profiles: queues.Queue = queues.Queue()
         self._reader = threading.Thread(target=self._read, name="specjax-engine-pipe", daemon=True)
         self._vocab_size: int | None = None
+        self._gc: GcPauses | None = None  # this (the HTTP side's) process's collections, from start on
 
     def warm_up(self, prompt: list[int], prompt_len: int | None = None, sampled: bool = True) -> None:
         """Starts the child, which loads the models and warms its runner up (its log lines say how far); returns
@@ -73,6 +75,7 @@ class EngineProcess:
         log.info("the engine runs in process %d", self._process.pid)
 
     def start(self) -> None:
+        self._gc = GcPauses()
         self._reader.start()
 
     def check(self, request: Request) -> None:
@@ -123,6 +126,8 @@ class EngineProcess:
         if self._process.is_alive():
             log.warning("the engine process did not stop in %.0f s: killing it", STOP_WAIT_S)
             self._process.kill()
+        if self._gc is not None:
+            self._gc.close()
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:
@@ -160,6 +165,8 @@ class EngineProcess:
                     self.metrics.observe(event[1], prompt_tokens)
                 events.append((send, event))
             deliver(events)
+            if (pause := self._gc.take_longest()) >= LONG_GC_S:  # it held the events back, and every stream
+                log.info("a garbage collection paused the HTTP process for %.0f ms", 1e3 * pause)
 
     def _fail(self, message: str) -> None:
         with self._lock:
@@ -206,13 +213,12 @@ def _child(config: ServeConfig, engine_config: EngineConfig, conn) -> None:
         config.check_model(model.config)
         runner = EngineRunner.for_server(model, engine_config, drafter, config)
         runner.warm_up(prompt, prompt_len, sampled)
+        freeze_heap()
     except Exception as error:  # noqa: BLE001 - every start failure goes to the parent, which raises it
         send(("error", (isinstance(error, ConfigError), f"{type(error).__name__}: {error}")))
         return
     runner.start()
     send(("ready", model.config.vocab_size))
-
-
     while True:
         try:
             kind, item = conn.recv()

@@ -20,7 +20,7 @@ import jax
 
 from specjax import profiling
 from specjax.config import SamplingConfig
-from specjax.engine import Engine, EngineConfig, Request
+from specjax.engine import Engine, EngineConfig, GcPauses, Request
 
 log = logging.getLogger("specjax.serve")
 
@@ -130,6 +130,7 @@ class EngineRunner:
         self._last_step_s = 0.0  # the last engine.step()'s wall time
         self.log_stats_interval_s = log_stats_interval_s
         self.gather_s = 0.0  # seconds spent gathering arrivals before visits
+        self.gc: GcPauses | None = None  # this process's garbage collections while the thread runs (the stats line)
         self.tokens_sent = 0  # tokens streamed to requests (the warm-up's not counted)
         # The ended requests' speculative counts, summed (their steps, drafts verified, drafts accepted, steps that
         # verified none: adaptive verification's width 0, which skips drafting): the stats line's acceptance.
@@ -174,6 +175,7 @@ class EngineRunner:
             log.info("warm-up %d/%d: %s (%.0f s so far)", done, len(stages), what, time.monotonic() - start)
 
     def start(self) -> None:
+        self.gc = GcPauses()
         self._thread.start()
 
     @staticmethod
@@ -198,6 +200,8 @@ class EngineRunner:
             self._stopping = True
             self._wake.notify()
         self._thread.join()
+        if self.gc is not None:
+            self.gc.close()
 
     def check(self, request: Request) -> None:
         """The engine's RequestError for a request it cannot serve (reads only its config)."""
@@ -281,7 +285,8 @@ class EngineRunner:
 
     def _counters(self) -> dict:
         return {**{k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))},
-                "gather_s": self.gather_s, "tokens": self.tokens_sent, **self.spec_counts}
+                "gather_s": self.gather_s, "gc_s": 0.0 if self.gc is None else self.gc.seconds,
+                "tokens": self.tokens_sent, **self.spec_counts}
 
     def _count_speculation(self, outputs) -> None:
         for output in outputs:
@@ -299,8 +304,10 @@ class EngineRunner:
         each padded to a power of two), tokens/s, and the shares of time: waiting on the visits' device loops, the
         rest of engine.step (admission and its prefills, the host's bookkeeping), gathering arrivals, and the rest
         (handing events over, metrics; on a busy server, waiting for the GIL); where requests waited, a line of
-        how many ends those visits were to stop after (EngineConfig.visit_ends, paced by default). Going idle logs
-        what is left of the interval and stops the clock: no line averages over idle time."""
+        how many ends those visits were to stop after (EngineConfig.visit_ends, paced by default); where garbage
+        collections took 1% of the interval or more, a line of their time (engine/_heap.py: they pause the whole
+        process, inside any of the shares above). Going idle logs what is left of the interval and stops the clock:
+        no line averages over idle time."""
         if not self.log_stats_interval_s:
             return
         now = time.monotonic()
@@ -332,6 +339,10 @@ class EngineRunner:
         if d["paced_visits"]:  # the visits that ran while requests waited stop after this many ends (visit_ends)
             log.info("engine pacing: %d visits while requests waited, each to stop after %.1f ends", d["paced_visits"],
                      d["paced_ends"] / d["paced_visits"])
+        longest_gc = 0.0 if self.gc is None else self.gc.take_longest()
+        if d["gc_s"] >= 0.01 * seconds:
+            log.info("garbage collection: %.0f ms of the interval's %.1f s, the longest %.0f ms", 1e3 * d["gc_s"],
+                     seconds, 1e3 * longest_gc)
         if d["spec_steps"]:  # vLLM's SpecDecoding line, counted as requests end
             log.info("speculative, requests ended in the interval: mean acceptance length %.2f, acceptance rate "
                      "%.2f, %.1f drafts verified a step, %.0f%% of steps verifying none",

@@ -15,7 +15,7 @@ import uvicorn
 
 from specjax import default_models, speed
 from specjax.config import ConfigError
-from specjax.engine import EngineConfig
+from specjax.engine import EngineConfig, freeze_heap
 from specjax.experiments import default_drafter, load_models, load_tokenizer
 from specjax.models import hf
 from specjax.proposers import proposer_class
@@ -89,6 +89,7 @@ def serve(config: ServeConfig) -> int:
     log.info("compiling the engine's programs for %s: %s, %d slots of %d tokens", config.model_name, what,
              config.max_num_seqs, config.max_model_len)
     runner.warm_up(served.encode("def"), config.warmup_prompt_len, config.warmup_sampled)
+    freeze_heap()  # with --engine-process the HTTP side's own; the child freezes the engine's
     runner.start()
     if not tokenizer.chat_template:
         log.info("the tokenizer has no chat template: chat prompts are 'role: content' lines, then 'assistant:'")
