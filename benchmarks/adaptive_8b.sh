@@ -8,7 +8,7 @@
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests; two calls:
 #         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
 #         The adaptive engine's warm-up profiles a cost curve at each of its 9 slot counts, one step program each
-#         (PROFILE_METHOD 5; with method 4's two programs a width it did not finish within a 10-minute call on an
+#         (PROFILE_METHOD 5 and on; with method 4's two programs a width it did not finish within a 10-minute call on an
 #         H100). Each profile is kept in OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in
 #         first, so that calls continue where the last stopped.
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \

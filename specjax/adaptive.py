@@ -188,8 +188,9 @@ PROFILE_ITERATIONS = 10  # steps per timed loop when profiling (benchmarking.tim
 PROFILE_SAMPLES = 3
 # How a profile is timed, in the cache key: a change of it (2: a propose timed after an accept of every draft; 3: at
 # each width for a drafter that drafts to it; 4: after the loop's accept_verified at that width; 5: the loop's own
-# step, its width forced by the cost vector) leaves the curves profiled before unread.
-PROFILE_METHOD = 5
+# step, its width forced by the cost vector; 6: that step with none of its work dead) leaves the curves profiled
+# before unread.
+PROFILE_METHOD = 6
 # A profiled time is a difference of two loops' times: on a busy host a tiny one can come out <= 0.
 MIN_PROFILED_SECONDS = 1e-9
 # A width's cost in a forced_costs vector where it is not the one forced: no expected tokens (at most the batch

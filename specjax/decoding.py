@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -719,10 +719,21 @@ def step_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> ad
 def step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int,
                  costs: Sequence[np.ndarray]) -> list[float]:
     """Device seconds of one speculative_step at `batch` greedy rows under each cost vector (the width it forces:
-    adaptive.forced_costs), on caches filled to half the proposer's cache size (or less, to leave a block's room).
-    Every vector runs the one program: a jitted loop of steps that carries the state, as the decode loop does (its
-    caches written in place: benchmarking.time_in_loop), and that restores the state's integer leaves (lengths,
-    tokens, counters, done) before each step, so that every step starts where the first did and no row ends."""
+    adaptive.forced_costs): the loop of step_profile_loop, one program for every vector, timed by
+    benchmarking.time_in_loop."""
+    step, program, arguments = step_profile_loop(model, draft_params, proposer, batch)
+    return [benchmarking.time_in_loop(step, *arguments(forced), invariant=6, carry=True, program=program,
+                                      iterations=adaptive.PROFILE_ITERATIONS, samples=adaptive.PROFILE_SAMPLES,
+                                      warmup=1)["median_s"] for forced in costs]
+
+
+def step_profile_loop(model: Transformer, draft_params: Any, proposer: Proposer,
+                      batch: int) -> tuple[Callable, Callable, Callable[[np.ndarray], tuple]]:
+    """What step_seconds times: (the step, its jitted loop (benchmarking.loop_program: program(count, *arguments)),
+    arguments(costs)). The loop carries the state, as the decode loop does (its caches written in place), from
+    caches filled to half the proposer's cache size (or less, to leave a block's room), and sets the state's integer
+    leaves (lengths, tokens, counters, done) back before each step, so that every step starts where the first did
+    and no row ends."""
     spec = proposer.settings.spec
     cache_size, block = proposer.settings.cache_size, spec.num_speculative_tokens + 1
     prompt_len = min(cache_size // 2, cache_size - 2 * block)
@@ -736,22 +747,23 @@ def step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batc
     state = init(model, draft_params, tokens, jnp.full((batch,), prompt_len, jnp.int32),
                  jnp.full((batch,), block + 1, jnp.int32), jax.vmap(jax.random.key)(jnp.arange(batch)), sampling)
     is_int = [not jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in jax.tree.leaves(state)]
-    start = [leaf for leaf, integer in zip(jax.tree.leaves(state), is_int) if integer]
+    start = tuple(leaf for leaf, integer in zip(jax.tree.leaves(state), is_int) if integer)
     step = functools.partial(_profiled_step, proposer=proposer, verifiers=lossless_verifiers(spec),
                              is_int=tuple(is_int))
-    program = benchmarking.loop_program(step, invariant=5, carry=True)  # one program for every vector
-    return [benchmarking.time_in_loop(step, model, draft_params, jnp.int32(method_index(spec)), jnp.asarray(forced),
-                                      tuple(start), state, invariant=5, carry=True, program=program,
-                                      iterations=adaptive.PROFILE_ITERATIONS, samples=adaptive.PROFILE_SAMPLES,
-                                      warmup=1)["median_s"] for forced in costs]
+    method = jnp.int32(method_index(spec))
+    return (step, benchmarking.loop_program(step, invariant=6, carry=True),
+            lambda costs: (model, draft_params, method, jnp.asarray(costs), start, jnp.bool_(False), state))
 
 
-def _profiled_step(model, draft_params, method, costs, start, state, *, proposer, verifiers, is_int):
-    """step_seconds' loop body: a step from `state` with its integer leaves set back to `start`; (the rows' lengths
-    as its output, the state carried)."""
+def _profiled_step(model, draft_params, method, costs, start, keep, state, *, proposer, verifiers, is_int):
+    """step_profile_loop's step: one from `state` with its integer leaves set back to `start` (unless `keep`, which
+    is False); (the rows' lengths as its output, the state carried)."""
     leaves, treedef = jax.tree.flatten(state)
     given = iter(start)
-    state = treedef.unflatten([next(given) if integer else leaf for leaf, integer in zip(leaves, is_int)])
+    # A traced `keep` the compiler cannot fold: set back unconditionally, the last step's integer leaves would be
+    # dead, and XLA would drop the work that made them (token writes, counters), which the loop's step does.
+    state = treedef.unflatten([jnp.where(keep, leaf, next(given)) if integer else leaf
+                               for leaf, integer in zip(leaves, is_int)])
     state = speculative_step(model, draft_params, state, method, proposer=proposer, verifiers=verifiers,
                              eos_token_ids=(), verify_costs=costs)
     return state.decode.lengths, (state,)

@@ -5,8 +5,10 @@ greedy output identical to autoregressive for a chain drafter, DFlash and DSpark
 while the width changes from step to step, one while loop, and losslessness by chi-square with the negative
 control of a width chosen from the row's own sampled draft."""
 
+import collections
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +274,44 @@ def test_a_profile_times_the_loops_own_step_at_the_width_each_cost_vector_forces
         seconds = timing.seconds(2, [adaptive.forced_costs(widths, i) for i in range(len(widths))])
     assert len(seconds) == len(widths) and all(np.isfinite(seconds))  # timed (not compared: a busy host is noisy)
     assert names.count("run") == 1, names  # one loop program for every width
+
+
+def test_the_profiled_step_keeps_all_the_work_of_the_loops_step():
+    """step_profile_loop sets the state's integer leaves back before each step. Set back by a constant (the control),
+    what the step wrote to them is dead, and XLA drops the work: fewer scatters than a loop of the step itself (the
+    token writes, the counters). Set back through a predicate it cannot fold, as the profile does, every scatter
+    and select of the step's own loop is in the compiled program."""
+    from specjax.benchmarking import loop_program
+    from specjax.decoding import speculative_step, step_profile_loop
+    from specjax.proposers import build_proposer
+    from specjax.verify import lossless_verifiers
+
+    target, draft = tiny_pair()
+    spec = SpecConfig(num_speculative_tokens=3, enable_adaptive_verification=True)
+    proposer = build_proposer(spec, SamplingConfig(), 32, draft)
+    _, program, arguments = step_profile_loop(target, proposer.bind(draft, target), proposer, 2)
+    model, params, method, costs, start, keep, state = arguments(adaptive.forced_costs(spec.verify_widths, 3))
+
+    def step(model, params, method, costs, state):
+        after = speculative_step(model, params, state, method, proposer=proposer, verifiers=lossless_verifiers(spec),
+                                 eos_token_ids=(), verify_costs=costs)
+        return after.decode.lengths, (after,)
+
+    def set_back(model, params, method, costs, start, state):
+        leaves, treedef = jax.tree.flatten(state)
+        given = iter(start)
+        return step(model, params, method, costs, treedef.unflatten(
+            [leaf if jnp.issubdtype(leaf.dtype, jnp.floating) else next(given) for leaf in leaves]))
+
+    def ops(program, *args):
+        text = program.lower(jnp.int32(2), *args).compile().as_text()
+        return collections.Counter(re.findall(r"=\s*\S+\s+([\w-]+)\(", text))
+
+    own = ops(loop_program(step, invariant=4, carry=True), model, params, method, costs, state)
+    control = ops(loop_program(set_back, invariant=5, carry=True), model, params, method, costs, start, state)
+    profiled = ops(program, model, params, method, costs, start, keep, state)
+    assert control["scatter"] < own["scatter"], (control, own)
+    assert profiled["scatter"] >= own["scatter"] and profiled["select"] >= own["select"], (profiled, own)
 
 
 # ------------------------------------------------------------------------------------------ refusals
