@@ -716,15 +716,18 @@ def step_timing(model: Transformer, draft_params: Any, proposer: Proposer) -> ad
                                skips_drafting=proposer.skips_drafting)
 
 
+PROFILE_INVARIANT = 6  # step_profile_loop's arguments before the carried state: the same every step
+
+
 def step_seconds(model: Transformer, draft_params: Any, proposer: Proposer, batch: int,
                  costs: Sequence[np.ndarray]) -> list[float]:
     """Device seconds of one speculative_step at `batch` greedy rows under each cost vector (the width it forces:
     adaptive.forced_costs): the loop of step_profile_loop, one program for every vector, timed by
     benchmarking.time_in_loop."""
     step, program, arguments = step_profile_loop(model, draft_params, proposer, batch)
-    return [benchmarking.time_in_loop(step, *arguments(forced), invariant=6, carry=True, program=program,
-                                      iterations=adaptive.PROFILE_ITERATIONS, samples=adaptive.PROFILE_SAMPLES,
-                                      warmup=1)["median_s"] for forced in costs]
+    return [benchmarking.time_in_loop(step, *arguments(forced), invariant=PROFILE_INVARIANT, carry=True,
+                                      program=program, iterations=adaptive.PROFILE_ITERATIONS,
+                                      samples=adaptive.PROFILE_SAMPLES, warmup=1)["median_s"] for forced in costs]
 
 
 def step_profile_loop(model: Transformer, draft_params: Any, proposer: Proposer,
@@ -751,7 +754,7 @@ def step_profile_loop(model: Transformer, draft_params: Any, proposer: Proposer,
     step = functools.partial(_profiled_step, proposer=proposer, verifiers=lossless_verifiers(spec),
                              is_int=tuple(is_int))
     method = jnp.int32(method_index(spec))
-    return (step, benchmarking.loop_program(step, invariant=6, carry=True),
+    return (step, benchmarking.loop_program(step, invariant=PROFILE_INVARIANT, carry=True),
             lambda costs: (model, draft_params, method, jnp.asarray(costs), start, jnp.bool_(False), state))
 
 
