@@ -757,6 +757,7 @@ def main(argv=None) -> None:
             if runner is not None:
                 runner.stop()
             del engine, runner
+    gc.unfreeze()  # what freeze_heap froze goes back to the collector: a caller's process (a test's) goes on
     print(f"wrote {json_path} and its .md, .png")
 
 

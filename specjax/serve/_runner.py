@@ -130,6 +130,9 @@ class EngineRunner:
         self._last_step_s = 0.0  # the last engine.step()'s wall time
         self.log_stats_interval_s = log_stats_interval_s
         self.gather_s = 0.0  # seconds spent gathering arrivals before visits
+        # Seconds spent handing visits' ends over (their tokens go inside engine.step): with --engine-process a pipe
+        # send, which waits while the HTTP side's process does not read.
+        self.ends_s = 0.0
         self.gc: GcPauses | None = None  # this process's garbage collections while the thread runs (the stats line)
         self.tokens_sent = 0  # tokens streamed to requests (the warm-up's not counted)
         # The ended requests' speculative counts, summed (their steps, drafts verified, drafts accepted, steps that
@@ -277,7 +280,9 @@ class EngineRunner:
             self._log_stats()
             with self._wake:
                 streams = [(self._streams.pop(output.request_id, None), output) for output in outputs]
+            handing = time.monotonic()
             deliver([(stream.send, (DONE, output)) for stream, output in streams if stream is not None])
+            self.ends_s += time.monotonic() - handing
             for stream, output in streams:
                 if stream is not None and self.metrics is not None:
                     self.metrics.running.labels(self.metrics.model_name).dec()
@@ -285,7 +290,7 @@ class EngineRunner:
 
     def _counters(self) -> dict:
         return {**{k: v for k, v in self.engine.stats().items() if isinstance(v, (int, float))},
-                "gather_s": self.gather_s, "gc_s": 0.0 if self.gc is None else self.gc.seconds,
+                "gather_s": self.gather_s, "ends_s": self.ends_s, "gc_s": 0.0 if self.gc is None else self.gc.seconds,
                 "tokens": self.tokens_sent, **self.spec_counts}
 
     def _count_speculation(self, outputs) -> None:
@@ -302,8 +307,8 @@ class EngineRunner:
         periodic stats): requests running and waiting (in the engine's queue, or arrived since the visit began),
         visits, steps a visit, slots stepped a step and how many held a request, admission prefills (and the rows
         each padded to a power of two), tokens/s, and the shares of time: waiting on the visits' device loops, the
-        rest of engine.step (admission and its prefills, the host's bookkeeping), gathering arrivals, and the rest
-        (handing events over, metrics; on a busy server, waiting for the GIL); where requests waited, a line of
+        rest of engine.step (admission and its prefills, the host's bookkeeping, handing tokens over), gathering
+        arrivals, handing the visits' ends over, and the rest (metrics; on a busy server, waiting for the GIL); where requests waited, a line of
         how many ends those visits were to stop after (EngineConfig.visit_ends, paced by default); where garbage
         collections took 1% of the interval or more, a line of their time (engine/_heap.py: they pause the whole
         process, inside any of the shares above). Going idle logs what is left of the interval and stops the clock:
@@ -330,12 +335,13 @@ class EngineRunner:
         calls = max(d["prefill_calls"], 1)
         log.info("engine: %d running, %d waiting; %.1f visits/s, %.1f steps/visit, %.1f slots stepped/step "
                  "(%.1f busy), %d prefills of %.1f requests (%.1f rows padded), %.0f tokens/s; device %.0f%%, "
-                 "engine host %.0f%%, gathering %.0f%%, the rest %.0f%% of the time", after["running"], waiting,
+                 "engine host %.0f%%, gathering %.0f%%, handing ends over %.0f%%, the rest %.0f%% of the time",
+                 after["running"], waiting,
                  d["visits"] / seconds, d["steps"] / visits, d["slot_steps"] / steps, d["busy_slot_steps"] / steps,
                  d["prefill_calls"], d["prefilled_requests"] / calls, d["prefill_padded_rows"] / calls,
                  d["tokens"] / seconds, 100 * d["device_wait_s"] / seconds,
                  100 * (d["step_s"] - d["device_wait_s"]) / seconds, 100 * d["gather_s"] / seconds,
-                 100 * (seconds - d["step_s"] - d["gather_s"]) / seconds)
+                 100 * d["ends_s"] / seconds, 100 * (seconds - d["step_s"] - d["gather_s"] - d["ends_s"]) / seconds)
         if d["paced_visits"]:  # the visits that ran while requests waited stop after this many ends (visit_ends)
             log.info("engine pacing: %d visits while requests waited, each to stop after %.1f ends", d["paced_visits"],
                      d["paced_ends"] / d["paced_visits"])
