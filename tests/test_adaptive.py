@@ -68,6 +68,26 @@ def test_the_budget_counts_active_rows_only_and_each_rows_own_survival():
     assert int(choose_width(conditional, active, (0, 1, 3), costs * np.float32([1.01, 1, 1]))) == 1
 
 
+def test_a_width_that_saves_too_little_against_a_wider_one_is_never_chosen():
+    """The H100's batch-1 curve (DFlash K 15 at the 8B shape, 2026-12-06): widths 1 to 10 cost within 5% of width
+    15's step (10 above it), so only 0 and 15 stay; a steep curve keeps every width. Priced out in the loop's costs,
+    a narrow width that the estimates favour loses to the next kept one; its control, every width kept, takes it."""
+    widths = (0, 1, 2, 3, 4, 5, 7, 10, 15)
+    flat = np.asarray([5.35, 6.44, 6.41, 6.40, 6.53, 6.45, 6.52, 6.77, 6.69], np.float32)
+    assert [w for w, keep in zip(widths, adaptive.worth_choosing(flat)) if keep] == [0, 15]
+    steep = np.asarray([7.11, 11.75, 12.35, 13.38, 14.73, 16.29, 18.97, 26.05, 31.74], np.float32)  # batch 64's
+    assert [w for w, keep in zip(widths, adaptive.worth_choosing(steep)) if keep] == [0, 2, 3, 4, 5, 7, 10, 15]
+    assert adaptive.worth_choosing(flat, min_saving=0.0).tolist() == [True, False, False, True, False, True, True,
+                                                                       False, True]  # cheaper than the next kept
+    spec = SpecConfig(method="dflash", num_speculative_tokens=15, enable_adaptive_verification=True)
+    assert spec.verify_widths == widths
+    costs = adaptive.verify_costs(spec, adaptive.CostCurve((1,), widths, (tuple(map(float, flat)),)), 1)
+    np.testing.assert_array_equal(np.asarray(costs) == adaptive.FORCED_OUT, ~adaptive.worth_choosing(flat))
+    # One row whose drafts 1-3 are certain and the rest never pass: width 3 has the most tokens a second (4 / 6.40).
+    conditional = np.asarray([[1.0] * 3 + [0.0] * 12], np.float32)
+    assert widths[int(choose_width(conditional, np.ones(1, bool), widths, flat))] == 3
+    assert widths[int(choose_width(conditional, np.ones(1, bool), widths, costs))] == 15
+
 def test_the_estimator_counts_tested_positions_with_a_discount():
     state = adaptive.AdaptiveState(passed=np.ones((3, 4), np.float32), tested=np.full((3, 4), 2.0, np.float32))
     # Row 0 verified 4 and accepted 1: position 1 passed, 2 failed, 3 and 4 untested. Row 1 verified 2 and

@@ -8,7 +8,8 @@ no model runs, so the estimator's loss is seen apart from the switch's cost on t
 
 For each results row (a batch) of bench_decode.py --adaptive: tokens per second of every fixed compiled width
 and of the adaptive choice over `steps` steps (the generation's length at the profile's tau), mean over seeds,
-all costed by the row's profiled curve, and adaptive's ratio to the best fixed width. --finish steps as static
+all costed by the row's profiled curve, and adaptive's ratio to the best fixed width. --min-saving: the loop's pruning of widths that save too little (adaptive.worth_choosing; 0 turns it off).
+--finish steps as static
 generation does (every row stops at the length and the batch runs until its last row has it), which is what
 bench_decode measures: without it the probe steps until the mean row is done and misses the slowest row's steps.
 
@@ -159,13 +160,16 @@ def adaptive_step(estimator, widths):
     return jax.jit(estimator.traced(step))
 
 
-def simulate_adaptive(step, estimator, rates, widths, costs, new_tokens, seed, finish=False):
+def simulate_adaptive(step, estimator, rates, widths, costs, new_tokens, seed, finish=False,
+                      min_saving=adaptive.MIN_SAVING):
     """Steps until the batch has emitted new_tokens a row on average (a step that skips drafting emits one a row);
     with finish, until every row has (finish_of), the estimate and choice over the unfinished rows as in the loop."""
     rng = np.random.default_rng(seed)
     batch, k = rates.shape
     state, active = estimator.init(batch, k), jnp.ones((batch,), bool)
-    costs_array = jnp.asarray(costs, jnp.float32)
+    # What the loop chooses by (adaptive.verify_costs: widths not worth choosing priced out); steps cost `costs`.
+    costs_array = jnp.asarray(np.where(adaptive.worth_choosing(np.asarray(costs), min_saving), costs,
+                                       adaptive.FORCED_OUT), jnp.float32)
     if finish:
         holder = [state]
 
@@ -200,6 +204,9 @@ def main():
     parser.add_argument("--finish", action="store_true",
                         help="static generation's ends: every row stops at the length, the batch steps until the "
                              "last has it (its slowest row's steps), as bench_decode measures; else the mean row's")
+    parser.add_argument("--min-saving", type=float, default=adaptive.MIN_SAVING,
+                        help="adaptive.MIN_SAVING: a width is chosen only where it saves this share of a step "
+                             "against the next wider one (0: every width)")
     args = parser.parse_args()
     estimators = [estimator_of(spec) for spec in (args.estimator or ["moving-average", "counts"])]
     for path in args.results:
@@ -226,7 +233,7 @@ def main():
                 for estimator in estimators:
                     step = steps_by.setdefault(estimator.label, adaptive_step(estimator, widths))
                     runs = [simulate_adaptive(step, estimator, rates, widths, costs, args.new_tokens or row["new"], s,
-                                              args.finish) for s in range(args.seeds)]
+                                              args.finish, args.min_saving) for s in range(args.seeds)]
                     rate = np.mean([r[0] for r in runs])
                     print(f"  {estimator.label}: {rate:,.0f} tok/s at mean width {np.mean([r[1] for r in runs]):.1f}"
                           f" = {rate / fixed[best]:.3f} of width {best}")
