@@ -5,12 +5,14 @@
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh decode B OUT  # generate at batch B: adaptive against fixed K, the
 #                                                          # envelope K chosen for B (1: 4, 8; 16: 4, 8; 64: 2, 3, 4)
 #         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~36 steps of one row's draws, 16% s.d. between seeds)
-#     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests; two calls:
+#     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests:
 #         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
-#         The adaptive engine's warm-up profiles a cost curve at each of its 9 slot counts, one step program each
-#         (PROFILE_METHOD 5 and on; with method 4's two programs a width it did not finish within a 10-minute call on an
-#         H100). Each profile is kept in OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in
-#         first, so that calls continue where the last stopped.
+#         One engine of 256 slots whose visits step 1, 16, 64 or 256 of them (COUNTS, --step-slot-counts: the loads'
+#         own counts). The adaptive engine's warm-up profiles a cost curve at each count and compiles a loop for
+#         it, each a program of 9 branches: about 100 s apiece on an H100 (the nineteenth session's call profiled
+#         batches 1 and 2 of the 9 powers of two in 570 s), so it spans two calls. Each profile is kept in
+#         OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in first, so that a call continues
+#         where the last stopped.
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
 #         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
 set -uo pipefail
@@ -30,7 +32,7 @@ case $part in
     export SPECJAX_COST_CURVE_DIR=$out/cost_curves; mkdir -p $SPECJAX_COST_CURVE_DIR
     [ -z "${CURVES:-}" ] || cp "$CURVES"/*.json $SPECJAX_COST_CURVE_DIR/ 2>/dev/null
     python3 scripts/bench_serve.py --models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 --max-num-seqs 256 \
-      --max-prefill-batch 64 --acceptance-rates $rates --concurrency 1,16,64,256 \
+      --step-slot-counts ${COUNTS:-1,16,64,256} --max-prefill-batch 64 --acceptance-rates $rates --concurrency 1,16,64,256 \
       --methods $methods --name bench_serve_8b_adaptive_$(echo $methods | tr ':,' '_-') --output "$out"
     ;;
   *) echo "usage: $0 decode B [OUT] | serve [OUT [METHODS]]"; exit 2 ;;

@@ -528,6 +528,10 @@ def main(argv=None) -> None:
                         help="each request's new tokens drawn uniformly from [N (1 - R), N (1 + R)] for --new-tokens "
                              "N, by its index (vLLM's bench option, on output lengths only); 0: all N")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="slots of one engine serving every load (default: an engine of c slots for each load c)")
+    parser.add_argument("--step-slot-counts", default=None,
+                        help="comma-separated: the counts of slots an engine's visit may step "
+                             "(EngineConfig.step_slot_counts; those past an engine's slots are dropped and its slots "
+                             "end the list); default: powers of two")
     parser.add_argument("--steps-per-visit", type=int, default=16)
     parser.add_argument("--max-prefill-batch", type=int, default=16, help="requests prefilled in one call at most")
     parser.add_argument("--static-batches", default="", help="static generate AR at these batches, the peer")
@@ -619,6 +623,12 @@ def main(argv=None) -> None:
     if bad:
         parser.error(f"--prefill-call-rows {bad[0]!r} is invalid: allowed a comma-separated list of numbers >= 0 and "
                      "inf")
+    step_counts = None
+    if args.step_slot_counts is not None:
+        if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.step_slot_counts):
+            parser.error(f"--step-slot-counts {args.step_slot_counts!r} is invalid: allowed a comma-separated list of "
+                         "positive integers")
+        step_counts = sorted({int(c) for c in args.step_slot_counts.split(",")})
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio {args.random_range_ratio} is invalid: allowed 0 <= R < 1")
     if args.requests_per_stream < 1:
@@ -643,7 +653,7 @@ def main(argv=None) -> None:
     load_label = "request rate (req/s)" if rates else "requests in flight"
     meta = {**benchmarking.environment(), "models": args.models, "load": load_label, "through": args.through,
             "prompt_len": prompt_len, "new_tokens": args.new_tokens, "random_range_ratio": args.random_range_ratio,
-            "steps_per_visit": args.steps_per_visit,
+            "steps_per_visit": args.steps_per_visit, "step_slot_counts": args.step_slot_counts or "powers of two",
             "max_prefill_batch": args.max_prefill_batch, "workload": args.workload,
             **({"num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len, "suffix_len": args.suffix_len}
                if args.workload == "shared-prefix" else {}),
@@ -680,7 +690,8 @@ def main(argv=None) -> None:
             engine = runner = None
             for load in loads:
                 # Without --max-num-seqs a closed loop of c requests gets an engine of c slots; with it, one engine
-                # serves every load (a visit steps the smallest power-of-two count of slots holding the busy ones).
+                # serves every load (a visit steps the smallest count of slots holding the busy ones: powers of two,
+                # or --step-slot-counts).
                 slots = args.max_num_seqs or (int(load) if rates is None else 64)
                 # A prefix cache would carry one load's blocks into the next: a fresh engine for each.
                 if engine is None or engine.config.max_num_seqs != slots or engine.config.enable_prefix_caching:
@@ -693,7 +704,9 @@ def main(argv=None) -> None:
                                           draft_kv_offload=ON_OFF[offload],
                                           async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode], **mixed_fields(mix),
                                           visit_ends=None if ends == "auto" else int(ends),
-                                          prefill_call_rows=float(rows_a_call))
+                                          prefill_call_rows=float(rows_a_call),
+                                          step_slot_counts=None if step_counts is None else tuple(
+                                              [c for c in step_counts if c < slots] + [slots]))
                     if runner is not None:
                         runner.stop()
                     engine = runner = None  # the last one's caches go before the next one's are made

@@ -209,18 +209,29 @@ def test_an_aborted_request_frees_its_slot_for_the_next():
 
 
 @pytest.mark.loop
-def test_busy_slots_are_kept_first_and_a_visit_steps_only_a_bucket_of_them():
-    """When a request ends, the last busy slot's row moves into its slot: a visit then steps the smallest
-    power-of-two count of slots that holds the busy ones, and the moved request's output is unchanged."""
+@pytest.mark.parametrize("counts, stepped_counts", [(None, {4, 2}), ((3, 8), {3})],
+                         ids=["powers_of_two", "step_slot_counts"])
+def test_busy_slots_are_kept_first_and_a_visit_steps_only_a_bucket_of_them(counts, stepped_counts):
+    """When a request ends, the last busy slot's row moves into its slot: a visit then steps the smallest count of
+    slots that holds the busy ones (a power of two, or one of step_slot_counts), and the moved request's output is
+    unchanged."""
     target, drafts = target_and_drafts()
     engine = Engine(target, EngineConfig(max_num_seqs=8, max_model_len=64, spec=SPECS["draft_model"],
-                                         steps_per_visit=2), drafter=drafts["perturbed"])
+                                         steps_per_visit=2, step_slot_counts=counts), drafter=drafts["perturbed"])
     requests = [Request.make("short", [3, 9, 27], 2), Request.make("a", [5, 1], 14), Request.make("b", [2, 2, 2], 14)]
     outputs = {o.request_id: o.tokens for o in engine.run(requests)}
     expected = generate(target, [list(r.prompt) for r in requests], max_new_tokens=[r.max_tokens for r in requests])
     assert [list(outputs[r.request_id]) for r in requests] == expected.sequences()
     stepped = {rows for _, rows in engine.step_programs()}
-    assert 4 in stepped and 2 in stepped and 8 not in stepped  # 3 busy slots, then 2 once "short" ended
+    assert stepped == stepped_counts  # 3 busy slots, then 2 once "short" ended
+
+
+@pytest.mark.parametrize("counts", [(), (4, 2, 8), (2, 4), (0, 8), (2, 2, 8), "8", (2.0, 8)])
+def test_step_slot_counts_other_than_increasing_counts_ending_at_max_num_seqs_are_refused(counts):
+    with pytest.raises(ValueError, match=r"EngineConfig.step_slot_counts = .+ is invalid: allowed None or increasing "
+                                         r"integers >= 1 ending with max_num_seqs \(8\)"):
+        EngineConfig(max_num_seqs=8, step_slot_counts=counts)
+    assert EngineConfig(max_num_seqs=8, step_slot_counts=[1, 8]).step_slot_counts == (1, 8)
 
 
 def test_prefill_pieces_pad_fewer_rows_than_one_call_by_more_than_a_call_costs():

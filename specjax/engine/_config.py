@@ -77,6 +77,12 @@ class EngineConfig:
     # nor with draft_kv_offload, nor with prefix caching and speculation together.
     mixed_prefill_tokens: int | None = None
     mixed_prefill_chunks: int = 1  # prompt chunks a mixed step prefills at most
+    # The counts of slots a visit may step (as vLLM's cudagraph_capture_sizes): a visit steps the smallest that holds
+    # every busy slot (busy slots are kept first), and each is one step program compiled at warm-up, with adaptive
+    # verification one cost profile too. Increasing, ending with max_num_seqs. None: the powers of two below
+    # max_num_seqs, and max_num_seqs. Fewer counts warm up sooner (an adaptive engine at the 8B shape takes about
+    # 200 s a count on an H100, docs/performance.md) for idle slots stepped between them.
+    step_slot_counts: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "steps_per_visit", "max_prefill_batch", "block_size",
@@ -97,6 +103,13 @@ class EngineConfig:
                 if value not in (None, False):
                     raise ValueError(f"EngineConfig.{name} = {value} is invalid with mixed_prefill_tokens = "
                                      f"{self.mixed_prefill_tokens}: allowed {allowed}")
+        if self.step_slot_counts is not None:
+            counts = list(self.step_slot_counts) if isinstance(self.step_slot_counts, (list, tuple)) else None
+            if not counts or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts) or (
+                    counts != sorted(set(counts)) or counts[-1] != self.max_num_seqs):
+                raise ValueError(f"EngineConfig.step_slot_counts = {self.step_slot_counts!r} is invalid: allowed None "
+                                 f"or increasing integers >= 1 ending with max_num_seqs ({self.max_num_seqs})")
+            object.__setattr__(self, "step_slot_counts", tuple(counts))
         if isinstance(self.prefill_call_rows, bool) or not isinstance(self.prefill_call_rows, (int, float)) or not (
                 self.prefill_call_rows >= 0):
             raise ValueError(f"EngineConfig.prefill_call_rows = {self.prefill_call_rows!r} is invalid: allowed a "

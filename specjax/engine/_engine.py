@@ -261,7 +261,7 @@ class Engine:
 
     def _run_steps(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, costs, state,
                    draft, plan) -> tuple:
-        """run_steps over the first `rows` slots of `state` (one program per power-of-two count); touches no other
+        """run_steps over the first `rows` slots of `state` (one program per count of _row_buckets); touches no other
         engine field than the compile count, so that the dispatch thread may make it."""
         program = self._program(mode)
         compiled = run_steps._cache_size()
@@ -427,7 +427,10 @@ class Engine:
                                           [], [], [])
 
     def _row_buckets(self) -> list[int]:
-        """The counts of slots a visit steps: powers of two below max_num_seqs, and max_num_seqs."""
+        """The counts of slots a visit steps: EngineConfig.step_slot_counts, or powers of two below max_num_seqs, and
+        max_num_seqs."""
+        if self.config.step_slot_counts is not None:
+            return list(self.config.step_slot_counts)
         counts, rows = [], 1
         while rows < self.config.max_num_seqs:
             counts.append(rows)

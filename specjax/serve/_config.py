@@ -37,6 +37,9 @@ class ServeConfig:
     # mixed_prefill_chunks a step (--mixed-prefill-chunks) (EngineConfig's fields).
     mixed_prefill_tokens: int | None = None
     mixed_prefill_chunks: int = 1
+    # The counts of slots a visit may step, each a step program compiled at warm-up (EngineConfig.step_slot_counts;
+    # --set step_slot_counts=[1,16,64,256]); None: powers of two up to max_num_seqs.
+    step_slot_counts: tuple[int, ...] | None = None
     # Prompts of up to this many tokens find every program compiled before the server listens (each admission
     # batch and step bucket, greedy and sampled: Engine.warmup); None: only short requests are warmed, and the
     # first requests of other lengths or larger batches compile theirs (seconds each at the 8B shape).

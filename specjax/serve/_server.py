@@ -72,7 +72,8 @@ def serve(config: ServeConfig) -> int:
                                  mixed_prefill_tokens=config.mixed_prefill_tokens,
                                  mixed_prefill_chunks=config.mixed_prefill_chunks,
                                  max_prefill_batch=config.max_prefill_batch, async_scheduling=config.async_scheduling,
-                                 steps_per_visit=config.steps_per_visit, visit_ends=config.visit_ends)
+                                 steps_per_visit=config.steps_per_visit, visit_ends=config.visit_ends,
+                                 step_slot_counts=config.step_slot_counts)
     # The engine thread and the HTTP event loop take turns on the interpreter lock: a short interval hands it back
     # to the engine soon after its device call returns.
     sys.setswitchinterval(config.switch_interval_ms / 1e3)
