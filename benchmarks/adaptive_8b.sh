@@ -7,12 +7,12 @@
 #         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~36 steps of one row's draws, 16% s.d. between seeds)
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests:
 #         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
-#         One engine of 256 slots whose visits step 1, 16, 64 or 256 of them (COUNTS, --step-slot-counts: the loads'
-#         own counts). The adaptive engine's warm-up profiles a cost curve at each count and compiles a loop for
-#         it, each a program of 9 branches: about 100 s apiece on an H100 (the nineteenth session's call profiled
-#         batches 1 and 2 of the 9 powers of two in 570 s), so it spans two calls. Each profile is kept in
-#         OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in first, so that a call continues
-#         where the last stopped.
+#         One engine of SLOTS (256) slots for loads CONC (1,16,64,256), whose visits step COUNTS (1,16,64,256; the
+#         loads' own counts, --step-slot-counts) of them. The adaptive engine's warm-up profiles a cost curve at each
+#         count and compiles a loop for it, each a program of 9 branches: about 100 s apiece on an H100 (the
+#         nineteenth session's call profiled batches 1 and 2 of the 9 powers of two in 570 s). Within one 10-minute
+#         call: SLOTS=16 COUNTS=1,16 CONC=1,16, then SLOTS=256 COUNTS=64,256 CONC=64,256. Each profile is kept in
+#         OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in first.
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
 #         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
 set -uo pipefail
@@ -31,9 +31,11 @@ case $part in
     out=${2:-benchmarks/results}; methods=${3:-none,dflash:15::adaptive,dflash:15}
     export SPECJAX_COST_CURVE_DIR=$out/cost_curves; mkdir -p $SPECJAX_COST_CURVE_DIR
     [ -z "${CURVES:-}" ] || cp "$CURVES"/*.json $SPECJAX_COST_CURVE_DIR/ 2>/dev/null
-    python3 scripts/bench_serve.py --models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 --max-num-seqs 256 \
-      --step-slot-counts ${COUNTS:-1,16,64,256} --max-prefill-batch 64 --acceptance-rates $rates --concurrency 1,16,64,256 \
-      --methods $methods --name bench_serve_8b_adaptive_$(echo $methods | tr ':,' '_-') --output "$out"
+    conc=${CONC:-1,16,64,256}
+    python3 scripts/bench_serve.py --models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 \
+      --max-num-seqs ${SLOTS:-256} --step-slot-counts ${COUNTS:-1,16,64,256} --max-prefill-batch 64 \
+      --acceptance-rates $rates --concurrency $conc --methods $methods \
+      --name bench_serve_8b_adaptive_$(echo $methods | tr ':,' '_-')_c$(echo $conc | tr ',' '-') --output "$out"
     ;;
   *) echo "usage: $0 decode B [OUT] | serve [OUT [METHODS]]"; exit 2 ;;
 esac
