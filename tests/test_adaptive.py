@@ -88,6 +88,7 @@ def test_a_width_that_saves_too_little_against_a_wider_one_is_never_chosen():
     assert widths[int(choose_width(conditional, np.ones(1, bool), widths, flat))] == 3
     assert widths[int(choose_width(conditional, np.ones(1, bool), widths, costs))] == 15
 
+
 def test_the_estimator_counts_tested_positions_with_a_discount():
     state = adaptive.AdaptiveState(passed=np.ones((3, 4), np.float32), tested=np.full((3, 4), 2.0, np.float32))
     # Row 0 verified 4 and accepted 1: position 1 passed, 2 failed, 3 and 4 untested. Row 1 verified 2 and

@@ -8,8 +8,8 @@ no model runs, so the estimator's loss is seen apart from the switch's cost on t
 
 For each results row (a batch) of bench_decode.py --adaptive: tokens per second of every fixed compiled width
 and of the adaptive choice over `steps` steps (the generation's length at the profile's tau), mean over seeds,
-all costed by the row's profiled curve, and adaptive's ratio to the best fixed width. --min-saving: the loop's pruning of widths that save too little (adaptive.worth_choosing; 0 turns it off).
---finish steps as static
+all costed by the row's profiled curve, and adaptive's ratio to the best fixed width. --min-saving sets the
+loop's pruning of the widths that save too little (adaptive.worth_choosing; 0 turns it off). --finish steps as static
 generation does (every row stops at the length and the batch runs until its last row has it), which is what
 bench_decode measures: without it the probe steps until the mean row is done and misses the slowest row's steps.
 
