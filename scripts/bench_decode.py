@@ -232,6 +232,9 @@ def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int
             f"{name}_adaptive_step_predicted_ms": None if predicted_s is None else predicted_s * 1e3,
             f"{name}_adaptive_step_measured_ms": None if measured_s is None else measured_s * 1e3,
             f"{name}_adaptive_steps": steps,
+            # The widths the loop chose from at this batch: those worth choosing on the curve (adaptive.verify_costs).
+            f"{name}_adaptive_widths_kept": [w for w, c in zip(spec.verify_widths, np.asarray(costs))
+                                             if c < adaptive.FORCED_OUT],
             f"{name}_adaptive_curve": dict(zip(map(str, curve.widths), curve.seconds[0]))}
 
 
@@ -411,6 +414,7 @@ def main():
                         (f"{method}_tau{tau}_of_bound", "of bound"), (f"{method}_tau{tau}_speedup", "× AR"),
                         *([(f"{method}_tau{tau}_adaptive_tok_s", "adaptive tok/s"),
                            (f"{method}_tau{tau}_adaptive_width", "adaptive mean width"),
+                           (f"{method}_tau{tau}_adaptive_widths_kept", "widths worth choosing"),
                            (f"{method}_tau{tau}_adaptive_width0_share", "steps at width 0"),
                            (f"{method}_tau{tau}_adaptive_vs_fixed", "adaptive / fixed K"),
                            (f"{method}_tau{tau}_adaptive_step_predicted_ms", "step ms predicted"),
