@@ -308,11 +308,11 @@ class EngineRunner:
         visits, steps a visit, slots stepped a step and how many held a request, admission prefills (and the rows
         each padded to a power of two), tokens/s, and the shares of time: waiting on the visits' device loops, the
         rest of engine.step (admission and its prefills, the host's bookkeeping, handing tokens over), gathering
-        arrivals, handing the visits' ends over, and the rest (metrics; on a busy server, waiting for the GIL); where requests waited, a line of
-        how many ends those visits were to stop after (EngineConfig.visit_ends, paced by default); where garbage
-        collections took 1% of the interval or more, a line of their time (engine/_heap.py: they pause the whole
-        process, inside any of the shares above). Going idle logs what is left of the interval and stops the clock:
-        no line averages over idle time."""
+        arrivals, handing the visits' ends over, and the rest (metrics; on a busy server, waiting for the GIL);
+        where requests waited, a line of how many ends those visits were to stop after (EngineConfig.visit_ends,
+        paced by default); where garbage collections took 1% of the interval or more, a line of their time
+        (engine/_heap.py: they pause the whole process, inside any of the shares above). Going idle logs what is
+        left of the interval and stops the clock: no line averages over idle time."""
         if not self.log_stats_interval_s:
             return
         now = time.monotonic()
