@@ -78,7 +78,7 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("ttft_mean_ms", "TTFT mean ms"), ("ttft_p99_ms", "TTFT p99 ms"),
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
-           ("mean_acceptance_length", "tau"), ("host_share", "host share"), ("steps", "device steps"),
+           ("mean_acceptance_length", "tau"), ("mean_verified_width", "verified width"), ("host_share", "host share"), ("steps", "device steps"),
            ("visits", "visits"), ("visit_ends", "visit ends"), ("prefill_call_rows", "prefill call rows"),
            ("prefill_calls", "prefill calls"), ("prefill_padded_rows", "prefill rows padded"),
            ("prefix_caching", "prefix cache"), ("hit_rate", "hit rate"), ("draft_kv_offload", "draft KV offload"),
@@ -379,6 +379,7 @@ def summarize(records: list[Record], wall: float) -> dict:
     metrics = [r.metrics for r in records if r.metrics]
     steps = sum(m.get("steps", m.get("num_spec_steps", 0)) for m in metrics)
     accepted = sum(m.get("accepted", m.get("num_accepted_draft_tokens", 0)) for m in metrics)
+    drafted = sum(m.get("drafted", m.get("num_draft_tokens", 0)) for m in metrics)
     return {
         "requests": len(records), "output_tokens": sum(r.num_tokens for r in records),
         "output_tok_s": sum(r.num_tokens for r in records) / wall, "steady_tok_s": steady_throughput(records),
@@ -388,6 +389,8 @@ def summarize(records: list[Record], wall: float) -> dict:
         "tpot_p99_ms": percentile(tpot, 99), "itl_p50_ms": percentile(itl, 50), "itl_p99_ms": percentile(itl, 99),
         "e2e_mean_ms": float(np.mean(e2e)) * 1e3, "e2e_p50_ms": percentile(e2e, 50), "e2e_p99_ms": percentile(e2e, 99),
         "mean_acceptance_length": 1 + accepted / steps if steps else None,
+        # Drafts verified a request's step: K for fixed K, what adaptive verification chose for it otherwise.
+        "mean_verified_width": drafted / steps if steps else None,
     }
 
 
@@ -492,14 +495,20 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    # With adaptive verification a third panel: the drafts it chose to verify a step, against the load.
+    adaptive = any(row.get("adaptive") for row in rows)
+    fig, axes = plt.subplots(1, 3 if adaptive else 2, figsize=(16 if adaptive else 11, 4))
+    left, right = axes[:2]
     for index, label in enumerate(dict.fromkeys(row["label"] for row in rows)):
         points = [row for row in rows if row["label"] == label]
-        loads, color = [row["load"] for row in points], f"C{index % 10}"  # one colour a label in both panels
+        loads, color = [row["load"] for row in points], f"C{index % 10}"  # one colour a label in every panel
         left.plot(loads, [row["output_tok_s"] for row in points], marker="o", label=label, color=color)
         if all(row.get("tpot_mean_ms") for row in points):  # the static peer has no per-request latency
             right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label, color=color)
-    for axis, title in ((left, "output tokens/s"), (right, "TPOT mean (ms)")):
+        if adaptive and all(row.get("mean_verified_width") is not None for row in points):
+            axes[2].plot(loads, [row["mean_verified_width"] for row in points], marker="o", label=label, color=color)
+    titles = ["output tokens/s", "TPOT mean (ms)"] + (["drafts verified a step (mean)"] if adaptive else [])
+    for axis, title in zip(axes, titles):
         axis.set_xscale("log", base=2)
         axis.set_xlabel(load_label)
         axis.set_title(title)

@@ -280,6 +280,27 @@ def test_bench_serve_plots_each_label_in_one_colour_in_both_panels(monkeypatch, 
     assert set(colours[1]) == {"none", "eagle K=2"}
     assert all(colours[1][label] == colours[0][label] for label in colours[1])
     assert len(set(colours[0].values())) == 3
+    # With an adaptive row, a third panel: the widths it chose against the load, in its colour.
+    rows += [{"label": "eagle K=2 adaptive", "load": load, "output_tok_s": 6.0, "tpot_mean_ms": 1.5,
+              "adaptive": True, "mean_verified_width": width} for load, width in ((1, 2.0), (64, 0.5))]
+    bench_serve.plot(rows, tmp_path / "plot.png", "requests in flight")
+    left, _, widths = figures[1].axes
+    lines = {line.get_label(): (list(line.get_ydata()), line.get_color()) for line in widths.get_lines()}
+    colour = {line.get_label(): line.get_color() for line in left.get_lines()}["eagle K=2 adaptive"]
+    figures[1].clear()
+    assert lines == {"eagle K=2 adaptive": ([2.0, 0.5], colour)}  # rows without the figure are not drawn
+
+
+def test_bench_serve_reports_the_drafts_verified_a_step_from_either_metrics_names():
+    from specjax.bench_serve import Record, summarize
+
+    engine = {"steps": 4, "drafted": 6, "accepted": 3}  # the engine's names; the server's are vLLM's
+    server = {"num_spec_steps": 4, "num_draft_tokens": 10, "num_accepted_draft_tokens": 5}
+    records = [Record(0.0, 0.1, 0.5, 5, (0.1, 0.5), metrics) for metrics in (engine, server)]
+    point = summarize(records, wall=0.5)
+    assert point["mean_verified_width"] == pytest.approx(16 / 8)
+    assert point["mean_acceptance_length"] == pytest.approx(1 + 8 / 8)
+    assert summarize(records[:1] + [dataclasses.replace(records[0], metrics=None)], 0.5)["mean_verified_width"] == 1.5
 
 
 class _VisitEngine:
