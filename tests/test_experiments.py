@@ -264,7 +264,7 @@ def test_bench_serve_takes_a_per_position_acceptance_profile_for_every_speculati
     assert spec.rejection_sample_method == "synthetic" and method.synthetic_tau == pytest.approx(2.15)
 
 
-def test_bench_serve_plots_each_label_in_one_colour_in_both_panels(monkeypatch, tmp_path):
+def test_bench_serve_plots_each_label_in_one_colour_in_every_panel(monkeypatch, tmp_path):
     # The static peer has throughput but no TPOT: before, each panel coloured its lines in its own order.
     from specjax import bench_serve, benchmarking
 
