@@ -12,10 +12,15 @@ engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, on
 - for the adaptive engine, the same counts for the loop its cost curve is profiled through
   (`decoding.step_profile_loop`), whose step measured within 3% of `generate`'s.
 
-    PYTHONPATH=. python benchmarks/probes/adaptive_engine_step.py [--shape tiny|8b] [--k 15] [--slots 16]
+    PYTHONPATH=. python benchmarks/probes/adaptive_engine_step.py [--shape tiny|8b] [--k 15] [--slots 16] \
+        [--only fixed|adaptive]
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL ...   # a conditional's index kept on the device
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 ... --only adaptive 2>&1 | grep -c "Update command"
 
-The engines take an analytic cost curve, so nothing is profiled: the curve is data, the programs the same.
+The last counts the CUDA graphs XLA re-records because the buffers they use moved (it logs each, with the
+executions since the one before): a cost a visit pays on every call, which the profile's and `generate`'s timings
+cancel (each takes the difference of two runs) and the engine's visits do not. The engines take an analytic cost
+curve, so nothing is profiled: the curve is data, the programs the same.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--only", choices=("fixed", "adaptive"), default=None, help="one engine (default both)")
     args = parser.parse_args()
     target_config, draft_config = benchmarking.SHAPES[args.shape]
     target = build_target(target_config)
@@ -92,7 +98,7 @@ def main() -> None:
     cache = -(-(args.prompt_len + args.new_tokens + args.k + 1) // 64) * 64  # bench-serve's max_model_len
     print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, {args.shape}, DFlash K {args.k}, "
           f"{args.slots} slots, one request stepped (count 1)", flush=True)
-    for adaptive_on in (False, True):
+    for adaptive_on in [name == "adaptive" for name in ((args.only,) if args.only else ("fixed", "adaptive"))]:
         spec = synthetic_spec("dflash", 0, args.k, rates=RATES[:args.k], adaptive=adaptive_on)
         curve = adaptive.CostCurve.analytic((1,), spec.verify_widths) if adaptive_on else None
         config = EngineConfig(max_num_seqs=args.slots, max_model_len=cache, spec=spec, max_prefill_batch=1,
