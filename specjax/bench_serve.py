@@ -79,6 +79,7 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("mean_verified_width", "verified width"), ("host_share", "host share"),
+           ("device_ms_per_step", "device ms/step"), ("predicted_ms_per_step", "adaptive: predicted ms/step"),
            ("steps", "device steps"), ("visits", "visits"), ("visit_ends", "visit ends"),
            ("prefill_call_rows", "prefill call rows"),
            ("prefill_calls", "prefill calls"), ("prefill_padded_rows", "prefill rows padded"),
@@ -258,6 +259,8 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
     return {**summarize(records, wall), "steps": steps, "visits": visits, "hit_rate": hit_rate,
             **{key: after[key] - before[key] for key in ("prefill_calls", "prefill_padded_rows")},
             **host_time(step_s, wait_s, steps),
+            "predicted_ms_per_step": predicted_step_ms(after.get("adaptive_costs"),
+                                                       [r.metrics for r in records if r.metrics], concurrency),
             "draft_kv_mib_per_slot": None if offload is None else offload["bytes_per_slot"] / 2**20,
             "moved_mib_per_visit": None if moved is None else moved / max(visits, 1) / 2**20,
             "device_in_use_gib": None if None in in_use else max(in_use, default=0) / 2**30,
@@ -282,9 +285,26 @@ def profiled_point(trace_dir: Path, steps: int) -> dict:
 
 
 def host_time(step_s: float, wait_s: float, steps: int) -> dict:
-    """The share of the engine's step() time not spent waiting on the device, and that host time a step."""
+    """The share of the engine's step() time not spent waiting on the device, that host time a step, and the wait a
+    step (the device's time, the visit's call and its summary's read included)."""
     return {"host_share": (step_s - wait_s) / step_s if step_s else None,
-            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3}
+            "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3,
+            "device_ms_per_step": wait_s / steps * 1e3 if steps else None}
+
+
+def predicted_step_ms(costs: dict, metrics: list[dict], load: int | None) -> float | None:
+    """Adaptive verification's predicted step (ms): its cost curve's seconds at the width of each request-step of
+    the point (their per_step_drafted), averaged, on the curve of the count of slots a full closed loop of `load`
+    steps (the smallest that holds it). None without a profiled curve (an analytic one is in units of a step),
+    under an open loop (no one count), or without steps."""
+    if not costs or load is None:
+        return None
+    curve = costs[min((count for count in costs if count >= load), default=max(costs))]
+    if curve["source"] == "analytic":
+        return None
+    seconds = dict(zip(curve["widths"], curve["seconds"]))
+    widths = [width for m in metrics for width in m.get("per_step_drafted", ())]
+    return 1e3 * float(np.mean([seconds[width] for width in widths])) if widths else None
 
 
 def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurrency: int,

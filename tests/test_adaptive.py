@@ -428,7 +428,13 @@ def test_the_engine_serves_each_request_its_autoregressive_output(method):
     # differently, and adaptive widths depend on which rows a step holds.
     config = load_config(spec, cost_curve=STEEPER, visit_ends=1,
                          **({"mixed_prefill_tokens": 4} if method in ("dflash", "dspark") else {}))
-    outputs = serve_arriving(Engine(target, config, drafter=drafter_for(method)), requests)
+    engine = Engine(target, config, drafter=drafter_for(method))
+    outputs = serve_arriving(engine, requests)
+    # stats give the curve of each count of slots stepped (bench-serve predicts its step from it)
+    curves = engine.stats()["adaptive_costs"]
+    assert curves and set(curves) <= {1, 2, 4}, curves
+    assert all(c == {"widths": list(spec.verify_widths), "source": "analytic",
+                     "seconds": list(map(float, STEEPER.costs(rows, spec.verify_widths)))} for rows, c in curves.items())
     widths = set()
     for request, want in zip(requests, autoregressive_under_load()):
         got = outputs[request.request_id]

@@ -303,6 +303,21 @@ def test_bench_serve_reports_the_drafts_verified_a_step_from_either_metrics_name
     assert summarize(records[:1] + [dataclasses.replace(records[0], metrics=None)], 0.5)["mean_verified_width"] == 1.5
 
 
+def test_bench_serve_predicts_an_adaptive_step_from_the_profiled_curve_of_the_loads_count():
+    from specjax.bench_serve import predicted_step_ms
+
+    profiled = {count: {"widths": [0, 2, 4], "seconds": [s * count for s in (0.001, 0.002, 0.004)], "source": "H100"}
+                for count in (1, 16)}
+    metrics = [{"per_step_drafted": [4, 4, 2]}, {"per_step_drafted": [0]}, {}]  # the last request took no step
+    # 4 requests in flight step 16 slots: widths 4, 4, 2 and 0 cost 16 x 4, 4, 2 and 1 ms; 4 request-steps.
+    assert predicted_step_ms(profiled, metrics, 4) == pytest.approx(16 * (4 + 4 + 2 + 1) / 4)
+    assert predicted_step_ms(profiled, metrics, 1) == pytest.approx((4 + 4 + 2 + 1) / 4)
+    assert predicted_step_ms(profiled, metrics, 64) == pytest.approx(16 * 2.75)  # past the counts: the largest
+    assert predicted_step_ms(profiled, metrics, None) is None  # an open loop steps no one count
+    assert predicted_step_ms({1: dict(profiled[1], source="analytic")}, metrics, 1) is None  # not seconds
+    assert predicted_step_ms({}, metrics, 1) is None and predicted_step_ms(profiled, [{}], 1) is None
+
+
 class _VisitEngine:
     """A stand-in for the engine's host side (bench_serve.run_point's use of it): each step() is one visit of
     `visit_s` that gives every request added before it its whole output, first token at the visit's end."""

@@ -140,6 +140,7 @@ class Engine:
             and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
         self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
         self._costs = {}  # slots stepped -> adaptive verification's cost at each verify width
+        self._curves = {}  # slots stepped -> the cost curve those costs came from (stats' adaptive_costs)
         # (mode, admission batch) -> the prompt widths warmup compiled the initialiser at; a prefill pads its
         # prompts up to the narrowest that holds them rather than compile its own width while serving.
         self._warm_widths: dict[tuple[SamplingMode, int], set[int]] = {}
@@ -190,7 +191,9 @@ class Engine:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
         requests, rows padded; prompt chunks of mixed prefill), seconds in step() and waiting on the device, visits
         run while requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the
-        prefix cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off)."""
+        prefix cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off), and with
+        adaptive verification the cost curve of each count of slots stepped so far (its seconds at each verify width
+        and its source: 'analytic' or where it was profiled)."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
                 "prefill_padded_rows": self.prefill_padded_rows, "prefilled_requests": self.prefilled_requests,
@@ -198,7 +201,13 @@ class Engine:
                 "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
                 "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
-                "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats()}
+                "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats(),
+                "adaptive_costs": {rows: self._curve_stats(rows, curve) for rows, curve in self._curves.items()}}
+
+    def _curve_stats(self, rows: int, curve: adaptive.CostCurve) -> dict:
+        """stats' adaptive_costs of one count of slots: the curve's seconds at each verify width, and its source."""
+        widths = list(self.config.spec.verify_widths)
+        return {"widths": widths, "seconds": [float(c) for c in curve.costs(rows, widths)], "source": curve.source}
 
     def run(self, requests=()) -> list[RequestOutput]:
         """Adds the requests and steps until every request has ended; outputs in the order they ended."""
@@ -328,7 +337,7 @@ class Engine:
             curve = self.config.cost_curve or adaptive.default_cost_curve(
                 self.model, rows, spec.verify_widths, self.config.max_model_len,
                 decoding.step_timing(self.model, self._weights[1], proposer))
-            self._costs[rows] = adaptive.verify_costs(spec, curve, rows)
+            self._costs[rows], self._curves[rows] = adaptive.verify_costs(spec, curve, rows), curve
         return self._costs[rows]
 
     def step_programs(self) -> dict[tuple[SamplingMode, int], int]:
