@@ -18,9 +18,10 @@ engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, on
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 ... --only adaptive 2>&1 | grep -c "Update command"
 
 The last counts the CUDA graphs XLA re-records because the buffers they use moved (it logs each, with the
-executions since the one before): a cost a visit pays on every call, which the profile's and `generate`'s timings
-cancel (each takes the difference of two runs) and the engine's visits do not. The engines take an analytic cost
-curve, so nothing is profiled: the curve is data, the programs the same.
+executions since the one before). Against the steps and visits printed, the count says whether the adaptive
+engine pays that once a visit (a cost the profile's and `generate`'s timings cancel: each is a difference of two
+runs) or every step, or not at all. The engines take an analytic cost curve, so nothing is profiled: the curve is
+data, the programs the same.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ def visit_times(engine: Engine, prompt: list[int], budget: int) -> dict:
     engine's wait for each visit's call and its summary (Engine.device_wait_s); host: the rest of its step_s."""
     engine.add_request(Request.make("probe", prompt, budget))
     engine.step()
-    steps, step_s, device_s = engine.steps_run, engine.step_s, engine.device_wait_s
+    steps, visits, step_s, device_s = engine.steps_run, engine.visits, engine.step_s, engine.device_wait_s
     while engine.has_work():
         engine.step()
     steps, device_s, step_s = engine.steps_run - steps, engine.device_wait_s - device_s, engine.step_s - step_s
-    return {"steps": steps, "device ms a step": round(1e3 * device_s / max(steps, 1), 3),
+    return {"steps": steps, "visits": engine.visits - visits, "device ms a step": round(1e3 * device_s / max(steps, 1), 3),
             "host ms a step": round(1e3 * (step_s - device_s) / max(steps, 1), 3)}
 
 
