@@ -13,6 +13,11 @@
 #         nineteenth session's call profiled batches 1 and 2 of the 9 powers of two in 570 s). Within one 10-minute
 #         call: SLOTS=16 COUNTS=1,16 CONC=1,16, then SLOTS=256 COUNTS=64,256 CONC=64,256. Each profile is kept in
 #         OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in first.
+#     PYTHONPATH=. benchmarks/adaptive_8b.sh probe OUT  # why the adaptive engine's step costs more than the fixed
+#         engine's (benchmarks/probes/adaptive_engine_step.py: both engines' ms a step and compiled programs), then the
+#         adaptive engine with XLA's command buffer updates logged (their count against its steps and visits), then
+#         under +CONDITIONAL command buffers; one request of NEW_TOKENS (512: ~140 steps in ~9 visits); about 500 s;
+#         SHAPE=tiny runs it on the CPU
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
 #         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
 set -uo pipefail
@@ -37,5 +42,16 @@ case $part in
       --acceptance-rates $rates --concurrency $conc --methods $methods \
       --name bench_serve_8b_adaptive_$(echo $methods | tr ':,' '_-')_c$(echo $conc | tr ',' '-') --output "$out"
     ;;
-  *) echo "usage: $0 decode B [OUT] | serve [OUT [METHODS]]"; exit 2 ;;
+  probe)
+    out=${2:-benchmarks/results}; mkdir -p "$out"
+    probe="python3 benchmarks/probes/adaptive_engine_step.py --shape ${SHAPE:-8b} --new-tokens ${NEW_TOKENS:-512}"
+    $probe > "$out/engine_step.txt" 2>&1; cat "$out/engine_step.txt"
+    log=$out/engine_step_vlog.txt
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $probe --only adaptive > "$log" 2>&1
+    grep "adaptive engine:" "$log"; echo "command buffer updates: $(grep -c "Update command" "$log")"
+    log=$out/engine_step_conditional.txt
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL $probe --only adaptive > "$log" 2>&1
+    grep "adaptive engine" "$log"
+    ;;
+  *) echo "usage: $0 decode B [OUT] | serve [OUT [METHODS]] | probe [OUT]"; exit 2 ;;
 esac

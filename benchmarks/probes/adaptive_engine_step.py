@@ -79,6 +79,9 @@ def visit_times(engine: Engine, prompt: list[int], budget: int) -> dict:
     while engine.has_work():
         engine.step()
     steps, device_s, step_s = engine.steps_run - steps, engine.device_wait_s - device_s, engine.step_s - step_s
+    if not steps:
+        raise SystemExit(f"the request's {budget} tokens took one visit, which compiles: allowed --new-tokens past "
+                         "what one visit emits (a few hundred)")
     return {"steps": steps, "visits": engine.visits - visits,
             "device ms a step": round(1e3 * device_s / max(steps, 1), 3),
             "host ms a step": round(1e3 * (step_s - device_s) / max(steps, 1), 3)}
