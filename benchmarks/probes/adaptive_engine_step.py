@@ -4,8 +4,9 @@ On the H100 at the 8B shape the adaptive engine stepped 1.8 ms above its own pro
 requests (docs/performance.md, twentieth session), the fixed engines within 3% of it. This probe builds both
 engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, one request), and for each prints:
 
-- ms a step of the engine's own visits (one request served to its budget, the first visit, which compiles, left
-  out), split into the time the host spends in the call and the rest (the device's, and the summary's read);
+- ms a step of the engine's own visits (two requests served to their budgets in turn, the first visit, which
+  compiles, left out), split into the time the host spends in the call and the rest (the device's, and the
+  summary's read), and each visit's device ms a step;
 - the compiled visit program over the stepped slots (`Engine.step_hlo`): its conditionals and while loops,
   command buffers (a GPU's CUDA graphs), kernel-like operations in the step and in the adaptive switch's widest
   branch, and copies of a MiB or more outside fusions;
@@ -16,23 +17,32 @@ engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, on
         [--only fixed|adaptive]
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL ...   # a conditional's index kept on the device
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 ... --only adaptive 2>&1 | grep -c "Update command"
+    ... --trace DIR   # then a second request traced (DIR/fixed, DIR/adaptive): where the device's time goes
 
 The last counts the CUDA graphs XLA re-records because the buffers they use moved (it logs each, with the
 executions since the one before). Against the steps and visits printed, the count says whether the adaptive
 engine pays that once a visit (a cost the profile's and `generate`'s timings cancel: each is a difference of two
 runs) or every step, or not at all. The engines take an analytic cost curve, so nothing is profiled: the curve is
 data, the programs the same.
+
+With --trace, each engine serves a second request of --new-tokens under JAX's profiler (everything it runs is
+compiled by then) and the probe prints the device's busy and idle ms a step, the idle gaps of 50 us or more a step
+with the kernels either side of the ones that cost most, and, with both engines, the kernel names whose time a
+step differs most between them.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import gzip
+import json
 import re
 
 import jax
 import numpy as np
 
-from specjax import adaptive, benchmarking
+from specjax import adaptive, benchmarking, profiling
 from specjax.decoding import step_profile_loop
 from specjax.engine import Engine, EngineConfig, Request
 from specjax.proposers import build_proposer
@@ -70,21 +80,73 @@ def structure(text: str) -> dict:
             "branch kernels": branches, "copies >= 1 MiB": big}
 
 
-def visit_times(engine: Engine, prompt: list[int], budget: int) -> dict:
-    """One request served to its budget, visit by visit; the first visit (which compiles) left out. Device: the
-    engine's wait for each visit's call and its summary (Engine.device_wait_s); host: the rest of its step_s."""
-    engine.add_request(Request.make("probe", prompt, budget))
-    engine.step()
-    steps, visits, step_s, device_s = engine.steps_run, engine.visits, engine.step_s, engine.device_wait_s
-    while engine.has_work():
-        engine.step()
-    steps, device_s, step_s = engine.steps_run - steps, engine.device_wait_s - device_s, engine.step_s - step_s
+def visit_times(engine: Engine, prompt: list[int], budget: int, requests: int = 2) -> dict:
+    """`requests` requests served to their budget one after another, visit by visit; the first visit (which
+    compiles) left out. Device: the engine's wait for each visit's call and its summary (Engine.device_wait_s);
+    host: the rest of its step_s. Each visit's device ms a step too, a request's visits in a list: whether an
+    excess is paid once (the first visits only), once a request (each request's first visits) or every visit."""
+    steps, visits, step_s, device_s, per_visit = None, engine.visits, 0.0, 0.0, []
+    for index in range(requests):
+        engine.add_request(Request.make(f"probe{index}", prompt, budget))
+        visit_ms = []
+        while engine.has_work():
+            before = engine.steps_run, engine.device_wait_s, engine.step_s
+            engine.step()
+            if steps is None:  # the first visit compiles
+                steps, visits = 0, engine.visits
+                continue
+            ran = engine.steps_run - before[0]
+            steps, device_s = steps + ran, device_s + engine.device_wait_s - before[1]
+            step_s += engine.step_s - before[2]
+            visit_ms.append(round(1e3 * (engine.device_wait_s - before[1]) / max(ran, 1), 2))
+        per_visit.append(visit_ms)
     if not steps:
         raise SystemExit(f"the request's {budget} tokens took one visit, which compiles: allowed --new-tokens past "
                          "what one visit emits (a few hundred)")
     return {"steps": steps, "visits": engine.visits - visits,
-            "device ms a step": round(1e3 * device_s / max(steps, 1), 3),
-            "host ms a step": round(1e3 * (step_s - device_s) / max(steps, 1), 3)}
+            "device ms a step": round(1e3 * device_s / steps, 3),
+            "host ms a step": round(1e3 * (step_s - device_s) / steps, 3),
+            "device ms a step, each visit": per_visit}
+
+
+def traced(engine: Engine, prompt: list[int], budget: int, log_dir: str) -> dict:
+    """A second request served under the profiler; its steps and the trace's kernels (name, start, end in us)."""
+    steps = engine.steps_run
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        engine.add_request(Request.make("traced", prompt, budget))
+        while engine.has_work():
+            engine.step()
+    with gzip.open(profiling.trace_file(log_dir), "rt") as handle:
+        events = json.load(handle)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    threads = profiling.kernel_threads(events)
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "")))
+                     for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in threads)
+    return {"steps": engine.steps_run - steps, "kernels": kernels}
+
+
+def trace_report(name: str, run: dict, gap_us: float = 50.0) -> dict[str, float]:
+    """Prints busy and idle ms a step and the costliest gaps by the kernels either side; returns ms a step by name."""
+    steps, kernels = run["steps"], run["kernels"]
+    if not kernels:
+        print(f"{name} engine traced: {steps} steps, no device kernels in the trace (a CPU run)")
+        return collections.Counter()
+    timeline = profiling.device_timeline([(start, end) for start, end, _ in kernels])
+    gaps, end_before, name_before = collections.Counter(), kernels[0][1], kernels[0][2]
+    for start, end, kernel in kernels[1:]:
+        if start - end_before >= gap_us:
+            gaps[(name_before[:60], kernel[:60])] += (start - end_before) / 1e3
+        if end >= end_before:
+            end_before, name_before = end, kernel
+    print(f"{name} engine traced: {steps} steps, {len(kernels) / steps:.1f} kernels, busy "
+          f"{timeline['busy_ms'] / steps:.3f} ms and idle {timeline['idle_ms'] / steps:.3f} ms a step, of which "
+          f"gaps of {gap_us:.0f} us or more {sum(gaps.values()) / steps:.3f} ms", flush=True)
+    for (before, after), ms in gaps.most_common(8):
+        print(f"  {ms / steps:.3f} ms a step idle between {before} and {after}")
+    by_name = collections.Counter()
+    for start, end, kernel in kernels:
+        by_name[kernel] += (end - start) / 1e3 / steps
+    return by_name
 
 
 def main() -> None:
@@ -95,6 +157,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--only", choices=("fixed", "adaptive"), default=None, help="one engine (default both)")
+    parser.add_argument("--trace", default=None, help="trace a second request of each engine under this folder")
     args = parser.parse_args()
     target_config, draft_config = benchmarking.SHAPES[args.shape]
     target = build_target(target_config)
@@ -103,6 +166,7 @@ def main() -> None:
     cache = -(-(args.prompt_len + args.new_tokens + args.k + 1) // 64) * 64  # bench-serve's max_model_len
     print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, {args.shape}, DFlash K {args.k}, "
           f"{args.slots} slots, one request stepped (count 1)", flush=True)
+    times: dict[str, collections.Counter] = {}
     for adaptive_on in [name == "adaptive" for name in ((args.only,) if args.only else ("fixed", "adaptive"))]:
         spec = synthetic_spec("dflash", 0, args.k, rates=RATES[:args.k], adaptive=adaptive_on)
         curve = adaptive.CostCurve.analytic((1,), spec.verify_widths) if adaptive_on else None
@@ -112,12 +176,20 @@ def main() -> None:
         name = "adaptive" if adaptive_on else "fixed"
         print(f"{name} engine: {visit_times(engine, prompt, args.new_tokens)}", flush=True)
         print(f"{name} engine's visit program: {structure(engine.step_hlo(1))}", flush=True)
+        if args.trace:
+            times[name] = trace_report(name, traced(engine, prompt, args.new_tokens, f"{args.trace}/{name}"))
+            continue
         if adaptive_on:  # the engine's proposer, as its program builds it for greedy rows
             proposer = build_proposer(spec, GREEDY, cache, drafter)
             _, program, arguments = step_profile_loop(target, proposer.bind(drafter, target), proposer, 1)
             forced = adaptive.forced_costs(spec.verify_widths, len(spec.verify_widths) - 1)
             text = program.lower(np.int32(2), *arguments(forced)).compile().as_text()
             print(f"the loop its curve is profiled through: {structure(text)}", flush=True)
+
+    if len(times) == 2:  # what the adaptive step runs that the fixed one does not, by kernel name
+        names = set(times["fixed"]) | set(times["adaptive"])
+        for kernel in sorted(names, key=lambda k: -abs(times["adaptive"][k] - times["fixed"][k]))[:15]:
+            print(f"  {times['adaptive'][kernel] - times['fixed'][kernel]:+.3f} ms a step (adaptive - fixed) {kernel[:100]}")
 
 
 if __name__ == "__main__":
