@@ -14,10 +14,11 @@
 #         call: SLOTS=16 COUNTS=1,16 CONC=1,16, then SLOTS=256 COUNTS=64,256 CONC=64,256. Each profile is kept in
 #         OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in first.
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh probe OUT  # why the adaptive engine's step costs more than the fixed
-#         engine's (benchmarks/probes/adaptive_engine_step.py: both engines' ms a step and compiled programs), then the
-#         adaptive engine with XLA's command buffer updates logged (their count against its steps and visits), then
-#         under +CONDITIONAL command buffers; one request of NEW_TOKENS (512: ~140 steps in ~9 visits); about 500 s;
-#         SHAPE=tiny runs it on the CPU
+#         engine's (benchmarks/probes/adaptive_engine_step.py: both engines' ms a step, each visit's, and compiled
+#         programs), two requests of NEW_TOKENS (512: ~140 steps in ~9 visits each) in turn; about 250 s; with
+#         COMMAND_BUFFERS=1 then the adaptive engine with XLA's command buffer updates logged (their count against its
+#         steps and visits) and under +CONDITIONAL command buffers (twenty-first session: 2 updates, no change), about
+#         500 s in all; SHAPE=tiny runs it on the CPU
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
 #         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
 set -uo pipefail
@@ -46,6 +47,7 @@ case $part in
     out=${2:-benchmarks/results}; mkdir -p "$out"
     probe="python3 benchmarks/probes/adaptive_engine_step.py --shape ${SHAPE:-8b} --new-tokens ${NEW_TOKENS:-512}"
     $probe > "$out/engine_step.txt" 2>&1; cat "$out/engine_step.txt"
+    [ "${COMMAND_BUFFERS:-0}" = 1 ] || exit 0
     log=$out/engine_step_vlog.txt
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $probe --only adaptive > "$log" 2>&1
     grep "adaptive engine:" "$log"; echo "command buffer updates: $(grep -c "Update command" "$log")"
