@@ -2,7 +2,8 @@
 
 On the H100 at the 8B shape the adaptive engine stepped 1.8 ms above its own profiled cost curve at 1 and 16
 requests (docs/performance.md, twentieth session), the fixed engines within 3% of it. This probe builds both
-engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, one request), and for each prints:
+engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, one request at a time), and for each
+prints:
 
 - ms a step of the engine's own visits (two requests served to their budgets in turn, the first visit, which
   compiles, left out), split into the time the host spends in the call and the rest (the device's, and the
@@ -17,7 +18,7 @@ engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, on
         [--only fixed|adaptive]
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL ...   # a conditional's index kept on the device
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 ... --only adaptive 2>&1 | grep -c "Update command"
-    ... --trace DIR   # then a second request traced (DIR/fixed, DIR/adaptive): where the device's time goes
+    ... --trace DIR   # then one more request traced (DIR/fixed, DIR/adaptive): where the device's time goes
 
 The last counts the CUDA graphs XLA re-records because the buffers they use moved (it logs each, with the
 executions since the one before). Against the steps and visits printed, the count says whether the adaptive
@@ -25,7 +26,7 @@ engine pays that once a visit (a cost the profile's and `generate`'s timings can
 runs) or every step, or not at all. The engines take an analytic cost curve, so nothing is profiled: the curve is
 data, the programs the same.
 
-With --trace, each engine serves a second request of --new-tokens under JAX's profiler (everything it runs is
+With --trace, each engine serves one more request of --new-tokens under JAX's profiler (everything it runs is
 compiled by then) and the probe prints the device's busy and idle ms a step, the idle gaps of 50 us or more a step
 with the kernels either side of the ones that cost most, and, with both engines, the kernel names whose time a
 step differs most between them.
@@ -110,7 +111,7 @@ def visit_times(engine: Engine, prompt: list[int], budget: int, requests: int = 
 
 
 def traced(engine: Engine, prompt: list[int], budget: int, log_dir: str) -> dict:
-    """A second request served under the profiler; its steps and the trace's kernels (name, start, end in us)."""
+    """One more request served under the profiler; its steps and the trace's kernels (name, start, end in us)."""
     steps = engine.steps_run
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
         engine.add_request(Request.make("traced", prompt, budget))
@@ -157,7 +158,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--only", choices=("fixed", "adaptive"), default=None, help="one engine (default both)")
-    parser.add_argument("--trace", default=None, help="trace a second request of each engine under this folder")
+    parser.add_argument("--trace", default=None, help="trace one more request of each engine under this folder")
     args = parser.parse_args()
     target_config, draft_config = benchmarking.SHAPES[args.shape]
     target = build_target(target_config)
@@ -189,7 +190,8 @@ def main() -> None:
     if len(times) == 2:  # what the adaptive step runs that the fixed one does not, by kernel name
         names = set(times["fixed"]) | set(times["adaptive"])
         for kernel in sorted(names, key=lambda k: -abs(times["adaptive"][k] - times["fixed"][k]))[:15]:
-            print(f"  {times['adaptive'][kernel] - times['fixed'][kernel]:+.3f} ms a step (adaptive - fixed) {kernel[:100]}")
+            more = times["adaptive"][kernel] - times["fixed"][kernel]
+            print(f"  {more:+.3f} ms a step (adaptive - fixed) {kernel[:100]}")
 
 
 if __name__ == "__main__":
