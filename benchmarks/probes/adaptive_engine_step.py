@@ -85,14 +85,17 @@ def visit_times(engine: Engine, prompt: list[int], budget: int, requests: int = 
     """`requests` requests served to their budget one after another, visit by visit; the first visit (which
     compiles) left out. Device: the engine's wait for each visit's call and its summary (Engine.device_wait_s);
     host: the rest of its step_s. Each visit's device ms a step too, a request's visits in a list: whether an
-    excess is paid once (the first visits only), once a request (each request's first visits) or every visit."""
-    steps, visits, step_s, device_s, per_visit = None, engine.visits, 0.0, 0.0, []
+    excess is paid once (the first visits only), once a request (each request's first visits) or every visit;
+    and each request's verified widths (steps at each), so that a difference in time is not one of widths."""
+    steps, visits, step_s, device_s, per_visit, widths = None, engine.visits, 0.0, 0.0, [], []
     for index in range(requests):
         engine.add_request(Request.make(f"probe{index}", prompt, budget))
         visit_ms = []
         while engine.has_work():
             before = engine.steps_run, engine.device_wait_s, engine.step_s
-            engine.step()
+            for output in engine.step():
+                drafted = (output.metrics or {}).get("per_step_drafted") or ()
+                widths.append(dict(sorted(collections.Counter(int(w) for w in drafted).items())))
             if steps is None:  # the first visit compiles
                 steps, visits = 0, engine.visits
                 continue
@@ -107,7 +110,7 @@ def visit_times(engine: Engine, prompt: list[int], budget: int, requests: int = 
     return {"steps": steps, "visits": engine.visits - visits,
             "device ms a step": round(1e3 * device_s / steps, 3),
             "host ms a step": round(1e3 * (step_s - device_s) / steps, 3),
-            "device ms a step, each visit": per_visit}
+            "device ms a step, each visit": per_visit, "verified widths (steps)": widths}
 
 
 def traced(engine: Engine, prompt: list[int], budget: int, log_dir: str) -> dict:
