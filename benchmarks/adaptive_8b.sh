@@ -16,9 +16,9 @@
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh probe OUT  # why the adaptive engine's step costs more than the fixed
 #         engine's (benchmarks/probes/adaptive_engine_step.py: both engines' ms a step, each visit's, and compiled
 #         programs), two requests of NEW_TOKENS (512: ~140 steps in ~9 visits each) in turn; about 250 s; with
-#         COMMAND_BUFFERS=1 then the adaptive engine with XLA's command buffer updates logged (their count against its
-#         steps and visits) and under +CONDITIONAL command buffers (twenty-first session: 2 updates, no change), about
-#         500 s in all; SHAPE=tiny runs it on the CPU
+#         VARIANTS=1 then the adaptive engine with every kernel loaded up front (CUDA_MODULE_LOADING=EAGER) and
+#         with no command buffers, about 500 s in all; SHAPE=tiny runs it on the CPU. The probe's docstring gives
+#         the command buffer runs (VLOG count, +CONDITIONAL) the twenty-first session measured
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
 #         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
 set -uo pipefail
@@ -47,13 +47,13 @@ case $part in
     out=${2:-benchmarks/results}; mkdir -p "$out"
     probe="python3 benchmarks/probes/adaptive_engine_step.py --shape ${SHAPE:-8b} --new-tokens ${NEW_TOKENS:-512}"
     $probe > "$out/engine_step.txt" 2>&1; cat "$out/engine_step.txt"
-    [ "${COMMAND_BUFFERS:-0}" = 1 ] || exit 0
-    log=$out/engine_step_vlog.txt
-    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $probe --only adaptive > "$log" 2>&1
-    grep "adaptive engine:" "$log"; echo "command buffer updates: $(grep -c "Update command" "$log")"
-    log=$out/engine_step_conditional.txt
-    XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL $probe --only adaptive > "$log" 2>&1
-    grep "adaptive engine" "$log"
+    # Then the adaptive engine alone where the device loads each kernel when first launched and where XLA records
+    # no command buffers (CUDA graphs): an excess either removes is one of them.
+    [ "${VARIANTS:-0}" = 1 ] || exit 0
+    for setting in CUDA_MODULE_LOADING=EAGER XLA_FLAGS=--xla_gpu_enable_command_buffer=; do
+      echo "$setting:"; env "$setting" $probe --only adaptive > "$out/engine_step_${setting%%=*}.txt" 2>&1
+      grep "adaptive engine:" "$out/engine_step_${setting%%=*}.txt"
+    done
     ;;
   *) echo "usage: $0 decode B [OUT] | serve [OUT [METHODS]] | probe [OUT]"; exit 2 ;;
 esac
