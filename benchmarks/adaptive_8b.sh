@@ -18,7 +18,7 @@
 #         programs), two requests of NEW_TOKENS (512: ~140 steps in ~9 visits each) in turn; about 250 s; with
 #         VARIANTS=1 then the adaptive engine with every kernel loaded up front (CUDA_MODULE_LOADING=EAGER) and
 #         with no command buffers, about 500 s in all; SHAPE=tiny runs it on the CPU. The probe's docstring gives
-#         the command buffer runs (VLOG count, +CONDITIONAL) the twenty-first session measured
+#         the commands of the command buffer runs (the VLOG count, +CONDITIONAL), which the twenty-first session ran
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
 #         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
 set -uo pipefail
