@@ -62,6 +62,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -539,6 +540,17 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
     benchmarking.save_figure(fig, path)
 
 
+def comma_list(parser: argparse.ArgumentParser, flag: str, text: str, valid: Callable[[str], object],
+               allowed: str) -> list[str]:
+    """text's comma-separated items, or the parser's error naming the flag, the first item `valid` refuses and what
+    is allowed."""
+    items = text.split(",")
+    bad = [item for item in items if not valid(item)]
+    if bad:
+        parser.error(f"{flag} {bad[0]!r} is invalid: allowed a comma-separated list of {allowed}")
+    return items
+
+
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("specjax.adaptive").setLevel(logging.INFO)  # each batch's cost profile and its seconds
@@ -626,33 +638,18 @@ def main(argv=None) -> None:
             parser.error(f"--acceptance-rates {args.acceptance_rates!r}: {error}")
     rates = None if args.rate is None else [float(r) for r in args.rate.split(",")]
     loads = rates or [int(c) for c in args.concurrency.split(",")]
-    modes = args.prefix_caching.split(",")
-    bad = [mode for mode in modes if mode not in PREFIX_MODES]
-    if bad:
-        parser.error(f"--prefix-caching {bad[0]!r} is invalid: allowed a comma-separated list of {list(PREFIX_MODES)}")
-    offloads = args.draft_kv_offload.split(",")
-    bad = [mode for mode in offloads if mode not in ON_OFF]
-    if bad:
-        parser.error(f"--draft-kv-offload {bad[0]!r} is invalid: allowed a comma-separated list of {list(ON_OFF)}")
-    mixes = args.mixed_prefill.split(",")
-    bad = [mix for mix in mixes if mix != "off" and not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", mix)]
-    if bad:
-        parser.error(f"--mixed-prefill {bad[0]!r} is invalid: allowed a comma-separated list of off and "
-                     "TOKENS[xCHUNKS] (positive integers)")
-    scheds = args.async_scheduling.split(",")
-    bad = [mode for mode in scheds if mode not in ON_OFF]
-    if bad:
-        parser.error(f"--async-scheduling {bad[0]!r} is invalid: allowed a comma-separated list of {list(ON_OFF)}")
-    visit_ends = args.visit_ends.split(",")
-    bad = [ends for ends in visit_ends if ends != "auto" and not re.fullmatch(r"[1-9][0-9]*", ends)]
-    if bad:
-        parser.error(f"--visit-ends {bad[0]!r} is invalid: allowed a comma-separated list of auto and positive "
-                     "integers")
-    call_rows = args.prefill_call_rows.split(",")
-    bad = [rows for rows in call_rows if not re.fullmatch(r"inf|[0-9]+(\.[0-9]*)?", rows)]
-    if bad:
-        parser.error(f"--prefill-call-rows {bad[0]!r} is invalid: allowed a comma-separated list of numbers >= 0 and "
-                     "inf")
+    modes = comma_list(parser, "--prefix-caching", args.prefix_caching, PREFIX_MODES.__contains__,
+                       str(list(PREFIX_MODES)))
+    offloads = comma_list(parser, "--draft-kv-offload", args.draft_kv_offload, ON_OFF.__contains__, str(list(ON_OFF)))
+    mixes = comma_list(parser, "--mixed-prefill", args.mixed_prefill,
+                       lambda mix: mix == "off" or re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", mix),
+                       "off and TOKENS[xCHUNKS] (positive integers)")
+    scheds = comma_list(parser, "--async-scheduling", args.async_scheduling, ON_OFF.__contains__, str(list(ON_OFF)))
+    visit_ends = comma_list(parser, "--visit-ends", args.visit_ends,
+                            lambda ends: ends == "auto" or re.fullmatch(r"[1-9][0-9]*", ends),
+                            "auto and positive integers")
+    call_rows = comma_list(parser, "--prefill-call-rows", args.prefill_call_rows,
+                           lambda rows: re.fullmatch(r"inf|[0-9]+(\.[0-9]*)?", rows), "numbers >= 0 and inf")
     step_counts = None
     if args.step_slot_counts is not None:
         if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", args.step_slot_counts):

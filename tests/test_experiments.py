@@ -248,6 +248,24 @@ def test_bench_serve_points_serve_requests_per_stream_and_refuse_fewer_than_one(
     assert "--requests-per-stream 0 is invalid: allowed 1 or more" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, bad, allowed", [
+    ("--prefix-caching", "off,on", "'on'", "['off', 'drop', 'keep']"),
+    ("--draft-kv-offload", "off,x", "'x'", "['off', 'on']"),
+    ("--mixed-prefill", "64x0", "'64x0'", "off and TOKENS[xCHUNKS] (positive integers)"),
+    ("--async-scheduling", "yes", "'yes'", "['off', 'on']"),
+    ("--visit-ends", "auto,0", "'0'", "auto and positive integers"),
+    ("--prefill-call-rows", "1,-1", "'-1'", "numbers >= 0 and inf"),
+])
+def test_bench_serve_refuses_a_bad_item_of_a_list_flag_naming_the_flag_the_item_and_what_is_allowed(
+        capsys, flag, value, bad, allowed):
+    from specjax.bench_serve import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--models", "tiny", flag, value])
+    assert exit_info.value.code == 2
+    assert f"{flag} {bad} is invalid: allowed a comma-separated list of {allowed}" in capsys.readouterr().err
+
+
 def test_bench_serve_takes_a_per_position_acceptance_profile_for_every_speculative_method(capsys):
     from specjax.bench_serve import Method, main
 
