@@ -86,7 +86,7 @@ PRIOR = 0.8
 PRIOR_TESTS = 1.0
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("passed", "tested"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("passed", "tested", "narrowed"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
     """Each row's discounted counts, by draft position i = 1..K, of steps that tested draft i (verified it
@@ -95,11 +95,14 @@ class AdaptiveState:
 
     passed: Float[Array, "B K"]
     tested: Float[Array, "B K"]
+    # Whether the row's last step chose a width below K (or, in a step told to verify K, would have): what tells
+    # the engine's host to run the program with the switch again (the engine's docstring, "widest visits").
+    narrowed: Bool[Array, " B"]
 
     @classmethod
     def init(cls, batch: int, num_draft: int) -> AdaptiveState:
         return cls(passed=jnp.zeros((batch, num_draft), jnp.float32),
-                   tested=jnp.zeros((batch, num_draft), jnp.float32))
+                   tested=jnp.zeros((batch, num_draft), jnp.float32), narrowed=jnp.zeros((batch,), bool))
 
     def observe(self, active: Bool[Array, " B"], verified: Int[Array, " B"],
                 accepted: Int[Array, " B"]) -> AdaptiveState:
@@ -110,8 +113,8 @@ class AdaptiveState:
         tested = (position <= verified[:, None]) & (position <= accepted[:, None] + 1)
         passed = position <= accepted[:, None]
         step = active[:, None]
-        return AdaptiveState(passed=jnp.where(step, DISCOUNT * self.passed + passed, self.passed),
-                             tested=jnp.where(step, DISCOUNT * self.tested + tested, self.tested))
+        return dataclasses.replace(self, passed=jnp.where(step, DISCOUNT * self.passed + passed, self.passed),
+                                   tested=jnp.where(step, DISCOUNT * self.tested + tested, self.tested))
 
     def batch_estimate(self, active: Bool[Array, " B"]) -> Float[Array, " K"]:
         """The active rows' pooled estimate of P(draft i accepted | draft i - 1 accepted): their counts summed,

@@ -344,7 +344,7 @@ class Prefix:
 def speculative_step(model: Transformer, draft_params: Any, state: SpecState, method: Int[Array, ""], *,
                      proposer: Proposer, verifiers: tuple[Verifier, ...], eos_token_ids: tuple[int, ...],
                      gather_logits: bool = False, verify_costs: Float[Array, " W"] | None = None,
-                     chunks: ChunkPlan | None = None) -> SpecState:
+                     chunks: ChunkPlan | None = None, widest: bool = False) -> SpecState:
     """One speculative step of every active row: propose K drafts, score the last committed token and
     the drafts in one target forward over K + 1 positions, verify (rule verifiers[method] for sampled
     rows), commit the accepted drafts plus one target token, and roll both caches back by their lengths.
@@ -354,6 +354,9 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     width; default the analytic curve), and every active row verifies its first W drafts (specjax.adaptive); at
     width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing. Where W is chosen before
     drafting (no confidence head read), each width's branch of the switch drafts as well: one conditional a step.
+
+    widest (adaptive verification): every active row verifies all K drafts, with no switch; the width is chosen
+    all the same, only to set state.adaptive.narrowed where it would be narrower (the engine's widest visits).
 
     With `chunks`, prompt chunks of rows waiting for their prefill (admit_prompts) run in the verify forward (mixed
     prefill, as decode_step's): the drafter's state of each chunk's row is extended by it, and a row whose prompt it
@@ -391,7 +394,7 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     if first:
         draft_tokens = draft_probs = proposer_state = row_parents = None  # drafted in the switch's branches
     else:
-        if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting:
+        if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting and not widest:
             skip = counted == 0  # draft nothing
             draft_tokens, draft_probs, proposer_state = jax.lax.cond(skip, idle, drafted)
         else:
@@ -432,7 +435,7 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
                           num_valid=num_valid)
         return *verified, logits, hidden, cache, chunk_hidden
 
-    num_valid = None
+    num_valid = narrowed = None
     if state.adaptive is None:
         path, num_accepted, next_token, logits, hidden, cache, chunk_hidden = scored(
             draft_tokens.shape[1], draft_tokens, draft_probs, attention_mask=mask)
@@ -442,6 +445,9 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
             confidence = proposer.draft_confidence(proposer_state)
             conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
             choice = jnp.where(skip, 0, adaptive.choose_width(conditional, active, widths, verify_costs))
+        narrowed = active & (choice < len(widths) - 1)
+        if widest:
+            choice = len(widths) - 1
         num_valid = jnp.where(active, jnp.asarray(widths, jnp.int32)[choice], 0)
 
         def at_width(width):  # verified in the branch: the verifier's work, as the forward's, scales with the width
@@ -454,7 +460,7 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
             return (*out, drafts[0]) if first else out  # the drafts leave the branch only if made there
 
         branches = [functools.partial(at_width, width) for width in widths]
-        out = jax.lax.switch(choice, branches) if len(branches) > 1 else branches[0]()
+        out = jax.lax.switch(choice, branches) if len(branches) > 1 and not widest else branches[-1]()
         num_accepted, next_token, cache, chunk_hidden, proposer_state = out[:5]
         if first:
             draft_tokens = out[5]
@@ -481,7 +487,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
                                             chunks, prompt_len)
     return SpecState(decode=decode, proposer=proposer_state,
                      counters=state.counters.update(active, num_accepted, kept, num_valid),
-                     adaptive=None if state.adaptive is None else state.adaptive.observe(active, num_valid, num_accepted))
+                     adaptive=None if state.adaptive is None else dataclasses.replace(
+                         state.adaptive.observe(active, num_valid, num_accepted), narrowed=narrowed))
 
 
 @functools.partial(jax.jit, static_argnames=("proposer", "verifiers", "eos_token_ids", "cache_dtype", "gather_logits"))

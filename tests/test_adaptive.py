@@ -90,7 +90,8 @@ def test_a_width_that_saves_too_little_against_a_wider_one_is_never_chosen():
 
 
 def test_the_estimator_counts_tested_positions_with_a_discount():
-    state = adaptive.AdaptiveState(passed=np.ones((3, 4), np.float32), tested=np.full((3, 4), 2.0, np.float32))
+    state = dataclasses.replace(adaptive.AdaptiveState.init(3, 4), passed=np.ones((3, 4), np.float32),
+                                tested=np.full((3, 4), 2.0, np.float32))
     # Row 0 verified 4 and accepted 1: position 1 passed, 2 failed, 3 and 4 untested. Row 1 verified 2 and
     # accepted both: 1 and 2 passed, 3 and 4 untested (not verified). Row 2 is done: unchanged.
     new = jax.jit(adaptive.AdaptiveState.observe)(state, np.asarray([True, True, False]), np.asarray([4, 2, 4]),
@@ -132,7 +133,7 @@ def test_the_estimate_converges_to_the_profile_it_observes():
     rows = np.asarray(estimate(state, active))
     assert np.sqrt(np.mean((rows - PROFILE) ** 2)) < 0.1
     np.testing.assert_allclose(rows.mean(axis=0), PROFILE, atol=0.06)
-    fresh = adaptive.AdaptiveState(passed=state.passed.at[0].set(0.0), tested=state.tested.at[0].set(0.0))
+    fresh = dataclasses.replace(state, passed=state.passed.at[0].set(0.0), tested=state.tested.at[0].set(0.0))
     np.testing.assert_allclose(estimate(fresh, active)[0], batch_estimate(fresh, active), rtol=1e-6)
 
 
@@ -483,6 +484,53 @@ def host_leaves(state) -> list:
         return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
 
     return [(jax.tree_util.keystr(path), host(x)) for path, x in jax.tree_util.tree_leaves_with_path(state)]
+
+
+@pytest.mark.loop
+def test_widest_visits_verify_every_draft_and_hand_back_to_the_switch_at_a_narrower_choice():
+    """EngineConfig.adaptive_widest_visits on one slot, under a curve whose choice moves between K and narrower
+    widths as the estimates follow a perturbed draft model: after a visit whose last step verified K the next runs
+    the widest program (every step K), which ends at the first step whose choice would be narrower, and after it
+    (or any step that verified fewer) the switch's program runs. Each step's choice is replayed on the host from the
+    request's per-step verified and accepted counts (AdaptiveState's estimate, choose_width). Output: the
+    autoregressive one."""
+    from support.engine import load_config
+
+    from specjax.engine import Engine, Request
+
+    target, _ = target_and_drafts()
+    curve = adaptive.CostCurve(batches=(1,), widths=(0, 3), seconds=((1.0, 1.6),))
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, enable_adaptive_verification=True)
+    engine = Engine(target, load_config(spec, cost_curve=curve, max_num_seqs=1, steps_per_visit=4),
+                    drafter=drafter_for("draft_model"))
+    prompt = [5, 1, 7, 2]
+    engine.add_request(Request.make("a", prompt, 48))
+    visits, outputs = [], []  # (steps, widest) of each visit
+    while engine.has_work():
+        steps, widest = engine.steps_run, engine.widest_steps
+        outputs += engine.step()
+        ran = engine.steps_run - steps
+        assert engine.widest_steps - widest in (0, ran)  # a visit is widest or not, all its steps
+        visits.append((ran, engine.widest_steps - widest == ran > 0))
+    assert list(outputs[0].tokens) == generate(target, [prompt], max_new_tokens=48, eos_token_ids=(EOS,)).sequences()[0]
+    metrics = outputs[0].metrics
+    widths, accepted, active = metrics["per_step_drafted"], metrics["per_step_accepted"], np.ones(1, bool)
+    state, chosen, costs = adaptive.AdaptiveState.init(1, 3), [], adaptive.verify_costs(spec, curve, 1)
+    for verified, took in zip(widths, accepted):  # what each step chose, replayed
+        choice = adaptive.choose_width(state.estimate(active), active, spec.verify_widths, costs)
+        chosen.append(spec.verify_widths[int(choice)])
+        state = state.observe(active, np.asarray([verified]), np.asarray([took]))
+    at = 0
+    for index, (steps, widest) in enumerate(visits):
+        mine, would, at = widths[at:at + steps], chosen[at:at + steps], at + steps
+        if widest:  # K every step; ended at the first step that would have narrowed, or after all 4
+            assert set(mine) == {3} and all(w == 3 for w in would[:-1]), (visits, widths, chosen)
+            assert (would[-1] == 3) == (steps == 4 or at == len(widths)), (visits, widths, chosen)
+        else:
+            assert mine == would, (visits, widths, chosen)
+        if index + 1 < len(visits):
+            assert visits[index + 1][1] == (would[-1] == 3), (visits, widths, chosen)
+    assert {widest for _, widest in visits} == {True, False} and len(set(widths)) > 1, (visits, widths)
 
 
 @pytest.mark.slow

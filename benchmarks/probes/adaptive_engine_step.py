@@ -5,9 +5,10 @@ requests (docs/performance.md, twentieth session), the fixed engines within 3% o
 engines as bench-serve does (DFlash K, synthetic acceptance, `--slots` slots, one request at a time), and for each
 prints:
 
-- ms a step of the engine's own visits (two requests served to their budgets in turn, the first visit, which
-  compiles, left out), split into the time the host spends in the call and the rest (the device's, and the
-  summary's read), and each visit's device ms a step;
+- ms a step of the engine's own visits (two requests served to their budgets in turn, the visits that compile a
+  step program left out), split into the time the host spends in the call and the rest (the device's, and the
+  summary's read), each visit's device ms a step, and the steps of widest visits (EngineConfig.
+  adaptive_widest_visits: the adaptive engine's visits with no switch while it chooses K);
 - the compiled visit program over the stepped slots (`Engine.step_hlo`): its conditionals and while loops,
   command buffers (a GPU's CUDA graphs), kernel-like operations in the step and in the adaptive switch's widest
   branch, and copies of a MiB or more outside fusions;
@@ -15,7 +16,8 @@ prints:
   (`decoding.step_profile_loop`), whose step measured within 3% of `generate`'s.
 
     PYTHONPATH=. python benchmarks/probes/adaptive_engine_step.py [--shape tiny|8b] [--k 15] [--slots 16] \
-        [--only fixed|adaptive]
+        [--only fixed|adaptive] [--each-visit] [--no-widest-visits]
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= ...   # no CUDA graphs (the twenty-second session's finding)
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL ...   # a conditional's index kept on the device
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 ... --only adaptive 2>&1 | grep -c "Update command"
     ... --trace DIR   # then one more request traced (DIR/fixed, DIR/adaptive): where the device's time goes
@@ -81,33 +83,41 @@ def structure(text: str) -> dict:
             "branch kernels": branches, "copies >= 1 MiB": big}
 
 
-def visit_times(engine: Engine, prompt: list[int], budget: int, requests: int = 2) -> dict:
-    """`requests` requests served to their budget one after another, visit by visit; the first visit (which
-    compiles) left out. Device: the engine's wait for each visit's call and its summary (Engine.device_wait_s);
-    host: the rest of its step_s. Each visit's device ms a step too, a request's visits in a list: whether an
-    excess is paid once (the first visits only), once a request (each request's first visits) or every visit;
-    and each request's verified widths (steps at each), so that a difference in time is not one of widths."""
-    steps, visits, step_s, device_s, per_visit, widths = None, engine.visits, 0.0, 0.0, [], []
+def visit_times(engine: Engine, prompt: list[int], budget: int, requests: int = 2, each: bool = False) -> dict:
+    """`requests` requests served to their budget one after another, visit by visit; the visits that compiled a
+    step program (the first; with widest visits the first widest one too) left out. Device: the engine's wait for
+    each visit's call and its summary (Engine.device_wait_s); host: the rest of its step_s. Each visit's device ms a
+    step too, a request's visits in a list: whether an excess is paid once (the first visits only), once a request
+    (each request's first visits) or every visit; the steps of widest visits (EngineConfig.adaptive_widest_visits);
+    and each request's verified widths (steps at each), so that a difference in time is not one of widths. each:
+    print every visit's steps and ms as it lands (between any compile logs: JAX_LOG_COMPILES=1)."""
+    steps = visits = widest = 0
+    step_s = device_s = 0.0
+    per_visit, widths = [], []
     for index in range(requests):
         engine.add_request(Request.make(f"probe{index}", prompt, budget))
         visit_ms = []
         while engine.has_work():
-            before = engine.steps_run, engine.device_wait_s, engine.step_s
+            before = engine.steps_run, engine.device_wait_s, engine.step_s, engine.widest_steps
+            compiled = sum(engine.step_programs().values())
             for output in engine.step():
                 drafted = (output.metrics or {}).get("per_step_drafted") or ()
                 widths.append(dict(sorted(collections.Counter(int(w) for w in drafted).items())))
-            if steps is None:  # the first visit compiles
-                steps, visits = 0, engine.visits
+            if sum(engine.step_programs().values()) > compiled:
                 continue
-            ran = engine.steps_run - before[0]
-            steps, device_s = steps + ran, device_s + engine.device_wait_s - before[1]
+            ran, wide = engine.steps_run - before[0], engine.widest_steps - before[3]
+            steps, visits, widest = steps + ran, visits + 1, widest + wide
+            device_s += engine.device_wait_s - before[1]
             step_s += engine.step_s - before[2]
             visit_ms.append(round(1e3 * (engine.device_wait_s - before[1]) / max(ran, 1), 2))
+            if each:
+                print(f"  request {index}, visit {len(visit_ms)}: {ran} steps{' (widest)' if wide else ''}, "
+                      f"{visit_ms[-1]} device ms a step", flush=True)
         per_visit.append(visit_ms)
     if not steps:
         raise SystemExit(f"the request's {budget} tokens took one visit, which compiles: allowed --new-tokens past "
                          "what one visit emits (a few hundred)")
-    return {"steps": steps, "visits": engine.visits - visits,
+    return {"steps": steps, "visits": visits, "widest visits' steps": widest,
             "device ms a step": round(1e3 * device_s / steps, 3),
             "host ms a step": round(1e3 * (step_s - device_s) / steps, 3),
             "device ms a step, each visit": per_visit, "verified widths (steps)": widths}
@@ -161,6 +171,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--only", choices=("fixed", "adaptive"), default=None, help="one engine (default both)")
+    parser.add_argument("--each-visit", action="store_true", help="print each visit as it lands")
+    parser.add_argument("--no-widest-visits", action="store_true",
+                        help="the adaptive engine without widest visits (EngineConfig.adaptive_widest_visits)")
     parser.add_argument("--trace", default=None, help="trace one more request of each engine under this folder")
     args = parser.parse_args()
     target_config, draft_config = benchmarking.SHAPES[args.shape]
@@ -175,10 +188,11 @@ def main() -> None:
         spec = synthetic_spec("dflash", 0, args.k, rates=RATES[:args.k], adaptive=adaptive_on)
         curve = adaptive.CostCurve.analytic((1,), spec.verify_widths) if adaptive_on else None
         config = EngineConfig(max_num_seqs=args.slots, max_model_len=cache, spec=spec, max_prefill_batch=1,
-                              step_slot_counts=(1, args.slots) if args.slots > 1 else None, cost_curve=curve)
+                              step_slot_counts=(1, args.slots) if args.slots > 1 else None, cost_curve=curve,
+                              adaptive_widest_visits=not args.no_widest_visits)
         engine = Engine(target, config, drafter=drafter)
         name = "adaptive" if adaptive_on else "fixed"
-        print(f"{name} engine: {visit_times(engine, prompt, args.new_tokens)}", flush=True)
+        print(f"{name} engine: {visit_times(engine, prompt, args.new_tokens, each=args.each_visit)}", flush=True)
         print(f"{name} engine's visit program: {structure(engine.step_hlo(1))}", flush=True)
         if args.trace:
             times[name] = trace_report(name, traced(engine, prompt, args.new_tokens, f"{args.trace}/{name}"))

@@ -15,6 +15,12 @@ visits between device calls: it admits waiting requests into free slots, reads t
 emitted, and finishes requests. Each row's draws come from its request's seed, numbered by its own
 tokens and steps, and its sampling settings are data: a request's output is what `generate` gives it
 alone, and one compiled program serves greedy and sampled requests together.
+
+Widest visits (EngineConfig.adaptive_widest_visits): with adaptive verification a visit's program chooses each
+step's width by a switch over the compiled widths; once a visit's last step chose all K drafts, the next visit runs
+the same step with no switch, verifying K every step, and ends at the first step whose choice would have been
+narrower (AdaptiveState.narrowed), after which the switch's program runs again. Both are compiled for each count of
+slots stepped.
 """
 
 from __future__ import annotations
@@ -123,15 +129,17 @@ class Engine:
         self.pacing = VisitPacing()  # what chooses the ends a visit waits for (EngineConfig.visit_ends None)
         self.paced_visits = 0  # visits run while requests waited, and the ends they were to stop at, summed
         self.paced_ends = 0
+        self.widest_steps = 0  # steps of widest visits (the module's docstring)
         self._visited: tuple[float, int] | None = None  # the device seconds and steps of the visit this step ran
         spec = config.spec
         self._method = None if spec is None else np.int32(method_index(spec))  # the rule for sampled rows: data
         self._verifiers = None if spec is None else lossless_verifiers(spec)
-        self._programs: dict[SamplingMode, Program] = {}
+        self._programs: dict = {}  # mode (or (mode, True) for widest visits) -> Program
         # (the target, the drafter's bound params): arguments of every program, not constants closed over (which XLA
         # would fold into the program: slower to compile and, measured on the CPU, about 4x slower to run).
         self._weights = None
         self._step_compiles: dict[tuple[SamplingMode, int], int] = {}  # run_steps programs this engine compiled
+        self._widest = False  # the next visit runs the widest program (the last visit's last step chose K)
         self._axes: tuple[int, ...] | None = None  # the state leaves' batch axes (batch_axes), as the programs use them
         self.state = None
         self.prefix_cache = None if not config.enable_prefix_caching else PrefixCache(
@@ -193,12 +201,13 @@ class Engine:
         run while requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the
         prefix cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off), and with
         adaptive verification the cost curve of each count of slots stepped so far (its seconds at each verify width
-        and its source: 'analytic' or where it was profiled)."""
+        and its source: 'analytic' or where it was profiled) and the steps of widest visits."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
                 "prefill_padded_rows": self.prefill_padded_rows, "prefilled_requests": self.prefilled_requests,
                 "prefill_chunks": self.prefill_chunks,
                 "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
+                "widest_steps": self.widest_steps,
                 "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
                 "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats(),
@@ -220,8 +229,13 @@ class Engine:
 
     # ------------------------------------------------------------------ programs
 
-    def _program(self, mode: SamplingMode) -> Program:
-        """The static description of the programs that run rows mode covers (built once per mode)."""
+    def _program(self, mode: SamplingMode, widest: bool = False) -> Program:
+        """The static description of the programs that run rows mode covers (built once per mode); widest: its
+        step verifying every draft with no switch (the module's docstring, widest visits)."""
+        if widest:
+            if (mode, widest) not in self._programs:
+                self._programs[(mode, widest)] = dataclasses.replace(self._program(mode), widest=True)
+            return self._programs[(mode, widest)]
         if mode in self._programs:
             return self._programs[mode]
         config = self.config
@@ -257,22 +271,23 @@ class Engine:
         program = self._program(mode)  # first: the first program binds the weights
         return init_rows(self._weights, *arrays, prefix, program=program)
 
-    def _run(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan=None) -> tuple:
+    def _run(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan=None,
+             widest: bool = False) -> tuple:
         """run_steps over the first `rows` slots of the state, now: (the visit's summary, the counters after it)."""
         layout = self._draft_layout
         draft = None if layout is None else self.draft_kv.take(rows)
         visit, self.state, draft, counters = self._run_steps(
             mode, max_steps, stop_after_ends, rows, self._verify_costs(rows, self._program(mode).proposer),
-            self.state, draft, plan)
+            self.state, draft, plan, widest)
         if layout is not None:
             self.draft_kv.put(draft)
         return visit, counters
 
     def _run_steps(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, costs, state,
-                   draft, plan) -> tuple:
-        """run_steps over the first `rows` slots of `state` (one program per count of _row_buckets); touches no other
-        engine field than the compile count, so that the dispatch thread may make it."""
-        program = self._program(mode)
+                   draft, plan, widest: bool) -> tuple:
+        """run_steps over the first `rows` slots of `state` (one program per count of _row_buckets, two with widest
+        visits); touches no other engine field than the compile count, so that the dispatch thread may make it."""
+        program = self._program(mode, widest)
         compiled = run_steps._cache_size()
         width = self.config.steps_per_visit * max(self.config.lookahead, 1)
         out = run_steps(self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends),
@@ -289,10 +304,11 @@ class Engine:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-visit")
         costs = self._verify_costs(rows, self._program(mode).proposer)
         state, self.state = self.state, None  # donated to the visit
+        widest = self._widest
 
         def visit():
             summary, after, _, counters = self._run_steps(mode, max_steps, stop_after_ends, rows, costs, state, None,
-                                                          plan)
+                                                          plan, widest)
             return jax.device_get(summary), after, counters
 
         self._dispatched = _Dispatched(result=self._dispatcher.submit(visit), running=dict(self.running), rows=rows,
@@ -323,10 +339,18 @@ class Engine:
                                              [(slot, r.keys, len(r.blocks)) for slot, r in prefilled])
             for (_, running), held in zip(prefilled, stored):
                 running.blocks += held
+        self.widest_steps += steps if self._widest else 0  # the flag this visit ran under
+        self._widest = self._widest_visits() and not visit.narrowed
         self.steps_run += steps
         self.visits += 1
         self.slot_steps += rows * steps
         self.busy_slot_steps += busy * steps
+
+    def _widest_visits(self) -> bool:
+        """Whether visits may run the widest program (EngineConfig.adaptive_widest_visits, with adaptive
+        verification)."""
+        spec = self.config.spec
+        return spec is not None and spec.enable_adaptive_verification and self.config.adaptive_widest_visits
 
     def _verify_costs(self, rows: int, proposer):
         """Adaptive verification's costs for a step of `rows` slots (None without it), found once per count."""
@@ -342,8 +366,8 @@ class Engine:
 
     def step_programs(self) -> dict[tuple[SamplingMode, int], int]:
         """The step programs this engine's visits compiled, by the sampling mode and the count of slots they step:
-        0 where an engine of the same settings compiled it before in this process (engines share programs), more
-        than 1 a recompile."""
+        0 where an engine of the same settings compiled it before in this process (engines share programs), 1 (2
+        with widest visits: the switch's and the widest), more a recompile."""
         return dict(self._step_compiles)
 
     def step_hlo(self, rows: int | None = None) -> str:
@@ -397,7 +421,8 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.copy_in(self.state.cache, None, [], [], [])  # a store's program, copying nothing
         for rows in self._row_buckets():
-            self._run(mode, 0, rows + 1, rows, self._plan()[0])
+            for widest in (False, True) if self._widest_visits() else (False,):
+                self._run(mode, 0, rows + 1, rows, self._plan()[0], widest)
         for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):  # padded_slots' counts
             self.state = move_rows(self.state, padded_slots([0] * count, 0), padded_slots([nowhere] * count, nowhere),
                                    axes=self._axes)
@@ -527,7 +552,7 @@ class Engine:
             self._dispatch(mode, max_steps, stop_after_ends, rows, plan, planned)
             return []
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        visit, counters = self._run(mode, max_steps, stop_after_ends, rows, plan)
+        visit, counters = self._run(mode, max_steps, stop_after_ends, rows, plan, self._widest)
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
         self._visited = (time.perf_counter() - wait, int(visit.steps))

@@ -22,7 +22,7 @@ from specjax.verify import Verifier
 from specjax.verify.sampling import SamplingMode, SamplingParams
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("steps", "tokens", "count", "done"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("steps", "tokens", "count", "done", "narrowed"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class Visit:
@@ -32,16 +32,20 @@ class Visit:
     tokens: jax.Array  # [rows, W]: each row's tokens of this visit first (W bounds what a visit can emit)
     count: jax.Array  # [rows]: tokens each row emitted in this visit
     done: jax.Array  # [rows]
+    narrowed: jax.Array  # adaptive verification: the last step chose (or would have) fewer than K drafts (else False)
 
     @classmethod
-    def of(cls, steps, decode: decoding.DecodeState, before: jax.Array, width: int) -> Visit:
+    def of(cls, steps, state, before: jax.Array, width: int) -> Visit:
         """The summary of rows that had generated `before` tokens when the visit began."""
+        decode = decode_state(state)
+        adaptive = getattr(state, "adaptive", None)
+        narrowed = jnp.bool_(False) if adaptive is None else jnp.any(adaptive.narrowed)
         size = decode.tokens.shape[1]
         width = min(width, size)
         first = decode.lengths - decode.num_generated + before  # where each row's tokens of this visit begin
         index = jnp.minimum(first[:, None] + jnp.arange(width)[None, :], size - 1)
         return cls(steps=steps, tokens=jnp.take_along_axis(decode.tokens, index, axis=1),
-                   count=decode.num_generated - before, done=decode.done)
+                   count=decode.num_generated - before, done=decode.done, narrowed=narrowed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,9 @@ class Program:
     # (decoding.ChunkPlan's).
     proposer_axes: tuple[int, ...] | None = None
     cache_axes: tuple[int, ...] | None = None
+    # With adaptive verification: every step verifies all K drafts, no switch, and the visit ends at a step whose
+    # chosen width would have been narrower (decoding.speculative_step's widest; the engine's "widest visits").
+    widest: bool = False
 
     def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
         """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
@@ -81,7 +88,7 @@ class Program:
             return decoding.decode_step(model, state, mode=self.mode, eos_token_ids=self.eos_token_ids, chunks=chunks)
         return decoding.speculative_step(model, draft_params, state, method, proposer=self.proposer,
                                          verifiers=self.verifiers, eos_token_ids=self.eos_token_ids,
-                                         verify_costs=costs, chunks=chunks)
+                                         verify_costs=costs, chunks=chunks, widest=self.widest)
 
 
 @functools.partial(jax.jit, static_argnames="program")
@@ -120,6 +127,8 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
         steps, state = carry
         done = decode_state(state).done
         busy = True if prefilling else ~jnp.all(done)  # rows being prefilled are done rows
+        if program.widest:  # a step that would have verified fewer drafts hands the visit back to the host
+            busy = busy & ~jnp.any(state.adaptive.narrowed)
         return (steps < limit) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
 
     def step(carry, chunks: bool = False):
@@ -138,7 +147,7 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
         carry = jax.lax.while_loop(lambda c: cond(c, jnp.minimum(max_steps, plan.count), prefilling=True),
                                    lambda c: step(c, chunks=True), carry)
     steps, busy = jax.lax.while_loop(lambda c: cond(c, max_steps), step, carry)
-    visit = Visit.of(steps, decode_state(busy), before, width)
+    visit = Visit.of(steps, busy, before, width)
     counters = None if isinstance(busy, decoding.DecodeState) else jax.tree.map(jnp.copy, busy.counters)
     busy = jax.tree.leaves(busy)
     draft = None if layout is None else layout.to_host(layout.pack(busy))
