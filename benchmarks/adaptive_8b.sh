@@ -15,10 +15,11 @@
 #         OUT/cost_curves as it completes; CURVES=DIR copies an earlier call's in first.
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh probe OUT  # why the adaptive engine's step costs more than the fixed
 #         engine's (benchmarks/probes/adaptive_engine_step.py: both engines' ms a step, each visit's, and compiled
-#         programs), two requests of NEW_TOKENS (512: ~140 steps in ~9 visits each) in turn; about 250 s; with
+#         programs), two requests of NEW_TOKENS (512: ~150 steps in 9-10 visits each) in turn; about 250 s; with
 #         VARIANTS=1 then the adaptive engine with every kernel loaded up front (CUDA_MODULE_LOADING=EAGER) and
-#         with no command buffers, about 500 s in all; SHAPE=tiny runs it on the CPU. The probe's docstring gives
-#         the commands of the command buffer runs (the VLOG count, +CONDITIONAL), which the twenty-first session ran
+#         with no command buffers, over 560 s in all (the twenty-second session's call ran out in the last);
+#         SHAPE=tiny runs it on the CPU. The probe's docstring gives the commands of the command buffer runs (the
+#         VLOG count, +CONDITIONAL, none), which the twenty-first and twenty-second sessions ran
 #     PYTHONPATH=. python scripts/bench_decode.py --plot OUT/bench_decode_adaptive_8b_b1.json \
 #         OUT/bench_decode_adaptive_8b_b16.json OUT/bench_decode_adaptive_8b_b64.json   # the width against batch
 set -uo pipefail
