@@ -665,11 +665,32 @@ def test_sampled_requests_in_the_engine_follow_the_target_distribution():
     from test_engine import ENGINE_SAMPLINGS, engine_joint_counts
 
     target = tiny_pair()[0]
-    parts, greedy, outputs = engine_joint_counts(tiny_spec("dflash", "standard"), tiny_drafter("dflash"),
-                                                 cost_curve=CUT)
+    parts, greedy, outputs, _ = engine_joint_counts(tiny_spec("dflash", "standard"), tiny_drafter("dflash"),
+                                                    cost_curve=CUT)
     assert (greedy == generate(target, [PROMPT], max_new_tokens=NUM_TOKENS).tokens[0]).all()
     widths = {w for output in outputs.values() for w in output.metrics["per_step_drafted"]}
     assert 0 in widths and widths - {0, 3}, widths  # steps that skipped drafting, and blocks cut
+    for sampling, codes in zip(ENGINE_SAMPLINGS, parts):
+        counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
+        p_value = chi_square_pvalue(counts, exact_joint(target, sampling))
+        assert p_value > LOSSLESS_ALPHA, (sampling, p_value)
+
+
+@pytest.mark.loop
+@pytest.mark.slow
+def test_sampled_requests_in_widest_visits_follow_the_target_distribution():
+    """Widest visits under sampling: every width costs the same (K chosen at every step) and a visit runs one step,
+    so every step after the first runs the widest program (asserted from the engine's stats); DFlash's probabilistic
+    drafts, T 1 and T 0.7 top-k 5 requests beside greedy ones, test_engine.py's chi-square."""
+    from test_engine import ENGINE_SAMPLINGS, engine_joint_counts
+
+    target = tiny_pair()[0]
+    flat = adaptive.CostCurve(batches=(1,), widths=(0, 3), seconds=((1.0, 1.0),))
+    parts, greedy, outputs, stats = engine_joint_counts(tiny_spec("dflash", "standard"), tiny_drafter("dflash"),
+                                                        cost_curve=flat, steps_per_visit=1)
+    assert (greedy == generate(target, [PROMPT], max_new_tokens=NUM_TOKENS).tokens[0]).all()
+    assert {w for output in outputs.values() for w in output.metrics["per_step_drafted"]} == {3}
+    assert stats["steps"] > 1 and stats["widest_steps"] == stats["steps"] - 1, stats
     for sampling, codes in zip(ENGINE_SAMPLINGS, parts):
         counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
         p_value = chi_square_pvalue(counts, exact_joint(target, sampling))

@@ -51,18 +51,18 @@ ENGINE_SAMPLINGS = (SamplingConfig(temperature=1.0), SamplingConfig(temperature=
 
 def engine_joint_counts(spec: SpecConfig, drafter, **options):
     """Counts of the first NUM_TOKENS tokens of ENGINE_ROWS requests of each of ENGINE_SAMPLINGS, served with
-    64 greedy requests among them by one engine of 2,048 slots (options: more EngineConfig fields); the greedy
-    requests' tokens; and every request's output."""
+    64 greedy requests among them by one engine of 2,048 slots (options: EngineConfig fields over these); the greedy
+    requests' tokens; every request's output; and the engine's stats."""
     configs = [SamplingConfig()] * 64 + [s for s in ENGINE_SAMPLINGS for _ in range(ENGINE_ROWS)]
     requests = [Request(request_id=str(i), prompt=tuple(PROMPT), max_tokens=NUM_TOKENS, sampling=sampling, seed=i)
                 for i, sampling in enumerate(configs)]
     order = np.random.default_rng(0).permutation(len(requests))  # greedy and sampled requests interleaved
-    engine = Engine(tiny_pair()[0], EngineConfig(max_num_seqs=2048, max_model_len=32, spec=spec, steps_per_visit=8,
-                                                 max_prefill_batch=512, **options), drafter=drafter)
+    config = dict(max_num_seqs=2048, max_model_len=32, spec=spec, steps_per_visit=8, max_prefill_batch=512) | options
+    engine = Engine(tiny_pair()[0], EngineConfig(**config), drafter=drafter)
     outputs = {o.request_id: o for o in engine.run([requests[i] for i in order])}
     tokens = np.array([outputs[str(i)].tokens for i in range(len(requests))])
     codes = np.ravel_multi_index(tokens[64:].T, (TINY.vocab_size,) * NUM_TOKENS)
-    return np.split(codes, len(ENGINE_SAMPLINGS)), tokens[:64], outputs
+    return np.split(codes, len(ENGINE_SAMPLINGS)), tokens[:64], outputs, engine.stats()
 
 
 @pytest.mark.loop
@@ -70,7 +70,7 @@ def engine_joint_counts(spec: SpecConfig, drafter, **options):
 @pytest.mark.parametrize("verifier", ["standard", "block"])
 def test_sampled_requests_follow_the_target_distribution_beside_other_requests(verifier):
     spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method=verifier, draft_sample_method="probabilistic")
-    parts, greedy, _ = engine_joint_counts(spec, tiny_pair()[1])
+    parts, greedy, _, _ = engine_joint_counts(spec, tiny_pair()[1])
     assert (greedy == generate(tiny_pair()[0], [PROMPT], max_new_tokens=NUM_TOKENS).tokens[0]).all()
     for sampling, codes in zip(ENGINE_SAMPLINGS, parts):
         counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
@@ -89,7 +89,7 @@ def test_negative_control_the_engine_with_a_verifier_that_accepts_everything_fai
     monkeypatch.setitem(verify_registry.VERIFIERS, "accept_all", verify_registry.Verifier(chain=accept_all, tree=None))
     spec = SpecConfig(num_speculative_tokens=2, rejection_sample_method="accept_all",
                       draft_sample_method="probabilistic")
-    parts, _, _ = engine_joint_counts(spec, tiny_pair()[1])
+    parts, _, _, _ = engine_joint_counts(spec, tiny_pair()[1])
     counts = np.bincount(parts[0], minlength=TINY.vocab_size ** NUM_TOKENS)
     assert chi_square_pvalue(counts, exact_joint(tiny_pair()[0], ENGINE_SAMPLINGS[0])) < 1e-6
 
