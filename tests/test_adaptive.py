@@ -676,6 +676,21 @@ def test_sampled_requests_in_the_engine_follow_the_target_distribution():
         assert p_value > LOSSLESS_ALPHA, (sampling, p_value)
 
 
+def test_the_server_serves_with_widest_visits_unless_its_config_turns_them_off():
+    """ServeConfig.adaptive_widest_visits reaches the engine's settings (with the other engine fields it sets), from
+    YAML's `--set` too; a value that is not a boolean is refused, naming the field."""
+    from specjax.serve import ServeConfig, load_serve_config
+
+    assert ServeConfig().engine_config(()).adaptive_widest_visits is True
+    config = load_serve_config(None, None, ["adaptive_widest_visits=false", "max_num_seqs=4", "async_scheduling=true",
+                                            "steps_per_visit=3", "step_slot_counts=[1,4]"])
+    engine = config.engine_config((7,))
+    assert (engine.adaptive_widest_visits, engine.max_num_seqs, engine.async_scheduling, engine.steps_per_visit,
+            tuple(engine.step_slot_counts), engine.eos_token_ids) == (False, 4, True, 3, (1, 4), (7,))
+    with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_widest_visits = 'no' is invalid"):
+        ServeConfig(adaptive_widest_visits="no")
+
+
 @pytest.mark.loop
 @pytest.mark.slow
 def test_sampled_requests_in_widest_visits_follow_the_target_distribution():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.config import ConfigError, SpecConfig, from_dict, parse_yaml, require, with_overrides
+from specjax.engine import EngineConfig
 
 # vLLM's --per-request-spec-decode-metrics levels: no metrics object, the summary, the summary and per-step arrays.
 METRICS_LEVELS = ("none", "summary", "detailed")
@@ -40,6 +41,9 @@ class ServeConfig:
     # The counts of slots a visit may step, each a step program compiled at warm-up (EngineConfig.step_slot_counts;
     # --set step_slot_counts=[1,16,64,256]); None: powers of two up to max_num_seqs.
     step_slot_counts: tuple[int, ...] | None = None
+    # With spec.enable_adaptive_verification: visits with no switch while each step chooses all K drafts
+    # (EngineConfig.adaptive_widest_visits; --set adaptive_widest_visits=false turns them off).
+    adaptive_widest_visits: bool = True
     # Prompts of up to this many tokens find every program compiled before the server listens (each admission
     # batch and step bucket, greedy and sampled: Engine.warmup); None: only short requests are warmed, and the
     # first requests of other lengths or larger batches compile theirs (seconds each at the 8B shape).
@@ -112,6 +116,8 @@ class ServeConfig:
                 self.end_visits_on_finish, "true or false")
         require(isinstance(self.async_scheduling, bool), "ServeConfig", "async_scheduling", self.async_scheduling,
                 "true or false")
+        require(isinstance(self.adaptive_widest_visits, bool), "ServeConfig", "adaptive_widest_visits",
+                self.adaptive_widest_visits, "true or false")
         require(isinstance(self.warmup_sampled, bool), "ServeConfig", "warmup_sampled", self.warmup_sampled,
                 "true or false")
         require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
@@ -135,6 +141,18 @@ class ServeConfig:
         require(self.spec.rejection_sample_method in rejection_sample_methods(), "ServeConfig",
                 "spec.rejection_sample_method (--rejection-sample-method)", self.spec.rejection_sample_method,
                 f"one of {rejection_sample_methods()}")
+
+    def engine_config(self, eos_token_ids: tuple[int, ...]) -> EngineConfig:
+        """The engine's settings this config serves with."""
+        return EngineConfig(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len, spec=self.spec,
+                            eos_token_ids=tuple(eos_token_ids), enable_prefix_caching=self.enable_prefix_caching,
+                            disable_eagle_block_drop=self.disable_eagle_block_drop,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            mixed_prefill_tokens=self.mixed_prefill_tokens,
+                            mixed_prefill_chunks=self.mixed_prefill_chunks, max_prefill_batch=self.max_prefill_batch,
+                            async_scheduling=self.async_scheduling, steps_per_visit=self.steps_per_visit,
+                            visit_ends=self.visit_ends, step_slot_counts=self.step_slot_counts,
+                            adaptive_widest_visits=self.adaptive_widest_visits)
 
     def check_model(self, model_config) -> None:
         """Refuses a max_model_len past the loaded model's positions, naming the flag."""

@@ -15,7 +15,7 @@ import uvicorn
 
 from specjax import default_models, speed
 from specjax.config import ConfigError
-from specjax.engine import EngineConfig, freeze_heap
+from specjax.engine import freeze_heap
 from specjax.experiments import default_drafter, load_models, load_tokenizer
 from specjax.models import hf
 from specjax.proposers import proposer_class
@@ -65,15 +65,7 @@ def serve(config: ServeConfig) -> int:
         config.check_model(model.config)
     eos = hf.eos_token_ids(default_models.resolve(config.model)) or (
         () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,))
-    engine_config = EngineConfig(max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, spec=spec,
-                                 eos_token_ids=tuple(eos), enable_prefix_caching=config.enable_prefix_caching,
-                                 disable_eagle_block_drop=config.disable_eagle_block_drop,
-                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                 mixed_prefill_tokens=config.mixed_prefill_tokens,
-                                 mixed_prefill_chunks=config.mixed_prefill_chunks,
-                                 max_prefill_batch=config.max_prefill_batch, async_scheduling=config.async_scheduling,
-                                 steps_per_visit=config.steps_per_visit, visit_ends=config.visit_ends,
-                                 step_slot_counts=config.step_slot_counts)
+    engine_config = config.engine_config(tuple(eos))
     # The engine thread and the HTTP event loop take turns on the interpreter lock: a short interval hands it back
     # to the engine soon after its device call returns.
     sys.setswitchinterval(config.switch_interval_ms / 1e3)
