@@ -5,6 +5,7 @@
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh decode B OUT  # generate at batch B: adaptive against fixed K, the
 #                                                          # envelope K chosen for B (1: 4, 8; 16: 4, 8; 64: 2, 3, 4)
 #         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~36 steps of one row's draws, 16% s.d. between seeds)
+#         DECODE_FLAGS=--without-widest-runs: adaptive also with the switch at every step (speculative_loop's widest_runs)
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests:
 #         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
 #         One engine of SLOTS (256) slots for loads CONC (1,16,64,256), whose visits step COUNTS (1,16,64,256; the
@@ -32,7 +33,7 @@ case $part in
     case $batch in 1) fixed=4,8 ;; 16) fixed=4,8 ;; 64) fixed=2,3,4 ;; *) fixed=2,4,8 ;; esac
     python3 scripts/bench_decode.py --shape 8b --methods dflash --num-speculative-tokens 15 --acceptance-rates $rates \
       --adaptive --fixed-k $fixed --batches $batch --prompt-lens 128 --new-tokens ${NEW_TOKENS:-128} \
-      --name bench_decode_adaptive_8b_b$batch --out-dir "$out"
+      --name bench_decode_adaptive_8b_b$batch --out-dir "$out" ${DECODE_FLAGS:-}
     ;;
   serve)
     out=${2:-benchmarks/results}; methods=${3:-none,dflash:15::adaptive,dflash:15}

@@ -491,7 +491,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
                          state.adaptive.observe(active, num_valid, num_accepted), narrowed=narrowed))
 
 
-@functools.partial(jax.jit, static_argnames=("proposer", "verifiers", "eos_token_ids", "cache_dtype", "gather_logits"))
+@functools.partial(jax.jit, static_argnames=("proposer", "verifiers", "eos_token_ids", "cache_dtype", "gather_logits",
+                                             "widest_runs"))
 def speculative_loop(
     model: Transformer,
     draft_params: Any,
@@ -508,20 +509,37 @@ def speculative_loop(
     eos_token_ids: tuple[int, ...],
     cache_dtype: str | None = None,
     gather_logits: bool = False,
+    widest_runs: bool = True,
 ) -> SpecState:
     """Speculative prefill and decode as one program (speculative_init, then speculative_step until
     every row is done). draft_params: the drafter's weights as proposer.bind made them (the protocol's
     `params`); sampling: per-row settings that proposer.settings.sampling covers; method: the index in
     `verifiers` (default: specjax.verify.lossless_verifiers of the proposer's spec) of the rule for sampled
     rows (specjax.verify.method_index); verify_costs: with adaptive verification, a step's cost at each of
-    spec.verify_widths (specjax.adaptive.verify_costs; default the analytic curve)."""
+    spec.verify_widths (specjax.adaptive.verify_costs; default the analytic curve).
+
+    widest_runs (adaptive verification): after a step whose choice was K, steps run with no switch (speculative_step's
+    widest) in a loop of their own inside the loop's body, until one whose choice would have been narrower; then
+    a step with the switch again. The engine's widest visits in one program: on a GPU a step with the switch in its
+    body gains less from CUDA graphs (docs/performance.md, twenty-second session). Lossless: which step runs
+    depends on past steps only."""
     verifiers = verifiers if verifiers is not None else lossless_verifiers(proposer.settings.spec)
     state = speculative_init(model, draft_params, prompt_tokens, prompt_lengths, budgets, keys, sampling,
                              proposer=proposer, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype)
     step = functools.partial(speculative_step, model, draft_params, method=method, proposer=proposer,
                              verifiers=verifiers, eos_token_ids=eos_token_ids, gather_logits=gather_logits,
                              verify_costs=verify_costs)
-    return jax.lax.while_loop(lambda state: ~jnp.all(state.decode.done), step, state)
+
+    def running(state: SpecState):
+        return ~jnp.all(state.decode.done)
+    if state.adaptive is None or not widest_runs or len(proposer.settings.spec.verify_widths) == 1:
+        return jax.lax.while_loop(running, step, state)
+
+    def switched_then_widest(state: SpecState) -> SpecState:
+        return jax.lax.while_loop(lambda state: running(state) & ~jnp.any(state.adaptive.narrowed),
+                                  functools.partial(step, widest=True), step(state))
+
+    return jax.lax.while_loop(running, switched_then_widest, state)
 
 
 def static_spec(spec: SpecConfig, mode: SamplingMode) -> SpecConfig:

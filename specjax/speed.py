@@ -127,15 +127,16 @@ def autoregressive_run(target, cache_size: int):
 
 
 def speculative_run(target, weights, spec: SpecConfig, cache_size: int, final_state: bool = False,
-                    verify_costs=None):
+                    verify_costs=None, widest_runs: bool = True):
     """run(args) -> the final DecodeState of greedy speculative decoding with the drafter's weights (with
     final_state, the loop's whole SpecState: its acceptance counters too); verify_costs: with adaptive
-    verification, specjax.adaptive.verify_costs of the batch's cost curve."""
+    verification, specjax.adaptive.verify_costs of the batch's cost curve; widest_runs as speculative_loop's."""
     proposer = build_proposer(spec, GREEDY, cache_size, weights)
     bound = proposer.bind(weights, target)
 
     def run(args):
-        return speculative_loop(target, bound, *args, verify_costs=verify_costs, proposer=proposer, eos_token_ids=())
+        return speculative_loop(target, bound, *args, verify_costs=verify_costs, proposer=proposer, eos_token_ids=(),
+                                widest_runs=widest_runs)
 
     return run if final_state else lambda args: run(args).decode
 

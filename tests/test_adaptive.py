@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.distributions import NUM_TOKENS, PROMPT, TINY, chi_square_pvalue, exact_joint, joint_counts_by_sampling, tiny_pair
-from support.jaxpr import primitives, speculative_loop_args
+from support.jaxpr import equations, primitives, speculative_loop_args
 from support.models import EOS, dflash_config, head_for, mtp_modules, target_and_drafts, trained_dflash
 from support.requests import autoregressive_outputs, ragged_requests
 
@@ -591,19 +591,74 @@ def test_writing_the_committed_features_in_the_branch_drafts_as_the_next_propose
 
 @pytest.mark.loop
 def test_adaptive_generation_is_one_program_with_one_while_loop():
-    """The widths are branches of a switch inside the one loop, not loops or programs of their own."""
+    """The widths are branches of a switch inside the one loop, not loops or programs of their own. With widest runs
+    (the default) the loop's body holds the switch's step and then one loop of steps with no switch; without, the
+    body is the switch's step alone."""
     target, _ = target_and_drafts()
     spec = SpecConfig(method="dflash", num_speculative_tokens=3, rejection_sample_method="block",
                       draft_sample_method="probabilistic", enable_adaptive_verification=True)
     drafter = init_dflash(dflash_config(target.config, (0, 1), 8))
     args, static = speculative_loop_args(target, drafter, [[1, 2, 3], [4] * 9], 10, spec, T1, eos_token_ids=(2,))
     costs = adaptive.verify_costs(spec, STEEP, 2)
-    prims = primitives(jax.make_jaxpr(functools.partial(speculative_loop, **static))(*args, costs).jaxpr)
-    assert [name for name, depth in prims if depth == 0] in (["pjit"], ["jit"])
-    assert [name for name, _ in prims if name == "while"] == ["while"]
-    switches = [depth for name, depth in prims if name == "cond"]
-    assert switches and min(switches) >= 2  # inside the loop's body
-    assert not [name for name, _ in prims if "callback" in name or "feed" in name]
+    num_widths = len(spec.verify_widths)
+
+    def switches(jaxpr):  # the width switches among a jaxpr's equations, nested ones included
+        return [eqn for eqn, _ in equations(jaxpr) if eqn.primitive.name == "cond"
+                and len(eqn.params["branches"]) == num_widths]
+
+    for widest_runs in (True, False):
+        jaxpr = jax.make_jaxpr(functools.partial(speculative_loop, **static, widest_runs=widest_runs))(*args, costs)
+        prims = primitives(jaxpr.jaxpr)
+        assert [name for name, depth in prims if depth == 0] in (["pjit"], ["jit"])
+        assert not [name for name, _ in prims if "callback" in name or "feed" in name]
+        loops = [eqn for eqn, _ in equations(jaxpr.jaxpr) if eqn.primitive.name == "while"]
+        body = loops[0].params["body_jaxpr"].jaxpr
+        assert len(switches(body)) == 1  # the switch's step, inside the (outer) loop
+        if widest_runs:
+            assert len(loops) == 2 and loops[1] in [eqn for eqn, _ in equations(body)]  # nested in the body
+            inner = loops[1].params["body_jaxpr"].jaxpr
+            assert not switches(inner) and [e for e, _ in equations(inner) if e.primitive.name == "dot_general"]
+        else:
+            assert len(loops) == 1
+
+
+@pytest.mark.loop
+def test_widest_runs_verify_every_draft_until_a_step_would_narrow():
+    """speculative_loop's widest_runs on one row, under a curve whose choice moves between K and narrower widths as
+    the estimates follow a perturbed draft model: a step after one whose choice was K verifies K (and chooses, only to
+    end the run), any other verifies what it chose. Each step's choice is replayed on the host from the row's
+    per-step verified and accepted counts (AdaptiveState's estimate, choose_width). Without widest runs every step
+    verifies its choice, which the same replay tells apart; both outputs are the autoregressive one."""
+    target, _ = target_and_drafts()
+    curve = adaptive.CostCurve(batches=(1,), widths=(0, 3), seconds=((1.0, 1.6),))
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, enable_adaptive_verification=True)
+    prompt, costs = [5, 1, 7, 2], adaptive.verify_costs(spec, curve, 1)
+    args, static = speculative_loop_args(target, drafter_for("draft_model"), [prompt], 48, spec, SamplingConfig(),
+                                         eos_token_ids=(EOS,))
+    expected = generate(target, [prompt], max_new_tokens=48, eos_token_ids=(EOS,)).sequences()[0]
+
+    def verified_and_chosen(widest_runs: bool) -> tuple[list, list]:
+        state = speculative_loop(*args, costs, **static, widest_runs=widest_runs)
+        length = int(state.decode.lengths[0])
+        assert list(np.asarray(state.decode.tokens[0, len(prompt):length])) == expected
+        steps = int(state.counters.steps[0])
+        widths = [int(w) for w in state.counters.per_step_drafted[0, :steps]]
+        accepted = [int(a) for a in state.counters.per_step_accepted[0, :steps]]
+        replay, chosen, active = adaptive.AdaptiveState.init(1, 3), [], np.ones(1, bool)
+        for verified, took in zip(widths, accepted):
+            choice = adaptive.choose_width(replay.estimate(active), active, spec.verify_widths, costs)
+            chosen.append(spec.verify_widths[int(choice)])
+            replay = replay.observe(active, np.asarray([verified]), np.asarray([took]))
+        return widths, chosen
+
+    widths, chosen = verified_and_chosen(True)
+    runs = [index > 0 and chosen[index - 1] == 3 for index in range(len(widths))]  # the steps of widest runs
+    assert [3 if widest else would for widest, would in zip(runs, chosen)] == widths, (widths, chosen)
+    assert any(widest and would < 3 for widest, would in zip(runs, chosen)), (widths, chosen)  # a run ended
+    assert any(runs) and not all(runs[1:]) and len(set(widths)) > 1, (widths, chosen)
+    widths, chosen = verified_and_chosen(False)
+    assert widths == chosen
+    assert any(index > 0 and chosen[index - 1] == 3 and would < 3 for index, would in enumerate(chosen)), chosen
 
 
 # ------------------------------------------------------------------------------------ exact distribution
