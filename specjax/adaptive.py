@@ -86,7 +86,7 @@ PRIOR = 0.8
 PRIOR_TESTS = 1.0
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("passed", "tested", "narrowed"), meta_fields=())
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("passed", "tested", "chosen"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
     """Each row's discounted counts, by draft position i = 1..K, of steps that tested draft i (verified it
@@ -95,14 +95,14 @@ class AdaptiveState:
 
     passed: Float[Array, "B K"]
     tested: Float[Array, "B K"]
-    # Whether the row's last step chose a width below K (or, in a step told to verify K, would have): what tells
-    # the engine's host to run the program with the switch again (the engine's docstring, "widest visits").
-    narrowed: Bool[Array, " B"]
+    # The index in spec.verify_widths the row's last step chose (or, in a step told to verify a held width, would
+    # have chosen); -1 where it was done. What ends a held visit or run (the engine's docstring, "held visits").
+    chosen: Int[Array, " B"]
 
     @classmethod
     def init(cls, batch: int, num_draft: int) -> AdaptiveState:
         return cls(passed=jnp.zeros((batch, num_draft), jnp.float32),
-                   tested=jnp.zeros((batch, num_draft), jnp.float32), narrowed=jnp.zeros((batch,), bool))
+                   tested=jnp.zeros((batch, num_draft), jnp.float32), chosen=jnp.full((batch,), -1, jnp.int32))
 
     def observe(self, active: Bool[Array, " B"], verified: Int[Array, " B"],
                 accepted: Int[Array, " B"]) -> AdaptiveState:
@@ -146,6 +146,12 @@ def reads_confidence(spec: SpecConfig, confidence: Float[Array, "B K"] | None) -
     """Whether conditional_acceptance reads the drafter's confidence (static: the width chosen from the counts
     alone, before drafting, is otherwise the step's)."""
     return confidence is not None and spec.draft_sample_method == "greedy"
+
+
+def holds(state: AdaptiveState, index: int) -> Bool[Array, ""]:
+    """Whether every row that stepped last chose (or would have chosen) the width at `index` of spec.verify_widths:
+    what keeps a held visit (the engine's) or widest run (speculative_loop's) going."""
+    return ~jnp.any((state.chosen >= 0) & (state.chosen != index))
 
 
 def expected_tokens(conditional: Float[Array, "B K"], active: Bool[Array, " B"],

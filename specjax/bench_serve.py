@@ -39,8 +39,8 @@ one setting (and one engine size, --max-num-seqs) per process.
 --async-scheduling off,on runs each point with the engine's visits read as they end and with each visit dispatched
 before the host reads the one before it (EngineConfig.async_scheduling; not with --draft-kv-offload on).
 
---widest-visits on,off runs each adaptive point with and without the engine's widest visits (a step with no switch
-while the choice stays K, EngineConfig.adaptive_widest_visits; default on); the table adds the share of steps in them.
+--held-visits on,off runs each adaptive point with and without the engine's held visits (steps with no switch while
+the choice stays the last visit's, EngineConfig.adaptive_held_visits; default on); the table adds their share of steps.
 
 --visit-ends auto,1 runs each point with the engine's visits stopping, while requests wait, after the rows its pacing
 chooses (EngineConfig.visit_ends None) and at the first end; the table adds each point's visits.
@@ -84,7 +84,7 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("mean_verified_width", "verified width"), ("host_share", "host share"),
            ("device_ms_per_step", "device ms/step"), ("predicted_ms_per_step", "adaptive: predicted ms/step"),
-           ("widest_visits", "widest visits"), ("widest_share", "adaptive: steps in widest visits"),
+           ("held_visits", "held visits"), ("held_share", "adaptive: steps in held visits"),
            ("steps", "device steps"), ("visits", "visits"), ("visit_ends", "visit ends"),
            ("prefill_call_rows", "prefill call rows"),
            ("prefill_calls", "prefill calls"), ("prefill_padded_rows", "prefill rows padded"),
@@ -266,7 +266,7 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
             **host_time(step_s, wait_s, steps),
             "predicted_ms_per_step": predicted_step_ms(after.get("adaptive_costs"),
                                                        [r.metrics for r in records if r.metrics], concurrency),
-            "widest_share": (after["widest_steps"] - before["widest_steps"]) / steps
+            "held_share": (after["held_steps"] - before["held_steps"]) / steps
             if after.get("adaptive_costs") and steps else None,
             "draft_kv_mib_per_slot": None if offload is None else offload["bytes_per_slot"] / 2**20,
             "moved_mib_per_visit": None if moved is None else moved / max(visits, 1) / 2**20,
@@ -600,8 +600,8 @@ def main(argv=None) -> None:
     parser.add_argument("--mixed-prefill", default="off", help="comma-separated: off, or TOKENS[xCHUNKS]: prompts "
                         "prefilled by the decode steps, CHUNKS (default 1) chunks of TOKENS a step "
                         "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
-    parser.add_argument("--widest-visits", default="on", help="comma-separated: on, off (adaptive methods: after a "
-                        "visit that chose K, visits with no switch, EngineConfig.adaptive_widest_visits)")
+    parser.add_argument("--held-visits", default="on", help="comma-separated: on, off (adaptive methods: visits "
+                        "held at the width the last one chose, with no switch, EngineConfig.adaptive_held_visits)")
     parser.add_argument("--visit-ends", default="auto", help="comma-separated: auto, or N: with requests waiting, "
                         "rows a visit lets end before it stops to admit them (EngineConfig.visit_ends; auto: None)")
     parser.add_argument("--prefill-call-rows", default="inf", help="comma-separated: numbers >= 0 or inf: a prefill "
@@ -653,7 +653,7 @@ def main(argv=None) -> None:
                        lambda mix: mix == "off" or re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", mix),
                        "off and TOKENS[xCHUNKS] (positive integers)")
     scheds = comma_list(parser, "--async-scheduling", args.async_scheduling, ON_OFF.__contains__, str(list(ON_OFF)))
-    widests = comma_list(parser, "--widest-visits", args.widest_visits, ON_OFF.__contains__, str(list(ON_OFF)))
+    helds = comma_list(parser, "--held-visits", args.held_visits, ON_OFF.__contains__, str(list(ON_OFF)))
     visit_ends = comma_list(parser, "--visit-ends", args.visit_ends,
                             lambda ends: ends == "auto" or re.fullmatch(r"[1-9][0-9]*", ends),
                             "auto and positive integers")
@@ -719,10 +719,10 @@ def main(argv=None) -> None:
         # The engine refuses async scheduling with offload (its buffers move at each visit): not run together.
         # The engine refuses mixed prefill with offload, and with prefix caching and speculation: not run together.
         # Widest visits matter to adaptive methods only: the others run the first value.
-        for mode, offload, sched, mix, ends, rows_a_call, widest in [
+        for mode, offload, sched, mix, ends, rows_a_call, held in [
                 (m, o, a, x, e, r, w) for m in modes for o in offloads for a in scheds for x in mixes for e in visit_ends
-                for r in call_rows for w in widests
-                if (o == "off" or spec is not None) and "off" in (o, a) and (method.adaptive or w == widests[0])
+                for r in call_rows for w in helds
+                if (o == "off" or spec is not None) and "off" in (o, a) and (method.adaptive or w == helds[0])
                 and (x == "off" or (o == "off" and (spec is None or mode == "off")))]:
             engine = runner = None
             for load in loads:
@@ -742,7 +742,7 @@ def main(argv=None) -> None:
                                           async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode], **mixed_fields(mix),
                                           visit_ends=None if ends == "auto" else int(ends),
                                           prefill_call_rows=float(rows_a_call),
-                                          adaptive_widest_visits=ON_OFF[widest],
+                                          adaptive_held_visits=ON_OFF[held],
                                           step_slot_counts=None if step_counts is None else tuple(
                                               [c for c in step_counts if c < slots] + [slots]))
                     if runner is not None:
@@ -779,7 +779,7 @@ def main(argv=None) -> None:
                 label += "" if len(mixes) == 1 else f" mixed {mix}"
                 label += "" if len(visit_ends) == 1 else f" ends {ends}"
                 label += "" if len(call_rows) == 1 else f" prefill calls {rows_a_call}"
-                label += "" if len(widests) == 1 or not method.adaptive else f" widest {widest}"
+                label += "" if len(helds) == 1 or not method.adaptive else f" held {held}"
                 if runner is None:
                     trace_dir = None if args.profile is None else \
                         Path(args.profile) / f"{label.replace(' ', '_').replace('=', '')}_{load}"
@@ -796,7 +796,7 @@ def main(argv=None) -> None:
                              "label": label, "synthetic_tau": method.synthetic_tau, "slots": slots, "prefix_caching": mode,
                              "adaptive": method.adaptive, "draft_kv_offload": offload, "async_scheduling": sched,
                              "mixed_prefill": mix, "visit_ends": ends, "prefill_call_rows": rows_a_call,
-                             "widest_visits": widest if method.adaptive else None, **point})
+                             "held_visits": held if method.adaptive else None, **point})
                 print(f"{label:>16} load {load:>6}: {point['output_tok_s']:8.1f} tok/s, "
                       f"TPOT {point['tpot_mean_ms']:.2f} ms, TTFT {point['ttft_mean_ms']:.1f} ms, "
                       f"tau {point['mean_acceptance_length'] or 1:.2f}, hit rate {point['hit_rate'] or 0:.3f}, "

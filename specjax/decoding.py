@@ -344,7 +344,7 @@ class Prefix:
 def speculative_step(model: Transformer, draft_params: Any, state: SpecState, method: Int[Array, ""], *,
                      proposer: Proposer, verifiers: tuple[Verifier, ...], eos_token_ids: tuple[int, ...],
                      gather_logits: bool = False, verify_costs: Float[Array, " W"] | None = None,
-                     chunks: ChunkPlan | None = None, widest: bool = False) -> SpecState:
+                     chunks: ChunkPlan | None = None, hold: int | None = None) -> SpecState:
     """One speculative step of every active row: propose K drafts, score the last committed token and
     the drafts in one target forward over K + 1 positions, verify (rule verifiers[method] for sampled
     rows), commit the accepted drafts plus one target token, and roll both caches back by their lengths.
@@ -355,8 +355,9 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing. Where W is chosen before
     drafting (no confidence head read), each width's branch of the switch drafts as well: one conditional a step.
 
-    widest (adaptive verification): every active row verifies all K drafts, with no switch; the width is chosen
-    all the same, only to set state.adaptive.narrowed where it would be narrower (the engine's widest visits).
+    hold (adaptive verification): the index in spec.verify_widths of the width every active row verifies, with no
+    switch; the width is chosen all the same, only to be kept in state.adaptive.chosen (the engine's held visits,
+    speculative_loop's widest runs). Held at width 0, a drafter that can skip drafting drafts nothing.
 
     With `chunks`, prompt chunks of rows waiting for their prefill (admit_prompts) run in the verify forward (mixed
     prefill, as decode_step's): the drafter's state of each chunk's row is extended by it, and a row whose prompt it
@@ -371,7 +372,7 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     if state.adaptive is not None and verify_costs is None:
         verify_costs = jnp.asarray(adaptive.CostCurve.analytic((batch,), widths, skips_drafting=proposer.skips_drafting)
                                    .costs(batch, widths))
-    skip, counted, first = False, None, False
+    skip, counted, first, held_idle = False, None, False, False
     if state.adaptive is not None:  # the width the counts choose, before drafting (adaptive's docstring)
         counted = adaptive.choose_width(adaptive.conditional_acceptance(spec, state.adaptive, None, active), active,
                                         widths, verify_costs)
@@ -394,7 +395,11 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     if first:
         draft_tokens = draft_probs = proposer_state = row_parents = None  # drafted in the switch's branches
     else:
-        if state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting and not widest:
+        can_skip = state.adaptive is not None and widths[0] == 0 and proposer.skips_drafting
+        held_idle = can_skip and hold == 0
+        if held_idle:  # draft nothing; the width it would choose is the counts' (no confidence read)
+            draft_tokens, draft_probs, proposer_state = idle()
+        elif can_skip and hold is None:
             skip = counted == 0  # draft nothing
             draft_tokens, draft_probs, proposer_state = jax.lax.cond(skip, idle, drafted)
         else:
@@ -435,19 +440,19 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
                           num_valid=num_valid)
         return *verified, logits, hidden, cache, chunk_hidden
 
-    num_valid = narrowed = None
+    num_valid = chosen = None
     if state.adaptive is None:
         path, num_accepted, next_token, logits, hidden, cache, chunk_hidden = scored(
             draft_tokens.shape[1], draft_tokens, draft_probs, attention_mask=mask)
     else:  # chains only (SpecConfig refuses trees)
         choice = counted  # chosen again only where the drafter's confidence is read, now that it has drafted
-        if not first:
+        if not first and not held_idle:
             confidence = proposer.draft_confidence(proposer_state)
             conditional = adaptive.conditional_acceptance(spec, state.adaptive, confidence, active)
             choice = jnp.where(skip, 0, adaptive.choose_width(conditional, active, widths, verify_costs))
-        narrowed = active & (choice < len(widths) - 1)
-        if widest:
-            choice = len(widths) - 1
+        chosen = jnp.where(active, choice, -1)
+        if hold is not None:
+            choice = hold
         num_valid = jnp.where(active, jnp.asarray(widths, jnp.int32)[choice], 0)
 
         def at_width(width):  # verified in the branch: the verifier's work, as the forward's, scales with the width
@@ -460,7 +465,10 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
             return (*out, drafts[0]) if first else out  # the drafts leave the branch only if made there
 
         branches = [functools.partial(at_width, width) for width in widths]
-        out = jax.lax.switch(choice, branches) if len(branches) > 1 and not widest else branches[-1]()
+        if hold is not None:
+            out = branches[hold]()
+        else:
+            out = jax.lax.switch(choice, branches) if len(branches) > 1 else branches[-1]()
         num_accepted, next_token, cache, chunk_hidden, proposer_state = out[:5]
         if first:
             draft_tokens = out[5]
@@ -488,7 +496,7 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     return SpecState(decode=decode, proposer=proposer_state,
                      counters=state.counters.update(active, num_accepted, kept, num_valid),
                      adaptive=None if state.adaptive is None else dataclasses.replace(
-                         state.adaptive.observe(active, num_valid, num_accepted), narrowed=narrowed))
+                         state.adaptive.observe(active, num_valid, num_accepted), chosen=chosen))
 
 
 @functools.partial(jax.jit, static_argnames=("proposer", "verifiers", "eos_token_ids", "cache_dtype", "gather_logits",
@@ -518,9 +526,9 @@ def speculative_loop(
     rows (specjax.verify.method_index); verify_costs: with adaptive verification, a step's cost at each of
     spec.verify_widths (specjax.adaptive.verify_costs; default the analytic curve).
 
-    widest_runs (adaptive verification): after a step whose choice was K, steps run with no switch (speculative_step's
-    widest) in a loop of their own inside the loop's body, until one whose choice would have been narrower; then
-    a step with the switch again. The engine's widest visits in one program: on a GPU a step with the switch in its
+    widest_runs (adaptive verification): after a step whose choice was K, steps held at K (speculative_step's hold)
+    run in a loop of their own inside the loop's body, until one whose choice would have been narrower; then a step
+    with the switch again. The engine's held visits at K, in one program: on a GPU a step with the switch in its
     body gains less from CUDA graphs (docs/performance.md, twenty-second session). Lossless: which step runs
     depends on past steps only."""
     verifiers = verifiers if verifiers is not None else lossless_verifiers(proposer.settings.spec)
@@ -535,9 +543,11 @@ def speculative_loop(
     if state.adaptive is None or not widest_runs or len(proposer.settings.spec.verify_widths) == 1:
         return jax.lax.while_loop(running, step, state)
 
+    widest = len(proposer.settings.spec.verify_widths) - 1
+
     def switched_then_widest(state: SpecState) -> SpecState:
-        return jax.lax.while_loop(lambda state: running(state) & ~jnp.any(state.adaptive.narrowed),
-                                  functools.partial(step, widest=True), step(state))
+        return jax.lax.while_loop(lambda state: running(state) & adaptive.holds(state.adaptive, widest),
+                                  functools.partial(step, hold=widest), step(state))
 
     return jax.lax.while_loop(running, switched_then_widest, state)
 

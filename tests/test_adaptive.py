@@ -487,13 +487,13 @@ def host_leaves(state) -> list:
 
 
 @pytest.mark.loop
-def test_widest_visits_verify_every_draft_and_hand_back_to_the_switch_at_a_narrower_choice():
-    """EngineConfig.adaptive_widest_visits on one slot, under a curve whose choice moves between K and narrower
-    widths as the estimates follow a perturbed draft model: after a visit whose last step verified K the next runs
-    the widest program (every step K), which ends at the first step whose choice would be narrower, and after it
-    (or any step that verified fewer) the switch's program runs. Each step's choice is replayed on the host from the
-    request's per-step verified and accepted counts (AdaptiveState's estimate, choose_width). Output: the
-    autoregressive one."""
+def test_held_visits_verify_the_width_chosen_last_and_hand_back_to_the_switch_when_the_choice_moves():
+    """EngineConfig.adaptive_held_visits on one slot, under a curve whose choice moves among the widths as the
+    estimates follow a perturbed draft model: after a visit whose last step chose width w (one worth choosing at
+    the count), the next runs the program held at w (every step w), which ends at the first step whose choice would
+    be another, and after it (or at a width not worth choosing) the switch's program runs. Each step's choice is
+    replayed on the host from the request's per-step verified and accepted counts (AdaptiveState's estimate,
+    choose_width). Output: the autoregressive one."""
     from support.engine import load_config
 
     from specjax.engine import Engine, Request
@@ -504,33 +504,36 @@ def test_widest_visits_verify_every_draft_and_hand_back_to_the_switch_at_a_narro
     engine = Engine(target, load_config(spec, cost_curve=curve, max_num_seqs=1, steps_per_visit=4),
                     drafter=drafter_for("draft_model"))
     prompt = [5, 1, 7, 2]
-    engine.add_request(Request.make("a", prompt, 48))
-    visits, outputs = [], []  # (steps, widest) of each visit
+    engine.add_request(Request.make("a", prompt, 56))
+    visits, outputs = [], []  # (steps, held) of each visit
     while engine.has_work():
-        steps, widest = engine.steps_run, engine.widest_steps
+        steps, held = engine.steps_run, engine.held_steps
         outputs += engine.step()
         ran = engine.steps_run - steps
-        assert engine.widest_steps - widest in (0, ran)  # a visit is widest or not, all its steps
-        visits.append((ran, engine.widest_steps - widest == ran > 0))
-    assert list(outputs[0].tokens) == generate(target, [prompt], max_new_tokens=48, eos_token_ids=(EOS,)).sequences()[0]
+        assert engine.held_steps - held in (0, ran)  # a visit is held or not, all its steps
+        visits.append((ran, engine.held_steps - held == ran > 0))
+    assert list(outputs[0].tokens) == generate(target, [prompt], max_new_tokens=56, eos_token_ids=(EOS,)).sequences()[0]
     metrics = outputs[0].metrics
     widths, accepted, active = metrics["per_step_drafted"], metrics["per_step_accepted"], np.ones(1, bool)
     state, chosen, costs = adaptive.AdaptiveState.init(1, 3), [], adaptive.verify_costs(spec, curve, 1)
+    holdable = {w for w, cost in zip(spec.verify_widths, np.asarray(costs)) if cost < adaptive.FORCED_OUT}
     for verified, took in zip(widths, accepted):  # what each step chose, replayed
         choice = adaptive.choose_width(state.estimate(active), active, spec.verify_widths, costs)
         chosen.append(spec.verify_widths[int(choice)])
         state = state.observe(active, np.asarray([verified]), np.asarray([took]))
-    at = 0
-    for index, (steps, widest) in enumerate(visits):
+    at, held_at = 0, set()
+    for index, (steps, held) in enumerate(visits):
         mine, would, at = widths[at:at + steps], chosen[at:at + steps], at + steps
-        if widest:  # K every step; ended at the first step that would have narrowed, or after all 4
-            assert set(mine) == {3} and all(w == 3 for w in would[:-1]), (visits, widths, chosen)
-            assert (would[-1] == 3) == (steps == 4 or at == len(widths)), (visits, widths, chosen)
+        if held:  # the last visit's last choice every step; ended where the choice moved, or after all 4
+            hold = chosen[at - steps - 1]
+            held_at.add(hold)
+            assert set(mine) == {hold} and all(w == hold for w in would[:-1]), (visits, widths, chosen)
+            assert would[-1] != hold or steps == 4 or at == len(widths), (visits, widths, chosen)
         else:
             assert mine == would, (visits, widths, chosen)
         if index + 1 < len(visits):
-            assert visits[index + 1][1] == (would[-1] == 3), (visits, widths, chosen)
-    assert {widest for _, widest in visits} == {True, False} and len(set(widths)) > 1, (visits, widths)
+            assert visits[index + 1][1] == (would[-1] in holdable), (visits, widths, chosen)
+    assert {held for _, held in visits} == {True, False} and len(held_at) > 1, (visits, widths, chosen)
 
 
 @pytest.mark.slow
@@ -731,26 +734,26 @@ def test_sampled_requests_in_the_engine_follow_the_target_distribution():
         assert p_value > LOSSLESS_ALPHA, (sampling, p_value)
 
 
-def test_the_server_serves_with_widest_visits_unless_its_config_turns_them_off():
-    """ServeConfig.adaptive_widest_visits reaches the engine's settings (with the other engine fields it sets), from
+def test_the_server_serves_with_held_visits_unless_its_config_turns_them_off():
+    """ServeConfig.adaptive_held_visits reaches the engine's settings (with the other engine fields it sets), from
     YAML's `--set` too; a value that is not a boolean is refused, naming the field."""
     from specjax.serve import ServeConfig, load_serve_config
 
-    assert ServeConfig().engine_config(()).adaptive_widest_visits is True
-    config = load_serve_config(None, None, ["adaptive_widest_visits=false", "max_num_seqs=4", "async_scheduling=true",
+    assert ServeConfig().engine_config(()).adaptive_held_visits is True
+    config = load_serve_config(None, None, ["adaptive_held_visits=false", "max_num_seqs=4", "async_scheduling=true",
                                             "steps_per_visit=3", "step_slot_counts=[1,4]"])
     engine = config.engine_config((7,))
-    assert (engine.adaptive_widest_visits, engine.max_num_seqs, engine.async_scheduling, engine.steps_per_visit,
+    assert (engine.adaptive_held_visits, engine.max_num_seqs, engine.async_scheduling, engine.steps_per_visit,
             tuple(engine.step_slot_counts), engine.eos_token_ids) == (False, 4, True, 3, (1, 4), (7,))
-    with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_widest_visits = 'no' is invalid"):
-        ServeConfig(adaptive_widest_visits="no")
+    with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_held_visits = 'no' is invalid"):
+        ServeConfig(adaptive_held_visits="no")
 
 
 @pytest.mark.loop
 @pytest.mark.slow
-def test_sampled_requests_in_widest_visits_follow_the_target_distribution():
-    """Widest visits under sampling: every width costs the same (K chosen at every step) and a visit runs one step,
-    so every step after the first runs the widest program (asserted from the engine's stats); DFlash's probabilistic
+def test_sampled_requests_in_held_visits_follow_the_target_distribution():
+    """Held visits under sampling: every width costs the same (K chosen at every step) and a visit runs one step,
+    so every step after the first runs the program held at K (asserted from the engine's stats); DFlash's probabilistic
     drafts, T 1 and T 0.7 top-k 5 requests beside greedy ones, test_engine.py's chi-square."""
     from test_engine import ENGINE_SAMPLINGS, engine_joint_counts
 
@@ -760,7 +763,7 @@ def test_sampled_requests_in_widest_visits_follow_the_target_distribution():
                                                         cost_curve=flat, steps_per_visit=1)
     assert (greedy == generate(target, [PROMPT], max_new_tokens=NUM_TOKENS).tokens[0]).all()
     assert {w for output in outputs.values() for w in output.metrics["per_step_drafted"]} == {3}
-    assert stats["steps"] > 1 and stats["widest_steps"] == stats["steps"] - 1, stats
+    assert stats["steps"] > 1 and stats["held_steps"] == stats["steps"] - 1, stats
     for sampling, codes in zip(ENGINE_SAMPLINGS, parts):
         counts = np.bincount(codes, minlength=TINY.vocab_size ** NUM_TOKENS)
         p_value = chi_square_pvalue(counts, exact_joint(target, sampling))

@@ -7,8 +7,8 @@ prints:
 
 - ms a step of the engine's own visits (two requests served to their budgets in turn, the visits that compile a
   step program left out), split into the time the host spends in the call and the rest (the device's, and the
-  summary's read), each visit's device ms a step, and the steps of widest visits (EngineConfig.
-  adaptive_widest_visits: the adaptive engine's visits with no switch while it chooses K);
+  summary's read), each visit's device ms a step, and the steps of held visits (EngineConfig.
+  adaptive_held_visits: the adaptive engine's visits with no switch while it chooses the last visit's width);
 - the compiled visit program over the stepped slots (`Engine.step_hlo`): its conditionals and while loops,
   command buffers (a GPU's CUDA graphs), kernel-like operations in the step and in the adaptive switch's widest
   branch, and copies of a MiB or more outside fusions;
@@ -16,7 +16,7 @@ prints:
   (`decoding.step_profile_loop`), whose step measured within 3% of `generate`'s.
 
     PYTHONPATH=. python benchmarks/probes/adaptive_engine_step.py [--shape tiny|8b] [--k 15] [--slots 16] \
-        [--only fixed|adaptive] [--each-visit] [--no-widest-visits]
+        [--only fixed|adaptive] [--each-visit] [--no-held-visits]
     XLA_FLAGS=--xla_gpu_enable_command_buffer= ...   # no CUDA graphs (the twenty-second session's finding)
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL ...   # a conditional's index kept on the device
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 ... --only adaptive 2>&1 | grep -c "Update command"
@@ -85,39 +85,39 @@ def structure(text: str) -> dict:
 
 def visit_times(engine: Engine, prompt: list[int], budget: int, requests: int = 2, each: bool = False) -> dict:
     """`requests` requests served to their budget one after another, visit by visit; the visits that compiled a
-    step program (the first; with widest visits the first widest one too) left out. Device: the engine's wait for
+    step program (the first; with held visits the first held one too) left out. Device: the engine's wait for
     each visit's call and its summary (Engine.device_wait_s); host: the rest of its step_s. Each visit's device ms a
     step too, a request's visits in a list: whether an excess is paid once (the first visits only), once a request
-    (each request's first visits) or every visit; the steps of widest visits (EngineConfig.adaptive_widest_visits);
+    (each request's first visits) or every visit; the steps of held visits (EngineConfig.adaptive_held_visits);
     and each request's verified widths (steps at each), so that a difference in time is not one of widths. each:
     print every visit's steps and ms as it lands (between any compile logs: JAX_LOG_COMPILES=1)."""
-    steps = visits = widest = 0
+    steps = visits = held = 0
     step_s = device_s = 0.0
     per_visit, widths = [], []
     for index in range(requests):
         engine.add_request(Request.make(f"probe{index}", prompt, budget))
         visit_ms = []
         while engine.has_work():
-            before = engine.steps_run, engine.device_wait_s, engine.step_s, engine.widest_steps
+            before = engine.steps_run, engine.device_wait_s, engine.step_s, engine.held_steps
             compiled = sum(engine.step_programs().values())
             for output in engine.step():
                 drafted = (output.metrics or {}).get("per_step_drafted") or ()
                 widths.append(dict(sorted(collections.Counter(int(w) for w in drafted).items())))
             if sum(engine.step_programs().values()) > compiled:
                 continue
-            ran, wide = engine.steps_run - before[0], engine.widest_steps - before[3]
-            steps, visits, widest = steps + ran, visits + 1, widest + wide
+            ran, holding = engine.steps_run - before[0], engine.held_steps - before[3]
+            steps, visits, held = steps + ran, visits + 1, held + holding
             device_s += engine.device_wait_s - before[1]
             step_s += engine.step_s - before[2]
             visit_ms.append(round(1e3 * (engine.device_wait_s - before[1]) / max(ran, 1), 2))
             if each:
-                print(f"  request {index}, visit {len(visit_ms)}: {ran} steps{' (widest)' if wide else ''}, "
+                print(f"  request {index}, visit {len(visit_ms)}: {ran} steps{' (held)' if holding else ''}, "
                       f"{visit_ms[-1]} device ms a step", flush=True)
         per_visit.append(visit_ms)
     if not steps:
         raise SystemExit(f"the request's {budget} tokens took one visit, which compiles: allowed --new-tokens past "
                          "what one visit emits (a few hundred)")
-    return {"steps": steps, "visits": visits, "widest visits' steps": widest,
+    return {"steps": steps, "visits": visits, "held visits' steps": held,
             "device ms a step": round(1e3 * device_s / steps, 3),
             "host ms a step": round(1e3 * (step_s - device_s) / steps, 3),
             "device ms a step, each visit": per_visit, "verified widths (steps)": widths}
@@ -172,8 +172,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--only", choices=("fixed", "adaptive"), default=None, help="one engine (default both)")
     parser.add_argument("--each-visit", action="store_true", help="print each visit as it lands")
-    parser.add_argument("--no-widest-visits", action="store_true",
-                        help="the adaptive engine without widest visits (EngineConfig.adaptive_widest_visits)")
+    parser.add_argument("--no-held-visits", action="store_true",
+                        help="the adaptive engine without held visits (EngineConfig.adaptive_held_visits)")
     parser.add_argument("--trace", default=None, help="trace one more request of each engine under this folder")
     args = parser.parse_args()
     target_config, draft_config = benchmarking.SHAPES[args.shape]
@@ -189,7 +189,7 @@ def main() -> None:
         curve = adaptive.CostCurve.analytic((1,), spec.verify_widths) if adaptive_on else None
         config = EngineConfig(max_num_seqs=args.slots, max_model_len=cache, spec=spec, max_prefill_batch=1,
                               step_slot_counts=(1, args.slots) if args.slots > 1 else None, cost_curve=curve,
-                              adaptive_widest_visits=not args.no_widest_visits)
+                              adaptive_held_visits=not args.no_held_visits)
         engine = Engine(target, config, drafter=drafter)
         name = "adaptive" if adaptive_on else "fixed"
         print(f"{name} engine: {visit_times(engine, prompt, args.new_tokens, each=args.each_visit)}", flush=True)

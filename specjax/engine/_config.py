@@ -57,12 +57,12 @@ class EngineConfig:
     # None: adaptive.default_cost_curve at each count of slots stepped (profiled once and cached on an
     # accelerator, analytic on the CPU).
     cost_curve: adaptive.CostCurve | None = None
-    # With adaptive verification: after a visit whose last step chose all K drafts, the next visit runs a program
-    # with no switch that verifies K every step and ends at a step that would have chosen fewer (the engine's
-    # docstring, "widest visits"): on a GPU the switch's program steps slower than a fixed-width one (its branches
-    # gain less from CUDA graphs, docs/performance.md), so a load that keeps choosing K pays for no switch. Lossless
-    # either way (the program is chosen from past steps); one more step program a count of slots stepped.
-    adaptive_widest_visits: bool = True
+    # With adaptive verification: after a visit whose last step chose width w, the next visit runs a program held at
+    # w with no switch, and ends at a step that would have chosen another (the engine's docstring, "held visits"):
+    # on a GPU the switch's program steps slower than a fixed-width one (its branches gain less from CUDA graphs,
+    # docs/performance.md), so a load whose choice stays put pays for no switch. Lossless either way (the program is
+    # chosen from past steps); one more step program a count of slots stepped and width worth choosing there.
+    adaptive_held_visits: bool = True
     # Draft KV offload (vLLM-style name): the drafter's KV cache lives in pinned host memory, one buffer per slot;
     # each visit brings the stepped slots' buffers to the device and sends them back (engine/_offload.py). Frees
     # the draft cache's device memory between visits and for the slots a visit does not step, for a host-device
@@ -121,7 +121,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_call_rows = {self.prefill_call_rows!r} is invalid: allowed a "
                              f"number >= 0 (float('inf') never splits an admission)")
         for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling",
-                     "adaptive_widest_visits"):
+                     "adaptive_held_visits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
         if self.spec is not None and not proposer_class(self.spec.method).defines_extend():

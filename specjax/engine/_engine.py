@@ -16,11 +16,12 @@ emitted, and finishes requests. Each row's draws come from its request's seed, n
 tokens and steps, and its sampling settings are data: a request's output is what `generate` gives it
 alone, and one compiled program serves greedy and sampled requests together.
 
-Widest visits (EngineConfig.adaptive_widest_visits): with adaptive verification a visit's program chooses each
-step's width by a switch over the compiled widths; once a visit's last step chose all K drafts, the next visit runs
-the same step with no switch, verifying K every step, and ends at the first step whose choice would have been
-narrower (AdaptiveState.narrowed), after which the switch's program runs again. Both are compiled for each count of
-slots stepped.
+Held visits (EngineConfig.adaptive_held_visits): with adaptive verification a visit's program chooses each step's
+width by a switch over the compiled widths; once a visit's last step chose width w, the next visit runs the same step
+held at w with no switch, and ends at the first step whose choice would have been another, after which the
+switch's program runs again. On a GPU a step with the switch in its body gains less from CUDA graphs
+(docs/performance.md, twenty-second session). Each count of slots stepped compiles the switch's program and one held
+at each width worth choosing at that count (adaptive.verify_costs); a width not worth choosing there runs the switch.
 """
 
 from __future__ import annotations
@@ -129,17 +130,17 @@ class Engine:
         self.pacing = VisitPacing()  # what chooses the ends a visit waits for (EngineConfig.visit_ends None)
         self.paced_visits = 0  # visits run while requests waited, and the ends they were to stop at, summed
         self.paced_ends = 0
-        self.widest_steps = 0  # steps of widest visits (the module's docstring)
+        self.held_steps = 0  # steps of held visits (the module's docstring)
         self._visited: tuple[float, int] | None = None  # the device seconds and steps of the visit this step ran
         spec = config.spec
         self._method = None if spec is None else np.int32(method_index(spec))  # the rule for sampled rows: data
         self._verifiers = None if spec is None else lossless_verifiers(spec)
-        self._programs: dict = {}  # mode (or (mode, True) for widest visits) -> Program
+        self._programs: dict = {}  # mode (or (mode, width index) for held visits) -> Program
         # (the target, the drafter's bound params): arguments of every program, not constants closed over (which XLA
         # would fold into the program: slower to compile and, measured on the CPU, about 4x slower to run).
         self._weights = None
         self._step_compiles: dict[tuple[SamplingMode, int], int] = {}  # run_steps programs this engine compiled
-        self._widest = False  # the next visit runs the widest program (the last visit's last step chose K)
+        self._hold: int | None = None  # the width index the last visit's last step chose (held visits)
         self._axes: tuple[int, ...] | None = None  # the state leaves' batch axes (batch_axes), as the programs use them
         self.state = None
         self.prefix_cache = None if not config.enable_prefix_caching else PrefixCache(
@@ -201,13 +202,13 @@ class Engine:
         run while requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the
         prefix cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off), and with
         adaptive verification the cost curve of each count of slots stepped so far (its seconds at each verify width
-        and its source: 'analytic' or where it was profiled) and the steps of widest visits."""
+        and its source: 'analytic' or where it was profiled) and the steps of held visits."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
                 "prefill_padded_rows": self.prefill_padded_rows, "prefilled_requests": self.prefilled_requests,
                 "prefill_chunks": self.prefill_chunks,
                 "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
-                "widest_steps": self.widest_steps,
+                "held_steps": self.held_steps,
                 "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
                 "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats(),
@@ -229,13 +230,13 @@ class Engine:
 
     # ------------------------------------------------------------------ programs
 
-    def _program(self, mode: SamplingMode, widest: bool = False) -> Program:
-        """The static description of the programs that run rows mode covers (built once per mode); widest: its
-        step verifying every draft with no switch (the module's docstring, widest visits)."""
-        if widest:
-            if (mode, widest) not in self._programs:
-                self._programs[(mode, widest)] = dataclasses.replace(self._program(mode), widest=True)
-            return self._programs[(mode, widest)]
+    def _program(self, mode: SamplingMode, hold: int | None = None) -> Program:
+        """The static description of the programs that run rows mode covers (built once per mode); hold: its step
+        held at that width index, with no switch (the module's docstring, held visits)."""
+        if hold is not None:
+            if (mode, hold) not in self._programs:
+                self._programs[(mode, hold)] = dataclasses.replace(self._program(mode), hold=hold)
+            return self._programs[(mode, hold)]
         if mode in self._programs:
             return self._programs[mode]
         config = self.config
@@ -272,22 +273,22 @@ class Engine:
         return init_rows(self._weights, *arrays, prefix, program=program)
 
     def _run(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan=None,
-             widest: bool = False) -> tuple:
+             hold: int | None = None) -> tuple:
         """run_steps over the first `rows` slots of the state, now: (the visit's summary, the counters after it)."""
         layout = self._draft_layout
         draft = None if layout is None else self.draft_kv.take(rows)
         visit, self.state, draft, counters = self._run_steps(
             mode, max_steps, stop_after_ends, rows, self._verify_costs(rows, self._program(mode).proposer),
-            self.state, draft, plan, widest)
+            self.state, draft, plan, hold)
         if layout is not None:
             self.draft_kv.put(draft)
         return visit, counters
 
     def _run_steps(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, costs, state,
-                   draft, plan, widest: bool) -> tuple:
-        """run_steps over the first `rows` slots of `state` (one program per count of _row_buckets, two with widest
+                   draft, plan, hold: int | None) -> tuple:
+        """run_steps over the first `rows` slots of `state` (one program per count of _row_buckets, more with held
         visits); touches no other engine field than the compile count, so that the dispatch thread may make it."""
-        program = self._program(mode, widest)
+        program = self._program(mode, hold)
         compiled = run_steps._cache_size()
         width = self.config.steps_per_visit * max(self.config.lookahead, 1)
         out = run_steps(self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends),
@@ -304,11 +305,11 @@ class Engine:
             self._dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specjax-visit")
         costs = self._verify_costs(rows, self._program(mode).proposer)
         state, self.state = self.state, None  # donated to the visit
-        widest = self._widest
+        hold = self._held(rows)
 
         def visit():
             summary, after, _, counters = self._run_steps(mode, max_steps, stop_after_ends, rows, costs, state, None,
-                                                          plan, widest)
+                                                          plan, hold)
             return jax.device_get(summary), after, counters
 
         self._dispatched = _Dispatched(result=self._dispatcher.submit(visit), running=dict(self.running), rows=rows,
@@ -339,18 +340,29 @@ class Engine:
                                              [(slot, r.keys, len(r.blocks)) for slot, r in prefilled])
             for (_, running), held in zip(prefilled, stored):
                 running.blocks += held
-        self.widest_steps += steps if self._widest else 0  # the flag this visit ran under
-        self._widest = self._widest_visits() and not visit.narrowed
+        self.held_steps += steps if self._held(rows) is not None else 0  # what this visit ran under
+        self._hold = int(visit.chosen) if self._held_visits() and int(visit.chosen) >= 0 else None
         self.steps_run += steps
         self.visits += 1
         self.slot_steps += rows * steps
         self.busy_slot_steps += busy * steps
 
-    def _widest_visits(self) -> bool:
-        """Whether visits may run the widest program (EngineConfig.adaptive_widest_visits, with adaptive
-        verification)."""
+    def _held_visits(self) -> bool:
+        """Whether visits may run held programs (EngineConfig.adaptive_held_visits, with adaptive verification)."""
         spec = self.config.spec
-        return spec is not None and spec.enable_adaptive_verification and self.config.adaptive_widest_visits
+        return spec is not None and spec.enable_adaptive_verification and self.config.adaptive_held_visits
+
+    def _holdable(self, rows: int) -> list[int]:
+        """The width indices a visit of `rows` slots may be held at: those worth choosing at that count (held
+        visits; none without them)."""
+        if not self._held_visits():
+            return []
+        costs = np.asarray(self._verify_costs(rows, self._program(self.mode).proposer))
+        return [index for index, cost in enumerate(costs) if cost < adaptive.FORCED_OUT]
+
+    def _held(self, rows: int) -> int | None:
+        """The width index the next visit of `rows` slots is held at (None: the switch's program runs)."""
+        return self._hold if self._hold is not None and self._hold in self._holdable(rows) else None
 
     def _verify_costs(self, rows: int, proposer):
         """Adaptive verification's costs for a step of `rows` slots (None without it), found once per count."""
@@ -367,7 +379,7 @@ class Engine:
     def step_programs(self) -> dict[tuple[SamplingMode, int], int]:
         """The step programs this engine's visits compiled, by the sampling mode and the count of slots they step:
         0 where an engine of the same settings compiled it before in this process (engines share programs), 1 (2
-        with widest visits: the switch's and the widest), more a recompile."""
+        with held visits, the switch's and one a width held), more a recompile."""
         return dict(self._step_compiles)
 
     def step_hlo(self, rows: int | None = None) -> str:
@@ -421,8 +433,8 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.copy_in(self.state.cache, None, [], [], [])  # a store's program, copying nothing
         for rows in self._row_buckets():
-            for widest in (False, True) if self._widest_visits() else (False,):
-                self._run(mode, 0, rows + 1, rows, self._plan()[0], widest)
+            for hold in (None, *self._holdable(rows)):
+                self._run(mode, 0, rows + 1, rows, self._plan()[0], hold)
         for count in (1 << i for i in range(decoding.bucket(nowhere).bit_length())):  # padded_slots' counts
             self.state = move_rows(self.state, padded_slots([0] * count, 0), padded_slots([nowhere] * count, nowhere),
                                    axes=self._axes)
@@ -552,7 +564,7 @@ class Engine:
             self._dispatch(mode, max_steps, stop_after_ends, rows, plan, planned)
             return []
         wait = time.perf_counter()  # the call itself may block until its loop ends (GPU): device time
-        visit, counters = self._run(mode, max_steps, stop_after_ends, rows, plan, self._widest)
+        visit, counters = self._run(mode, max_steps, stop_after_ends, rows, plan, self._held(rows))
         visit = jax.device_get(visit)  # one transfer of the visit's summary
         self.device_wait_s += time.perf_counter() - wait
         self._visited = (time.perf_counter() - wait, int(visit.steps))

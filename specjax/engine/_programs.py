@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import decoding
+from specjax import adaptive, decoding
 from specjax.config import DTYPES
 from specjax.decoding import NO_BATCH
 from specjax.engine._mixed import ChunkSchedule
@@ -22,7 +22,7 @@ from specjax.verify import Verifier
 from specjax.verify.sampling import SamplingMode, SamplingParams
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("steps", "tokens", "count", "done", "narrowed"),
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("steps", "tokens", "count", "done", "chosen"),
                    meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class Visit:
@@ -32,20 +32,20 @@ class Visit:
     tokens: jax.Array  # [rows, W]: each row's tokens of this visit first (W bounds what a visit can emit)
     count: jax.Array  # [rows]: tokens each row emitted in this visit
     done: jax.Array  # [rows]
-    narrowed: jax.Array  # adaptive verification: the last step chose (or would have) fewer than K drafts (else False)
+    chosen: jax.Array  # adaptive verification: the width index the last step chose (or would have); else -1
 
     @classmethod
     def of(cls, steps, state, before: jax.Array, width: int) -> Visit:
         """The summary of rows that had generated `before` tokens when the visit began."""
         decode = decode_state(state)
-        adaptive = getattr(state, "adaptive", None)
-        narrowed = jnp.bool_(False) if adaptive is None else jnp.any(adaptive.narrowed)
+        counts = getattr(state, "adaptive", None)
+        chosen = jnp.int32(-1) if counts is None else jnp.max(counts.chosen)  # one choice a step; -1: none stepped
         size = decode.tokens.shape[1]
         width = min(width, size)
         first = decode.lengths - decode.num_generated + before  # where each row's tokens of this visit begin
         index = jnp.minimum(first[:, None] + jnp.arange(width)[None, :], size - 1)
         return cls(steps=steps, tokens=jnp.take_along_axis(decode.tokens, index, axis=1),
-                   count=decode.num_generated - before, done=decode.done, narrowed=narrowed)
+                   count=decode.num_generated - before, done=decode.done, chosen=chosen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +65,10 @@ class Program:
     # (decoding.ChunkPlan's).
     proposer_axes: tuple[int, ...] | None = None
     cache_axes: tuple[int, ...] | None = None
-    # With adaptive verification: every step verifies all K drafts, no switch, and the visit ends at a step whose
-    # chosen width would have been narrower (decoding.speculative_step's widest; the engine's "widest visits").
-    widest: bool = False
+    # With adaptive verification: the index in spec.verify_widths of the width every step verifies, with no switch;
+    # the visit ends at a step whose choice would have been another (decoding.speculative_step's hold; the engine's
+    # "held visits"). None: the switch chooses.
+    hold: int | None = None
 
     def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
         """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
@@ -88,7 +89,7 @@ class Program:
             return decoding.decode_step(model, state, mode=self.mode, eos_token_ids=self.eos_token_ids, chunks=chunks)
         return decoding.speculative_step(model, draft_params, state, method, proposer=self.proposer,
                                          verifiers=self.verifiers, eos_token_ids=self.eos_token_ids,
-                                         verify_costs=costs, chunks=chunks, widest=self.widest)
+                                         verify_costs=costs, chunks=chunks, hold=self.hold)
 
 
 @functools.partial(jax.jit, static_argnames="program")
@@ -127,8 +128,8 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
         steps, state = carry
         done = decode_state(state).done
         busy = True if prefilling else ~jnp.all(done)  # rows being prefilled are done rows
-        if program.widest:  # a step that would have verified fewer drafts hands the visit back to the host
-            busy = busy & ~jnp.any(state.adaptive.narrowed)
+        if program.hold is not None:  # a step that would have chosen another width hands the visit back to the host
+            busy = busy & adaptive.holds(state.adaptive, program.hold)
         return (steps < limit) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
 
     def step(carry, chunks: bool = False):
@@ -165,8 +166,10 @@ def admit_waiting(state, slots, tokens, lengths, budgets, seeds, sampling):
     if isinstance(state, decoding.DecodeState):
         return decode
     zero = lambda x: x.at[slots].set(jnp.zeros((), x.dtype), mode="drop")  # noqa: E731 (batch-first fields)
+    fresh = None if state.adaptive is None else adaptive.AdaptiveState.init(1, state.adaptive.passed.shape[1])
     return dataclasses.replace(state, decode=decode, counters=jax.tree.map(zero, state.counters),
-                               adaptive=jax.tree.map(zero, state.adaptive))
+                               adaptive=jax.tree.map(lambda x, new: x.at[slots].set(new[0], mode="drop"),
+                                                     state.adaptive, fresh))
 
 
 @functools.partial(jax.jit, static_argnames=("program", "batch"))

@@ -41,9 +41,9 @@ class ServeConfig:
     # The counts of slots a visit may step, each a step program compiled at warm-up (EngineConfig.step_slot_counts;
     # --set step_slot_counts=[1,16,64,256]); None: powers of two up to max_num_seqs.
     step_slot_counts: tuple[int, ...] | None = None
-    # With spec.enable_adaptive_verification: visits with no switch while each step chooses all K drafts
-    # (EngineConfig.adaptive_widest_visits; --set adaptive_widest_visits=false turns them off).
-    adaptive_widest_visits: bool = True
+    # With spec.enable_adaptive_verification: visits held at the width the last one chose, with no switch, while
+    # each step chooses it again (EngineConfig.adaptive_held_visits; --set adaptive_held_visits=false turns them off).
+    adaptive_held_visits: bool = True
     # Prompts of up to this many tokens find every program compiled before the server listens (each admission
     # batch and step bucket, greedy and sampled: Engine.warmup); None: only short requests are warmed, and the
     # first requests of other lengths or larger batches compile theirs (seconds each at the 8B shape).
@@ -116,8 +116,8 @@ class ServeConfig:
                 self.end_visits_on_finish, "true or false")
         require(isinstance(self.async_scheduling, bool), "ServeConfig", "async_scheduling", self.async_scheduling,
                 "true or false")
-        require(isinstance(self.adaptive_widest_visits, bool), "ServeConfig", "adaptive_widest_visits",
-                self.adaptive_widest_visits, "true or false")
+        require(isinstance(self.adaptive_held_visits, bool), "ServeConfig", "adaptive_held_visits",
+                self.adaptive_held_visits, "true or false")
         require(isinstance(self.warmup_sampled, bool), "ServeConfig", "warmup_sampled", self.warmup_sampled,
                 "true or false")
         require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
@@ -152,7 +152,7 @@ class ServeConfig:
                             mixed_prefill_chunks=self.mixed_prefill_chunks, max_prefill_batch=self.max_prefill_batch,
                             async_scheduling=self.async_scheduling, steps_per_visit=self.steps_per_visit,
                             visit_ends=self.visit_ends, step_slot_counts=self.step_slot_counts,
-                            adaptive_widest_visits=self.adaptive_widest_visits)
+                            adaptive_held_visits=self.adaptive_held_visits)
 
     def check_model(self, model_config) -> None:
         """Refuses a max_model_len past the loaded model's positions, naming the flag."""
