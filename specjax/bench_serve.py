@@ -718,7 +718,7 @@ def main(argv=None) -> None:
         # n-gram's, is refused by the engine, naming the field).
         # The engine refuses async scheduling with offload (its buffers move at each visit): not run together.
         # The engine refuses mixed prefill with offload, and with prefix caching and speculation: not run together.
-        # Widest visits matter to adaptive methods only: the others run the first value.
+        # Held visits matter to adaptive methods only: the others run the first value.
         for mode, offload, sched, mix, ends, rows_a_call, held in [
                 (m, o, a, x, e, r, w) for m in modes for o in offloads for a in scheds for x in mixes for e in visit_ends
                 for r in call_rows for w in helds
