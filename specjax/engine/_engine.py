@@ -149,6 +149,7 @@ class Engine:
             and proposer_class(spec.method).draft_kv_reads_next_token, max_model_len=config.max_model_len)
         self.chunked: _Chunked | None = None  # the long prompt being prefilled in chunks
         self._costs = {}  # slots stepped -> adaptive verification's cost at each verify width
+        self._holdables: dict[int, list[int]] = {}  # slots stepped -> the width indices a visit may be held at
         self._curves = {}  # slots stepped -> the cost curve those costs came from (stats' adaptive_costs)
         # (mode, admission batch) -> the prompt widths warmup compiled the initialiser at; a prefill pads its
         # prompts up to the narrowest that holds them rather than compile its own width while serving.
@@ -357,8 +358,10 @@ class Engine:
         visits; none without them)."""
         if not self._held_visits():
             return []
-        costs = np.asarray(self._verify_costs(rows, self._program(self.mode).proposer))
-        return [index for index, cost in enumerate(costs) if cost < adaptive.FORCED_OUT]
+        if rows not in self._holdables:  # read from the device once a count, not every visit
+            costs = np.asarray(self._verify_costs(rows, self._program(self.mode).proposer))
+            self._holdables[rows] = [index for index, cost in enumerate(costs) if cost < adaptive.FORCED_OUT]
+        return self._holdables[rows]
 
     def _held(self, rows: int) -> int | None:
         """The width index the next visit of `rows` slots is held at (None: the switch's program runs)."""
