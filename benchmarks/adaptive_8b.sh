@@ -7,7 +7,8 @@
 #         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~36 steps of one row's draws, 16% s.d. between seeds)
 #         DECODE_FLAGS=--without-widest-runs: adaptive also with the switch at every step (speculative_loop's widest_runs)
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests:
-#         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope)
+#         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope);
+#         SERVE_FLAGS="--held-visits on,off": the adaptive engine with and without held visits
 #         One engine of SLOTS (256) slots for loads CONC (1,16,64,256), whose visits step COUNTS (1,16,64,256; the
 #         loads' own counts, --step-slot-counts) of them. The adaptive engine's warm-up profiles a cost curve at each
 #         count and compiles a loop for it, each a program of 9 branches: about 100 s apiece on an H100 (the
@@ -42,7 +43,7 @@ case $part in
     conc=${CONC:-1,16,64,256}
     python3 scripts/bench_serve.py --models 8b --prompt-len 128 --new-tokens 128 --num-requests 8 \
       --max-num-seqs ${SLOTS:-256} --step-slot-counts ${COUNTS:-1,16,64,256} --max-prefill-batch 64 \
-      --acceptance-rates $rates --concurrency $conc --methods $methods \
+      --acceptance-rates $rates --concurrency $conc --methods $methods ${SERVE_FLAGS:-} \
       --name bench_serve_8b_adaptive_$(echo $methods | tr ':,' '_-')_c$(echo $conc | tr ',' '-') --output "$out"
     ;;
   probe)
