@@ -593,7 +593,7 @@ def test_writing_the_committed_features_in_the_branch_drafts_as_the_next_propose
 
 
 @pytest.mark.loop
-def test_adaptive_generation_is_one_program_with_one_while_loop():
+def test_adaptive_generation_is_one_program_with_its_widths_inside_one_outer_loop():
     """The widths are branches of a switch inside the one loop, not loops or programs of their own. With widest runs
     (the default) the loop's body holds the switch's step and then one loop of steps with no switch; without, the
     body is the switch's step alone."""
