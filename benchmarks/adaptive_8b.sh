@@ -5,7 +5,7 @@
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh decode B OUT  # generate at batch B: adaptive against fixed K, the
 #                                                          # envelope K chosen for B (1: 4, 8; 16: 4, 8; 64: 2, 3, 4)
 #         NEW_TOKENS=512: a longer run (at batch 1, 128 tokens are ~36 steps of one row's draws, 16% s.d. between seeds)
-#         DECODE_FLAGS=--without-widest-runs: adaptive also with the switch at every step (speculative_loop's widest_runs)
+#         DECODE_FLAGS=--with-widest-runs: adaptive also with steps held at K in a loop of their own (widest_runs)
 #     PYTHONPATH=. benchmarks/adaptive_8b.sh serve OUT [METHODS]  # the engine from 1 to 256 requests:
 #         METHODS none,dflash:15::adaptive,dflash:15 (the default), then dflash:2,dflash:4,dflash:8 (the envelope);
 #         SERVE_FLAGS="--held-visits on,off": the adaptive engine with and without held visits

@@ -46,7 +46,7 @@ float32 for an identity check). Writes benchmarks/results/bench_decode.{json,md}
 the unconditional rate r_i; the first K of them; its tau is 1 + their sum). --adaptive also runs each case with
 adaptive verification (specjax.adaptive: the widths 0, powers of two and K, the cost curve profiled on the
 device once per shape, batch and cache and kept on disk), its tokens/s and mean verified width beside fixed K's;
---without-widest-runs also runs it with the switch at every step (speculative_loop's widest_runs off).
+--with-widest-runs also runs it with steps held at K in a loop of their own (speculative_loop's widest_runs).
 --fixed-k k1,k2,... also times each drafter at those fixed K (with --acceptance-rates each K's tau is 1 + the sum
 of the profile's first K rates): the envelope adaptive verification is compared with, best K named per row; with
 each K its loop's steps (its slowest row's: the loop runs until every row is done) and a step's time, to set
@@ -203,7 +203,7 @@ def run_both(target, drafters, methods, taus, num_draft, cache_size, run_args, t
 
 
 def loop_steps(target, drafter, spec: SpecConfig, cache_size: int, run_args, tok_s: float, verify_costs=None,
-               widest_runs: bool = True):
+               widest_runs: bool = False):
     """(acceptance metrics, the loop's steps, seconds a step) of the run tokens_per_s timed: the same program run
     again for its counters (no compile). The loop steps until its last row is done, so steps are its slowest row's;
     a step's seconds are the run's time (less a one-token run's: tokens_per_s) over them."""
@@ -215,7 +215,7 @@ def loop_steps(target, drafter, spec: SpecConfig, cache_size: int, run_args, tok
 
 
 def adaptive_case(target, drafter, spec: SpecConfig, batch: int, cache_size: int, run_args, one_args, name: str,
-                  fixed_tok_s: float, widest_runs: bool = True) -> dict:
+                  fixed_tok_s: float, widest_runs: bool = False) -> dict:
     """Tokens/s with adaptive verification (the cost curve profiled once and cached: specjax.adaptive), the mean
     width it verified a step, and its ratio to the same K verified whole; widest_runs as speculative_loop's."""
     proposer = build_proposer(spec, GREEDY, cache_size, drafter)
@@ -347,9 +347,9 @@ def main():
                              "--acceptance-lengths")
     parser.add_argument("--adaptive", action="store_true",
                         help="also run every case with adaptive verification (enable_adaptive_verification)")
-    parser.add_argument("--without-widest-runs", action="store_true",
-                        help="with --adaptive, also run it with a switch at every step (speculative_loop's "
-                             "widest_runs off): columns 'no widest runs'")
+    parser.add_argument("--with-widest-runs", action="store_true",
+                        help="with --adaptive, also run it with steps held at K in a loop of their own "
+                             "(speculative_loop's widest_runs): columns 'widest runs'")
     parser.add_argument("--fixed-k", default=None,
                         help="also time every drafter at each of these fixed K (the envelope adaptive is held to)")
     parser.add_argument("--model-parallel", type=int, default=1,
@@ -429,9 +429,9 @@ def main():
                            (f"{method}_tau{tau}_adaptive_step_measured_ms", "step ms measured"),
                            (f"{method}_tau{tau}_adaptive_steps", "adaptive steps")]
                           if args.adaptive else []),
-                        *([(f"{method}_tau{tau}_switched_adaptive_tok_s", "no widest runs: tok/s"),
-                           (f"{method}_tau{tau}_switched_adaptive_step_measured_ms", "no widest runs: step ms")]
-                          if args.adaptive and args.without_widest_runs else []),
+                        *([(f"{method}_tau{tau}_widest_runs_adaptive_tok_s", "widest runs: tok/s"),
+                           (f"{method}_tau{tau}_widest_runs_adaptive_step_measured_ms", "widest runs: step ms")]
+                          if args.adaptive and args.with_widest_runs else []),
                         *(column for k in envelope for column in ((f"{method}_K{k}_tok_s", f"K={k} tok/s"),
                                                                    (f"{method}_K{k}_steps", f"K={k} steps"),
                                                                    (f"{method}_K{k}_step_ms", f"K={k} step ms"))),
@@ -449,7 +449,7 @@ def main():
             "draft": dataclasses.asdict(draft_config), "new_tokens": new_tokens, "K": num_draft,
             "tree_nodes": args.tree_nodes or None, "tree_top_k": args.tree_top_k if tree else None,
             "draft_logit_scale": args.draft_logit_scale, "acceptance_rates": rates, "adaptive": args.adaptive,
-            "without_widest_runs": args.without_widest_runs,
+            "with_widest_runs": args.with_widest_runs,
             "fixed_k": envelope}
     rows = []
     with jax.set_mesh(mesh):
@@ -511,10 +511,10 @@ def main():
                         row.update(adaptive_case(target, drafters[method], dataclasses.replace(
                             spec, enable_adaptive_verification=True), batch, cache_size, run_args, one_args,
                             f"{method}_tau{tau}", spec_tok_s))
-                        if args.without_widest_runs:
+                        if args.with_widest_runs:
                             row.update(adaptive_case(target, drafters[method], dataclasses.replace(
                                 spec, enable_adaptive_verification=True), batch, cache_size, run_args, one_args,
-                                f"{method}_tau{tau}_switched", spec_tok_s, widest_runs=False))
+                                f"{method}_tau{tau}_widest_runs", spec_tok_s, widest_runs=True))
                 if envelope:  # the envelope: no speculation, K itself, and every fixed K asked for
                     fixed = {0: row["ar_tok_s"], num_draft: row[f"{method}_tau{taus[0]}_tok_s"]}
                     for k in [*envelope, num_draft]:  # K itself last: its tokens/s is the tau column's

@@ -517,7 +517,7 @@ def speculative_loop(
     eos_token_ids: tuple[int, ...],
     cache_dtype: str | None = None,
     gather_logits: bool = False,
-    widest_runs: bool = True,
+    widest_runs: bool = False,
 ) -> SpecState:
     """Speculative prefill and decode as one program (speculative_init, then speculative_step until
     every row is done). draft_params: the drafter's weights as proposer.bind made them (the protocol's
@@ -526,11 +526,11 @@ def speculative_loop(
     rows (specjax.verify.method_index); verify_costs: with adaptive verification, a step's cost at each of
     spec.verify_widths (specjax.adaptive.verify_costs; default the analytic curve).
 
-    widest_runs (adaptive verification): after a step whose choice was K, steps held at K (speculative_step's hold)
-    run in a loop of their own inside the loop's body, until one whose choice would have been narrower; then a step
-    with the switch again. The engine's held visits at K, in one program: on a GPU a step with the switch in its
-    body gains less from CUDA graphs (docs/performance.md, twenty-second session). Lossless: which step runs
-    depends on past steps only."""
+    widest_runs (adaptive verification; off by default, one while_loop): after a step whose choice was K, steps held
+    at K (speculative_step's hold) run in a loop of their own inside the loop's body, until one whose choice would
+    have been narrower; then a step with the switch again. The engine's held visits at K, in one program. Off
+    because in `generate` the switch costs little and the nested loop more (docs/performance.md, twenty-fourth
+    session). Lossless: which step runs depends on past steps only."""
     verifiers = verifiers if verifiers is not None else lossless_verifiers(proposer.settings.spec)
     state = speculative_init(model, draft_params, prompt_tokens, prompt_lengths, budgets, keys, sampling,
                              proposer=proposer, eos_token_ids=eos_token_ids, cache_dtype=cache_dtype)

@@ -127,7 +127,7 @@ def autoregressive_run(target, cache_size: int):
 
 
 def speculative_run(target, weights, spec: SpecConfig, cache_size: int, final_state: bool = False,
-                    verify_costs=None, widest_runs: bool = True):
+                    verify_costs=None, widest_runs: bool = False):
     """run(args) -> the final DecodeState of greedy speculative decoding with the drafter's weights (with
     final_state, the loop's whole SpecState: its acceptance counters too); verify_costs: with adaptive
     verification, specjax.adaptive.verify_costs of the batch's cost curve; widest_runs as speculative_loop's."""

@@ -594,9 +594,9 @@ def test_writing_the_committed_features_in_the_branch_drafts_as_the_next_propose
 
 @pytest.mark.loop
 def test_adaptive_generation_is_one_program_with_its_widths_inside_one_outer_loop():
-    """The widths are branches of a switch inside the one loop, not loops or programs of their own. With widest runs
-    (the default) the loop's body holds the switch's step and then one loop of steps with no switch; without, the
-    body is the switch's step alone."""
+    """The widths are branches of a switch inside the one loop, not loops or programs of their own. Without widest
+    runs (the default) the loop's body is the switch's step alone; with them, the switch's step and then one loop of
+    steps with no switch."""
     target, _ = target_and_drafts()
     spec = SpecConfig(method="dflash", num_speculative_tokens=3, rejection_sample_method="block",
                       draft_sample_method="probabilistic", enable_adaptive_verification=True)
