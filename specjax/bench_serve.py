@@ -40,7 +40,8 @@ one setting (and one engine size, --max-num-seqs) per process.
 before the host reads the one before it (EngineConfig.async_scheduling; not with --draft-kv-offload on).
 
 --held-visits on,off runs each adaptive point with and without the engine's held visits (steps with no switch while
-the choice stays the last visit's, EngineConfig.adaptive_held_visits; default on); the table adds their share of steps.
+the choice stays the last visit's, EngineConfig.adaptive_held_visits; default on); whole: held visits that a moved
+choice does not end (adaptive_held_whole_visits). The table adds their share of steps.
 
 --visit-ends auto,1 runs each point with the engine's visits stopping, while requests wait, after the rows its pacing
 chooses (EngineConfig.visit_ends None) and at the first end; the table adds each point's visits.
@@ -99,6 +100,9 @@ PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
                 "keep": dict(enable_prefix_caching=True, disable_eagle_block_drop=True)}
 # The values of the switches run as an axis (--draft-kv-offload, --async-scheduling).
 ON_OFF = {"off": False, "on": True}
+# --held-visits: the engine's fields for each value (EngineConfig.adaptive_held_visits, adaptive_held_whole_visits).
+HELD_VISITS = {"on": {"adaptive_held_visits": True}, "off": {"adaptive_held_visits": False},
+               "whole": {"adaptive_held_visits": True, "adaptive_held_whole_visits": True}}
 
 
 def mixed_fields(mix: str) -> dict:
@@ -600,8 +604,9 @@ def main(argv=None) -> None:
     parser.add_argument("--mixed-prefill", default="off", help="comma-separated: off, or TOKENS[xCHUNKS]: prompts "
                         "prefilled by the decode steps, CHUNKS (default 1) chunks of TOKENS a step "
                         "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
-    parser.add_argument("--held-visits", default="on", help="comma-separated: on, off (adaptive methods: visits "
-                        "held at the width the last one chose, with no switch, EngineConfig.adaptive_held_visits)")
+    parser.add_argument("--held-visits", default="on", help="comma-separated: on, off, whole (adaptive methods: "
+                        "visits held at the width the last one chose, with no switch, EngineConfig.adaptive_held_visits;"
+                        " whole: a moved choice ends none, adaptive_held_whole_visits)")
     parser.add_argument("--visit-ends", default="auto", help="comma-separated: auto, or N: with requests waiting, "
                         "rows a visit lets end before it stops to admit them (EngineConfig.visit_ends; auto: None)")
     parser.add_argument("--prefill-call-rows", default="inf", help="comma-separated: numbers >= 0 or inf: a prefill "
@@ -653,7 +658,7 @@ def main(argv=None) -> None:
                        lambda mix: mix == "off" or re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", mix),
                        "off and TOKENS[xCHUNKS] (positive integers)")
     scheds = comma_list(parser, "--async-scheduling", args.async_scheduling, ON_OFF.__contains__, str(list(ON_OFF)))
-    helds = comma_list(parser, "--held-visits", args.held_visits, ON_OFF.__contains__, str(list(ON_OFF)))
+    helds = comma_list(parser, "--held-visits", args.held_visits, HELD_VISITS.__contains__, str(list(HELD_VISITS)))
     visit_ends = comma_list(parser, "--visit-ends", args.visit_ends,
                             lambda ends: ends == "auto" or re.fullmatch(r"[1-9][0-9]*", ends),
                             "auto and positive integers")
@@ -742,7 +747,7 @@ def main(argv=None) -> None:
                                           async_scheduling=ON_OFF[sched], **PREFIX_MODES[mode], **mixed_fields(mix),
                                           visit_ends=None if ends == "auto" else int(ends),
                                           prefill_call_rows=float(rows_a_call),
-                                          adaptive_held_visits=ON_OFF[held],
+                                          **HELD_VISITS[held],
                                           step_slot_counts=None if step_counts is None else tuple(
                                               [c for c in step_counts if c < slots] + [slots]))
                     if runner is not None:

@@ -487,13 +487,15 @@ def host_leaves(state) -> list:
 
 
 @pytest.mark.loop
-def test_held_visits_verify_the_width_chosen_last_and_hand_back_to_the_switch_when_the_choice_moves():
+@pytest.mark.parametrize("whole", [False, True])
+def test_held_visits_verify_the_width_chosen_last_and_hand_back_to_the_switch_when_the_choice_moves(whole):
     """EngineConfig.adaptive_held_visits on one slot, under a curve whose choice moves among the widths as the
     estimates follow a perturbed draft model: after a visit whose last step chose width w (one worth choosing at
     the count), the next runs the program held at w (every step w), which ends at the first step whose choice would
-    be another, and after it (or at a width not worth choosing) the switch's program runs. Each step's choice is
-    replayed on the host from the request's per-step verified and accepted counts (AdaptiveState's estimate,
-    choose_width). Output: the autoregressive one."""
+    be another, and after it (or at a width not worth choosing) the switch's program runs. With
+    adaptive_held_whole_visits a held visit runs all its steps at w, its choice moving or not (and some do move).
+    Each step's choice is replayed on the host from the request's per-step verified and accepted counts
+    (AdaptiveState's estimate, choose_width). Output: the autoregressive one."""
     from support.engine import load_config
 
     from specjax.engine import Engine, Request
@@ -501,8 +503,8 @@ def test_held_visits_verify_the_width_chosen_last_and_hand_back_to_the_switch_wh
     target, _ = target_and_drafts()
     curve = adaptive.CostCurve(batches=(1,), widths=(0, 3), seconds=((1.0, 1.6),))
     spec = SpecConfig(method="draft_model", num_speculative_tokens=3, enable_adaptive_verification=True)
-    engine = Engine(target, load_config(spec, cost_curve=curve, max_num_seqs=1, steps_per_visit=4),
-                    drafter=drafter_for("draft_model"))
+    engine = Engine(target, load_config(spec, cost_curve=curve, max_num_seqs=1, steps_per_visit=4,
+                                        adaptive_held_whole_visits=whole), drafter=drafter_for("draft_model"))
     prompt = [5, 1, 7, 2]
     engine.add_request(Request.make("a", prompt, 56))
     visits, outputs = [], []  # (steps, held) of each visit
@@ -521,19 +523,21 @@ def test_held_visits_verify_the_width_chosen_last_and_hand_back_to_the_switch_wh
         choice = adaptive.choose_width(state.estimate(active), active, spec.verify_widths, costs)
         chosen.append(spec.verify_widths[int(choice)])
         state = state.observe(active, np.asarray([verified]), np.asarray([took]))
-    at, held_at = 0, set()
+    at, held_at, moved = 0, set(), False
     for index, (steps, held) in enumerate(visits):
         mine, would, at = widths[at:at + steps], chosen[at:at + steps], at + steps
-        if held:  # the last visit's last choice every step; ended where the choice moved, or after all 4
+        if held:  # the last visit's last choice every step; ended where the choice moved (whole: never), or after 4
             hold = chosen[at - steps - 1]
             held_at.add(hold)
-            assert set(mine) == {hold} and all(w == hold for w in would[:-1]), (visits, widths, chosen)
-            assert would[-1] != hold or steps == 4 or at == len(widths), (visits, widths, chosen)
+            moved |= any(w != hold for w in would[:-1])
+            assert set(mine) == {hold} and (whole or not moved), (visits, widths, chosen)
+            assert (would[-1] != hold and not whole) or steps == 4 or at == len(widths), (visits, widths, chosen)
         else:
             assert mine == would, (visits, widths, chosen)
         if index + 1 < len(visits):
             assert visits[index + 1][1] == (would[-1] in holdable), (visits, widths, chosen)
     assert {held for _, held in visits} == {True, False} and len(held_at) > 1, (visits, widths, chosen)
+    assert moved == whole, (visits, widths, chosen)  # whole visits ran on past a moved choice
 
 
 @pytest.mark.slow
@@ -736,10 +740,13 @@ def test_sampled_requests_in_the_engine_follow_the_target_distribution():
 
 def test_the_server_serves_with_held_visits_unless_its_config_turns_them_off():
     """ServeConfig.adaptive_held_visits reaches the engine's settings (with the other engine fields it sets), from
-    YAML's `--set` too; a value that is not a boolean is refused, naming the field."""
+    YAML's `--set` too; a value that is not a boolean, or whole held visits without held visits, is refused, naming
+    the field."""
+    from specjax.engine import EngineConfig
     from specjax.serve import ServeConfig, load_serve_config
 
     assert ServeConfig().engine_config(()).adaptive_held_visits is True
+    assert ServeConfig(adaptive_held_whole_visits=True).engine_config(()).adaptive_held_whole_visits is True
     config = load_serve_config(None, None, ["adaptive_held_visits=false", "max_num_seqs=4", "async_scheduling=true",
                                             "steps_per_visit=3", "step_slot_counts=[1,4]"])
     engine = config.engine_config((7,))
@@ -747,6 +754,12 @@ def test_the_server_serves_with_held_visits_unless_its_config_turns_them_off():
             tuple(engine.step_slot_counts), engine.eos_token_ids) == (False, 4, True, 3, (1, 4), (7,))
     with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_held_visits = 'no' is invalid"):
         ServeConfig(adaptive_held_visits="no")
+    with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_held_whole_visits = True is invalid: allowed true or "
+                                          r"false \(true only with adaptive_held_visits\)"):
+        ServeConfig(adaptive_held_visits=False, adaptive_held_whole_visits=True)
+    with pytest.raises(ValueError, match=r"EngineConfig.adaptive_held_whole_visits = True is invalid without "
+                                         r"adaptive_held_visits"):
+        EngineConfig(adaptive_held_visits=False, adaptive_held_whole_visits=True)
 
 
 @pytest.mark.loop

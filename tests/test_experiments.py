@@ -238,19 +238,21 @@ def test_bench_serve_in_process_serves_each_request_its_own_budget_under_each_vi
 
 @pytest.mark.loop
 def test_bench_serve_runs_adaptive_points_with_and_without_held_visits(tmp_path):
-    """--held-visits on,off: an adaptive method's point under each (the engine's held visits, a share of its steps
-    with them on and none off), a method without adaptive verification once."""
+    """--held-visits on,off,whole: an adaptive method's point under each (the engine's held visits, a share of its
+    steps with them on or whole and none off), a method without adaptive verification once."""
     import json
 
     from specjax.bench_serve import main
 
     main(["--models", "tiny", "--methods", "none,dflash:3::adaptive", "--acceptance-rates", "0.9,0.9,0.9",
           "--concurrency", "1", "--max-num-seqs", "1", "--num-requests", "2", "--prompt-len", "8", "--new-tokens", "24",
-          "--held-visits", "on,off", "--steps-per-visit", "2", "--name", "held", "--output", str(tmp_path)])
+          "--held-visits", "on,off,whole", "--steps-per-visit", "2", "--name", "held", "--output", str(tmp_path)])
     rows = json.loads((tmp_path / "held.json").read_text())["rows"]
     assert [(row["label"], row["held_visits"]) for row in rows] == [
-        ("none", None), ("dflash K=3 adaptive held on", "on"), ("dflash K=3 adaptive held off", "off")]
+        ("none", None), ("dflash K=3 adaptive held on", "on"), ("dflash K=3 adaptive held off", "off"),
+        ("dflash K=3 adaptive held whole", "whole")]
     assert rows[0]["held_share"] is None and 0 < rows[1]["held_share"] <= 1 and rows[2]["held_share"] == 0
+    assert 0 < rows[3]["held_share"] <= 1
 
 
 def test_bench_serve_points_serve_requests_per_stream_and_refuse_fewer_than_one(capsys):
@@ -272,7 +274,7 @@ def test_bench_serve_points_serve_requests_per_stream_and_refuse_fewer_than_one(
     ("--async-scheduling", "yes", "'yes'", "['off', 'on']"),
     ("--visit-ends", "auto,0", "'0'", "auto and positive integers"),
     ("--prefill-call-rows", "1,-1", "'-1'", "numbers >= 0 and inf"),
-    ("--held-visits", "on,maybe", "'maybe'", "['off', 'on']"),
+    ("--held-visits", "on,maybe", "'maybe'", "['on', 'off', 'whole']"),
 ])
 def test_bench_serve_refuses_a_bad_item_of_a_list_flag_naming_the_flag_the_item_and_what_is_allowed(
         capsys, flag, value, bad, allowed):

@@ -63,6 +63,11 @@ class EngineConfig:
     # docs/performance.md), so a load whose choice stays put pays for no switch. Lossless either way (the program is
     # chosen from past steps); one more step program a count of slots stepped and width worth choosing there.
     adaptive_held_visits: bool = True
+    # Held visits that run whole: a step whose choice moved ends no visit (the visit keeps its width to the end, and
+    # the next one is held at its last step's choice). No visit ends early to change width, for a width up to a
+    # visit late: where many rows make the choice move every few steps (loads of 16 and 64 on the H100, each move a
+    # visit's end and a host round trip: docs/performance.md, twenty-fourth session). Needs adaptive_held_visits.
+    adaptive_held_whole_visits: bool = False
     # Draft KV offload (vLLM-style name): the drafter's KV cache lives in pinned host memory, one buffer per slot;
     # each visit brings the stepped slots' buffers to the device and sends them back (engine/_offload.py). Frees
     # the draft cache's device memory between visits and for the slots a visit does not step, for a host-device
@@ -121,7 +126,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_call_rows = {self.prefill_call_rows!r} is invalid: allowed a "
                              f"number >= 0 (float('inf') never splits an admission)")
         for name in ("enable_prefix_caching", "disable_eagle_block_drop", "draft_kv_offload", "async_scheduling",
-                     "adaptive_held_visits"):
+                     "adaptive_held_visits", "adaptive_held_whole_visits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r} is invalid: allowed True or False")
         if self.spec is not None and not proposer_class(self.spec.method).defines_extend():
@@ -130,6 +135,9 @@ class EngineConfig:
                 if getattr(self, name) != off:  # each continues a prefill, which this drafter's state cannot
                     raise ValueError(f"EngineConfig.{name} = {getattr(self, name)} is invalid with method "
                                      f"{self.spec.method!r}, whose drafter defines no extend: allowed {off}")
+        if self.adaptive_held_whole_visits and not self.adaptive_held_visits:
+            raise ValueError("EngineConfig.adaptive_held_whole_visits = True is invalid without adaptive_held_visits: "
+                             "allowed only with adaptive_held_visits = True")
         if self.disable_eagle_block_drop and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.disable_eagle_block_drop = True is invalid without enable_prefix_caching: "
                              "allowed only with enable_prefix_caching = True")

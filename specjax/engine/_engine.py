@@ -19,8 +19,9 @@ alone, and one compiled program serves greedy and sampled requests together.
 Held visits (EngineConfig.adaptive_held_visits): with adaptive verification a visit's program chooses each step's
 width by a switch over the compiled widths; once a visit's last step chose width w, the next visit runs the same step
 held at w with no switch, and ends at the first step whose choice would have been another, after which the
-switch's program runs again. On a GPU a step with the switch in its body gains less from CUDA graphs
-(docs/performance.md, twenty-second session). Each count of slots stepped compiles the switch's program and one held
+switch's program runs again; with EngineConfig.adaptive_held_whole_visits a held visit runs to its end whatever
+its steps choose, and the next is held at its last step's choice. On a GPU a step with the switch in its body gains
+less from CUDA graphs (docs/performance.md, twenty-second session). Each count of slots stepped compiles the switch's program and one held
 at each width worth choosing at that count (adaptive.verify_costs); a width not worth choosing there runs the switch.
 """
 
@@ -236,7 +237,8 @@ class Engine:
         held at that width index, with no switch (the module's docstring, held visits)."""
         if hold is not None:
             if (mode, hold) not in self._programs:
-                self._programs[(mode, hold)] = dataclasses.replace(self._program(mode), hold=hold)
+                self._programs[(mode, hold)] = dataclasses.replace(
+                    self._program(mode), hold=hold, hold_whole=self.config.adaptive_held_whole_visits)
             return self._programs[(mode, hold)]
         if mode in self._programs:
             return self._programs[mode]

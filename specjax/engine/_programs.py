@@ -69,6 +69,7 @@ class Program:
     # the visit ends at a step whose choice would have been another (decoding.speculative_step's hold; the engine's
     # "held visits"). None: the switch chooses.
     hold: int | None = None
+    hold_whole: bool = False  # a held visit runs to its end, its choice moving or not (adaptive_held_whole_visits)
 
     def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
         """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
@@ -128,7 +129,7 @@ def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, 
         steps, state = carry
         done = decode_state(state).done
         busy = True if prefilling else ~jnp.all(done)  # rows being prefilled are done rows
-        if program.hold is not None:  # a step that would have chosen another width hands the visit back to the host
+        if program.hold is not None and not program.hold_whole:  # a moved choice hands the visit back to the host
             busy = busy & adaptive.holds(state.adaptive, program.hold)
         return (steps < limit) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
 
