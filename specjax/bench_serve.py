@@ -54,6 +54,9 @@ the table adds each point's prefill calls and the rows they padded.
 Perfetto's UI opens) and adds what the trace says (specjax.profiling): the device's busy share over the point and
 its idle time per step, the host's overhead the device did not hide (admission, scheduling, reading tokens between
 visits). The profiler slows the host: take throughput from runs without it.
+
+--plot A.json B.json ... only draws those results files' points in one plot (--output/--name.png), a line a label
+across them: loads run apart (one engine size each), the widths an adaptive engine chose against load.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import re
@@ -471,7 +475,6 @@ def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, conc
     at `rate`; each request as the client saw it. barrier: passed by every client process before its first
     request, so that they start together."""
     import asyncio
-    import json
 
     import httpx
 
@@ -521,7 +524,9 @@ def http_records(url: str, prompts, indices: list[int], *, new_tokens: int, conc
     return asyncio.run(run())
 
 
-def plot(rows: list[dict], path: Path, load_label: str) -> None:
+def plot(rows: list[dict], path: Path, load_label: str) -> dict[str, list[tuple]]:
+    """Tokens/s and TPOT against load, a line a label; with adaptive points a third panel, the drafts verified a step.
+    Returns that panel's lines: label -> [(load, mean verified width)]."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -531,6 +536,7 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
     adaptive = any(row.get("adaptive") for row in rows)
     fig, axes = plt.subplots(1, 3 if adaptive else 2, figsize=(16 if adaptive else 11, 4))
     left, right = axes[:2]
+    widths = {}
     for index, label in enumerate(dict.fromkeys(row["label"] for row in rows)):
         points = [row for row in rows if row["label"] == label]
         loads, color = [row["load"] for row in points], f"C{index % 10}"  # one colour a label in every panel
@@ -538,6 +544,7 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
         if all(row.get("tpot_mean_ms") for row in points):  # the static peer has no per-request latency
             right.plot(loads, [row["tpot_mean_ms"] for row in points], marker="o", label=label, color=color)
         if adaptive and all(row.get("mean_verified_width") is not None for row in points):
+            widths[label] = [(row["load"], row["mean_verified_width"]) for row in points]
             axes[2].plot(loads, [row["mean_verified_width"] for row in points], marker="o", label=label, color=color)
     titles = ["output tokens/s", "TPOT mean (ms)"] + (["drafts verified a step (mean)"] if adaptive else [])
     for axis, title in zip(axes, titles):
@@ -548,6 +555,7 @@ def plot(rows: list[dict], path: Path, load_label: str) -> None:
     left.legend()
     fig.tight_layout()
     benchmarking.save_figure(fig, path)
+    return widths
 
 
 def comma_list(parser: argparse.ArgumentParser, flag: str, text: str, valid: Callable[[str], object],
@@ -635,8 +643,16 @@ def main(argv=None) -> None:
                         help="in process: trace each point with JAX's profiler into DIR and add the device's busy "
                              "share and idle ms a step from the trace (slows the host: not for throughput)")
     parser.add_argument("--name", default="bench_serve")
+    parser.add_argument("--plot", nargs="+", metavar="JSON", default=None,
+                        help="only draw these results files' points in one plot, a line a label across files "
+                             "(--output/--name.png): loads run apart, an adaptive engine's widths against load")
     parser.add_argument("--output", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.plot:
+        results = [json.loads(Path(path).read_text()) for path in args.plot]
+        rows = sorted((row for result in results for row in result["rows"]), key=lambda row: float(row["load"]))
+        plot(rows, Path(args.output) / f"{args.name}.png", results[0]["meta"]["load"])
+        return
     methods = [Method.parse(text) for text in args.methods.split(",")]
     if args.acceptance_rates:
         if args.models == "bundled":

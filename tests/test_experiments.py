@@ -255,6 +255,28 @@ def test_bench_serve_runs_adaptive_points_with_and_without_held_visits(tmp_path)
     assert 0 < rows[3]["held_share"] <= 1
 
 
+def test_bench_serve_plot_draws_the_points_of_several_results_files_as_one_line_a_label(tmp_path, monkeypatch):
+    """--plot: the rows of results files run apart (one load each) in one plot, each label's points in load order
+    across the files; the widths panel's lines are what plot returns."""
+    import json
+
+    from specjax import bench_serve
+
+    def row(label, load, width, adaptive=True):
+        return {"label": label, "load": load, "adaptive": adaptive, "output_tok_s": 10.0 * load, "tpot_mean_ms": 2.0,
+                "mean_verified_width": width}
+    files = {"c16.json": [row("K=8", 16, 8, False), row("adaptive", 16, 7.1)], "c1.json": [row("adaptive", 1, 15)],
+             "c64.json": [row("adaptive", 64, 3.3), row("K=3", 64, 3, False)]}
+    for name, rows in files.items():
+        (tmp_path / name).write_text(json.dumps({"meta": {"load": "requests in flight"}, "rows": rows}))
+    drawn, real = [], bench_serve.plot
+    monkeypatch.setattr(bench_serve, "plot", lambda *args: drawn.append(real(*args)))
+    bench_serve.main(["--plot", *(str(tmp_path / name) for name in files), "--name", "loads", "--output",
+                      str(tmp_path)])
+    assert (tmp_path / "loads.png").stat().st_size > 0
+    assert drawn == [{"K=8": [(16, 8)], "adaptive": [(1, 15), (16, 7.1), (64, 3.3)], "K=3": [(64, 3)]}]
+
+
 def test_bench_serve_points_serve_requests_per_stream_and_refuse_fewer_than_one(capsys):
     import argparse
 

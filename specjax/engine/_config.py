@@ -65,8 +65,8 @@ class EngineConfig:
     adaptive_held_visits: bool = True
     # Held visits that run whole: a step whose choice moved ends no visit (the visit keeps its width to the end, and
     # the next one is held at its last step's choice). No visit ends early to change width, for a width up to a
-    # visit late: where many rows make the choice move every few steps (loads of 16 and 64 on the H100, each move a
-    # visit's end and a host round trip: docs/performance.md, twenty-fourth session). Needs adaptive_held_visits.
+    # visit late: for loads where many rows move the choice every few steps, each move otherwise a visit's end and a
+    # round trip to the host (docs/performance.md, twenty-fourth session). Needs adaptive_held_visits.
     adaptive_held_whole_visits: bool = False
     # Draft KV offload (vLLM-style name): the drafter's KV cache lives in pinned host memory, one buffer per slot;
     # each visit brings the stepped slots' buffers to the device and sends them back (engine/_offload.py). Frees
