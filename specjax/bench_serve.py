@@ -613,8 +613,9 @@ def main(argv=None) -> None:
                         "prefilled by the decode steps, CHUNKS (default 1) chunks of TOKENS a step "
                         "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
     parser.add_argument("--held-visits", default="on", help="comma-separated: on, off, whole (adaptive methods: "
-                        "visits held at the width the last one chose, with no switch, EngineConfig.adaptive_held_visits;"
-                        " whole: a moved choice ends none, adaptive_held_whole_visits)")
+                        "visits held at the width the last one chose, with no switch, "
+                        "EngineConfig.adaptive_held_visits; whole: a moved choice ends none, "
+                        "adaptive_held_whole_visits)")
     parser.add_argument("--visit-ends", default="auto", help="comma-separated: auto, or N: with requests waiting, "
                         "rows a visit lets end before it stops to admit them (EngineConfig.visit_ends; auto: None)")
     parser.add_argument("--prefill-call-rows", default="inf", help="comma-separated: numbers >= 0 or inf: a prefill "

@@ -21,8 +21,9 @@ width by a switch over the compiled widths; once a visit's last step chose width
 held at w with no switch, and ends at the first step whose choice would have been another, after which the
 switch's program runs again; with EngineConfig.adaptive_held_whole_visits a held visit runs to its end whatever
 its steps choose, and the next is held at its last step's choice. On a GPU a step with the switch in its body gains
-less from CUDA graphs (docs/performance.md, twenty-second session). Each count of slots stepped compiles the switch's program and one held
-at each width worth choosing at that count (adaptive.verify_costs); a width not worth choosing there runs the switch.
+less from CUDA graphs (docs/performance.md, twenty-second session). Each count of slots stepped compiles the
+switch's program and one held at each width worth choosing at that count (adaptive.verify_costs); a width not worth
+choosing there runs the switch.
 """
 
 from __future__ import annotations
