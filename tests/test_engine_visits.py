@@ -216,7 +216,8 @@ def test_a_frozen_heap_is_out_of_the_collectors_reach_and_its_pauses_are_counted
     assert any(o is survivor for o in gc.get_objects())
     try:
         frozen, _ = freeze_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # Frozen objects may be freed since (another thread's, say): the count only falls.
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(o is survivor for o in gc.get_objects())
         pauses = GcPauses()
         gc.collect()
