@@ -88,7 +88,8 @@ COLUMNS = [("method", "method"), ("K", "K"), ("load", "load"), ("requests", "req
            ("tpot_mean_ms", "TPOT mean ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
            ("itl_p50_ms", "ITL p50 ms"), ("e2e_mean_ms", "E2E mean ms"), ("e2e_p99_ms", "E2E p99 ms"),
            ("mean_acceptance_length", "tau"), ("mean_verified_width", "verified width"), ("host_share", "host share"),
-           ("device_ms_per_step", "device ms/step"), ("predicted_ms_per_step", "adaptive: predicted ms/step"),
+           ("device_ms_per_step", "device ms/step"), ("decode_ms_per_step", "device ms/step, prefill out"),
+           ("predicted_ms_per_step", "adaptive: predicted ms/step"),
            ("held_visits", "held visits"), ("held_share", "adaptive: steps in held visits"),
            ("steps", "device steps"), ("visits", "visits"), ("visit_ends", "visit ends"),
            ("prefill_call_rows", "prefill call rows"),
@@ -231,6 +232,7 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
         gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), num_requests)
         arrivals = np.cumsum(gaps) - gaps[0]
     steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
+    prefill0 = engine.prefill_wait_s
     before = engine.stats()  # the counters this point's figures are differences from
     in_use = []  # device bytes in use after each visit (its run has ended: _collect read its tokens)
     outputs, sent, start = [], 0, time.perf_counter()
@@ -271,7 +273,7 @@ def run_point(engine: Engine, prompts, *, num_requests: int, new_tokens: int, co
     moved = None if offload is None else sum(offload[k] - offload0[k] for k in ("bytes_to_device", "bytes_to_host"))
     return {**summarize(records, wall), "steps": steps, "visits": visits, "hit_rate": hit_rate,
             **{key: after[key] - before[key] for key in ("prefill_calls", "prefill_padded_rows")},
-            **host_time(step_s, wait_s, steps),
+            **host_time(step_s, wait_s, engine.prefill_wait_s - prefill0, steps),
             "predicted_ms_per_step": predicted_step_ms(after.get("adaptive_costs"),
                                                        [r.metrics for r in records if r.metrics], concurrency),
             "held_share": (after["held_steps"] - before["held_steps"]) / steps
@@ -299,12 +301,14 @@ def profiled_point(trace_dir: Path, steps: int) -> dict:
             "profiled_long_gaps": timeline["long_gaps"]}
 
 
-def host_time(step_s: float, wait_s: float, steps: int) -> dict:
-    """The share of the engine's step() time not spent waiting on the device, that host time a step, and the wait a
-    step (the device's time, the visit's call and its summary's read included)."""
+def host_time(step_s: float, wait_s: float, prefill_s: float, steps: int) -> dict:
+    """The share of the engine's step() time not spent waiting on the device, that host time a step, the wait a step
+    (the device's time, the visit's call and its summary's read included), and that wait without the prefills' part
+    (a decode step's, what adaptive's cost curve predicts)."""
     return {"host_share": (step_s - wait_s) / step_s if step_s else None,
             "host_ms_per_step": (step_s - wait_s) / max(steps, 1) * 1e3,
-            "device_ms_per_step": wait_s / steps * 1e3 if steps else None}
+            "device_ms_per_step": wait_s / steps * 1e3 if steps else None,
+            "decode_ms_per_step": (wait_s - prefill_s) / steps * 1e3 if steps else None}
 
 
 def predicted_step_ms(costs: dict, metrics: list[dict], load: int | None) -> float | None:
@@ -360,12 +364,13 @@ def runner_point(runner, prompts, *, num_requests: int, new_tokens: int, concurr
 
     engine = runner.engine
     steps0, visits0, wait0, step0 = engine.steps_run, engine.visits, engine.device_wait_s, engine.step_s
+    prefill0 = engine.prefill_wait_s
     start = time.perf_counter()
     asyncio.run(run())
     wall = time.perf_counter() - start
     step_s, wait_s, steps = engine.step_s - step0, engine.device_wait_s - wait0, engine.steps_run - steps0
     return {**summarize(records, wall), "steps": steps, "visits": engine.visits - visits0, "hit_rate": None,
-            **host_time(step_s, wait_s, steps), "draft_kv_mib_per_slot": None,
+            **host_time(step_s, wait_s, engine.prefill_wait_s - prefill0, steps), "draft_kv_mib_per_slot": None,
             "moved_mib_per_visit": None, "device_in_use_gib": None, "device_peak_gib": None}
 
 

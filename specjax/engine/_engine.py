@@ -128,6 +128,9 @@ class Engine:
         # prefills' first tokens, which waits for the prefills), and all of it: the difference is host work
         # between device calls (admission, bookkeeping, streaming).
         self.device_wait_s = 0.0
+        # The part of it spent reading the prefills' first tokens, which is the prefills' device time (the visit before
+        # has been read by then): the rest over the steps is a decode step's, what adaptive's cost curve predicts.
+        self.prefill_wait_s = 0.0
         self.step_s = 0.0
         self.pacing = VisitPacing()  # what chooses the ends a visit waits for (EngineConfig.visit_ends None)
         self.paced_visits = 0  # visits run while requests waited, and the ends they were to stop at, summed
@@ -201,18 +204,19 @@ class Engine:
 
     def stats(self) -> dict:
         """The engine's counters: device steps, visits, slot-steps (all, and busy), admission prefills (calls,
-        requests, rows padded; prompt chunks of mixed prefill), seconds in step() and waiting on the device, visits
-        run while requests waited and the ends they were to stop at (summed: EngineConfig.visit_ends), and the
-        prefix cache's (hits and queries in tokens and blocks, hit_rate; None when prefix caching is off), and with
-        adaptive verification the cost curve of each count of slots stepped so far (its seconds at each verify width
-        and its source: 'analytic' or where it was profiled) and the steps of held visits."""
+        requests, rows padded; prompt chunks of mixed prefill), seconds in step(), waiting on the device and, of that,
+        on the prefills, visits run while requests waited and the ends they were to stop at (summed:
+        EngineConfig.visit_ends), and the prefix cache's (hits and queries in tokens and blocks, hit_rate; None when
+        prefix caching is off), and with adaptive verification the cost curve of each count of slots stepped so far
+        (its seconds at each verify width and its source: 'analytic' or where it was profiled) and the steps of held
+        visits."""
         return {"steps": self.steps_run, "visits": self.visits, "slot_steps": self.slot_steps,
                 "busy_slot_steps": self.busy_slot_steps, "prefill_calls": self.prefill_calls,
                 "prefill_padded_rows": self.prefill_padded_rows, "prefilled_requests": self.prefilled_requests,
                 "prefill_chunks": self.prefill_chunks,
                 "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
                 "held_steps": self.held_steps,
-                "device_wait_s": self.device_wait_s, "running": len(self.running), "waiting": len(self.waiting),
+                "device_wait_s": self.device_wait_s, "prefill_wait_s": self.prefill_wait_s, "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
                 "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats(),
                 "adaptive_costs": {rows: self._curve_stats(rows, curve) for rows, curve in self._curves.items()}}
@@ -780,6 +784,7 @@ class Engine:
         read = jax.device_get([(decode_state(rows).tokens, decode_state(rows).lengths) for rows, _ in prefilled])
         now = time.perf_counter()
         self.device_wait_s += now - wait
+        self.prefill_wait_s += now - wait
         first = {}
         for (tokens, lengths), (_, slots) in zip(read, prefilled):
             count = len(slots)
