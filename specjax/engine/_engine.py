@@ -242,8 +242,7 @@ class Engine:
         held at that width index, with no switch (the module's docstring, held visits)."""
         if hold is not None:
             if (mode, hold) not in self._programs:
-                self._programs[(mode, hold)] = dataclasses.replace(
-                    self._program(mode), hold=hold, hold_whole=self.config.adaptive_held_whole_visits)
+                self._programs[(mode, hold)] = dataclasses.replace(self._program(mode), hold=hold)
             return self._programs[(mode, hold)]
         if mode in self._programs:
             return self._programs[mode]
@@ -300,8 +299,8 @@ class Engine:
         compiled = run_steps._cache_size()
         width = self.config.steps_per_visit * max(self.config.lookahead, 1)
         out = run_steps(self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends),
-                        costs, plan, program=program, rows=rows, width=width, axes=self._axes,
-                        layout=self._draft_layout)
+                        costs, plan, np.bool_(self.config.adaptive_held_whole_visits), program=program, rows=rows,
+                        width=width, axes=self._axes, layout=self._draft_layout)
         key = (mode, rows)
         self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
         return out

@@ -69,7 +69,6 @@ class Program:
     # the visit ends at a step whose choice would have been another (decoding.speculative_step's hold; the engine's
     # "held visits"). None: the switch chooses.
     hold: int | None = None
-    hold_whole: bool = False  # a held visit runs to its end, its choice moving or not (adaptive_held_whole_visits)
 
     def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
         """The loop state of rows prefilled from their prompts (from prefix's caches where given)."""
@@ -114,23 +113,25 @@ def prefill_pieces(count: int, call_rows: float) -> list[int]:
 
 
 @functools.partial(jax.jit, static_argnames=("program", "rows", "width", "axes", "layout"), donate_argnums=1)
-def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, plan: ChunkSchedule | None = None, *,
-              program: Program, rows: int, width: int, axes: tuple[int, ...], layout: DraftKVLayout | None):
+def run_steps(weights, state, draft, method, max_steps, stop_after_ends, costs, plan: ChunkSchedule | None = None,
+              whole=False, *, program: Program, rows: int, width: int, axes: tuple[int, ...],
+              layout: DraftKVLayout | None):
     """Steps the first `rows` slots (the busy ones are kept first) until max_steps, every row done, or
     stop_after_ends of them ended in this visit (a slot to fill); the other slots are left as they are. With draft KV
     offload (layout), draft holds those slots' host buffers: in for the steps, back out after them. method: the
     lossless rule of sampled rows; costs: adaptive verification's cost of a step of `rows` slots at each verify
     width (None without it); plan: the prompt chunks its first steps prefill (mixed prefill; None without); axes:
-    the state leaves' batch axes (NO_BATCH for the offloaded ones). Returns the visit's summary of those slots,
-    `width` tokens a row (what the host reads), the state, the draft buffers, and the acceptance counters after the
-    visit (a copy, which the host reads when requests end: the state itself may be in the next visit by then; None
-    without speculation)."""
+    the state leaves' batch axes (NO_BATCH for the offloaded ones); whole: a held visit (program.hold) runs to its
+    end though the choice moves (adaptive_held_whole_visits; data, so that held visits either way share a program).
+    Returns the visit's summary of those slots, `width` tokens a row (what the host reads), the state, the draft
+    buffers, and the acceptance counters after the visit (a copy, which the host reads when requests end: the state
+    itself may be in the next visit by then; None without speculation)."""
     def cond(carry, limit, prefilling: bool = False):
         steps, state = carry
         done = decode_state(state).done
         busy = True if prefilling else ~jnp.all(done)  # rows being prefilled are done rows
-        if program.hold is not None and not program.hold_whole:  # a moved choice hands the visit back to the host
-            busy = busy & adaptive.holds(state.adaptive, program.hold)
+        if program.hold is not None:  # a moved choice hands the visit back to the host, unless it runs whole
+            busy = busy & (whole | adaptive.holds(state.adaptive, program.hold))
         return (steps < limit) & busy & (jnp.sum(done & ~done_before) < stop_after_ends)
 
     def step(carry, chunks: bool = False):
