@@ -26,7 +26,8 @@
 #     PYTHONPATH=. benchmarks/serve_8b.sh async OUT    # async scheduling off and on, EAGLE-1 K 5 tau 4 at 1, 64,
 #                                                      # 256 and 320 requests: in process, then through the
 #                                                      # server's engine thread (no HTTP); STEPS=4: visits of 4
-#                                                      # steps (async's refill lag is a visit: a quarter of 16's)
+#                                                      # steps (async's refill lag is a visit: a quarter of 16's);
+#                                                      # METHODS=none LOADS=256: no speculation at saturation
 #     PYTHONPATH=. benchmarks/serve_8b.sh ragged OUT   # 128 to 256 new tokens a request (the issue's range; every
 #                                                      # part above gives each request 128, so they end in
 #                                                      # waves), no speculation and EAGLE-1 K 5 tau 4 at 64, 256
@@ -160,7 +161,7 @@ case $part in
     common+=(--requests-per-stream ${REQUESTS_PER_STREAM:-8})
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/specjax_serve_8b_cache}
     for through in engine runner; do
-      python3 scripts/bench_serve.py "${common[@]}" --methods eagle:5:4 --concurrency ${LOADS:-1,64,256,320} \
+      python3 scripts/bench_serve.py "${common[@]}" --methods ${METHODS:-eagle:5:4} --concurrency ${LOADS:-1,64,256,320} \
         --through $through --async-scheduling off,on --steps-per-visit ${STEPS:-16} \
         --name bench_serve_8b_async_${through}_s${STEPS:-16} --output "$out"
     done
