@@ -216,7 +216,8 @@ class Engine:
                 "prefill_chunks": self.prefill_chunks,
                 "step_s": self.step_s, "paced_visits": self.paced_visits, "paced_ends": self.paced_ends,
                 "held_steps": self.held_steps,
-                "device_wait_s": self.device_wait_s, "prefill_wait_s": self.prefill_wait_s, "running": len(self.running), "waiting": len(self.waiting),
+                "device_wait_s": self.device_wait_s, "prefill_wait_s": self.prefill_wait_s,
+                "running": len(self.running), "waiting": len(self.waiting),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.stats.as_dict(),
                 "draft_kv_offload": None if self.draft_kv is None else self.draft_kv.stats(),
                 "adaptive_costs": {rows: self._curve_stats(rows, curve) for rows, curve in self._curves.items()}}
