@@ -334,12 +334,13 @@ class EngineRunner:
             waiting = after["waiting"] + self._arrivals()
         calls = max(d["prefill_calls"], 1)
         log.info("engine: %d running, %d waiting; %.1f visits/s, %.1f steps/visit, %.1f slots stepped/step "
-                 "(%.1f busy), %d prefills of %.1f requests (%.1f rows padded), %.0f tokens/s; device %.0f%%, "
-                 "engine host %.0f%%, gathering %.0f%%, handing ends over %.0f%%, the rest %.0f%% of the time",
+                 "(%.1f busy), %d prefills of %.1f requests (%.1f rows padded), %.0f tokens/s; device %.0f%% "
+                 "(prefills %.0f%%), engine host %.0f%%, gathering %.0f%%, handing ends over %.0f%%, the rest %.0f%% "
+                 "of the time",
                  after["running"], waiting,
                  d["visits"] / seconds, d["steps"] / visits, d["slot_steps"] / steps, d["busy_slot_steps"] / steps,
                  d["prefill_calls"], d["prefilled_requests"] / calls, d["prefill_padded_rows"] / calls,
-                 d["tokens"] / seconds, 100 * d["device_wait_s"] / seconds,
+                 d["tokens"] / seconds, 100 * d["device_wait_s"] / seconds, 100 * d["prefill_wait_s"] / seconds,
                  100 * (d["step_s"] - d["device_wait_s"]) / seconds, 100 * d["gather_s"] / seconds,
                  100 * d["ends_s"] / seconds, 100 * (seconds - d["step_s"] - d["gather_s"] - d["ends_s"]) / seconds)
         if d["paced_visits"]:  # the visits that ran while requests waited stop after this many ends (visit_ends)
