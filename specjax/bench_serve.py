@@ -39,9 +39,10 @@ one setting (and one engine size, --max-num-seqs) per process.
 --async-scheduling off,on runs each point with the engine's visits read as they end and with each visit dispatched
 before the host reads the one before it (EngineConfig.async_scheduling; not with --draft-kv-offload on).
 
---held-visits on,off runs each adaptive point with and without the engine's held visits (steps with no switch while
-the choice stays the last visit's, EngineConfig.adaptive_held_visits; default on); whole: held visits that a moved
-choice does not end (adaptive_held_whole_visits). The table adds their share of steps.
+--held-visits whole,on,off runs each adaptive point with the engine's held visits (steps with no switch at the width
+the last visit's last step chose, EngineConfig.adaptive_held_visits) run whole, a moved choice ending none (the
+default, adaptive_held_whole_visits); with held visits that a moved choice ends; and with none. The table adds their
+share of steps.
 
 --visit-ends auto,1 runs each point with the engine's visits stopping, while requests wait, after the rows its pacing
 chooses (EngineConfig.visit_ends None) and at the first end; the table adds each point's visits.
@@ -106,8 +107,9 @@ PREFIX_MODES = {"off": {}, "drop": dict(enable_prefix_caching=True),
 # The values of the switches run as an axis (--draft-kv-offload, --async-scheduling).
 ON_OFF = {"off": False, "on": True}
 # --held-visits: the engine's fields for each value (EngineConfig.adaptive_held_visits, adaptive_held_whole_visits).
-HELD_VISITS = {"on": {"adaptive_held_visits": True}, "off": {"adaptive_held_visits": False},
-               "whole": {"adaptive_held_visits": True, "adaptive_held_whole_visits": True}}
+HELD_VISITS = {"whole": {"adaptive_held_visits": True, "adaptive_held_whole_visits": True},
+               "on": {"adaptive_held_visits": True, "adaptive_held_whole_visits": False},
+               "off": {"adaptive_held_visits": False}}
 
 
 def mixed_fields(mix: str) -> dict:
@@ -617,10 +619,10 @@ def main(argv=None) -> None:
     parser.add_argument("--mixed-prefill", default="off", help="comma-separated: off, or TOKENS[xCHUNKS]: prompts "
                         "prefilled by the decode steps, CHUNKS (default 1) chunks of TOKENS a step "
                         "(EngineConfig.mixed_prefill_tokens, mixed_prefill_chunks)")
-    parser.add_argument("--held-visits", default="on", help="comma-separated: on, off, whole (adaptive methods: "
+    parser.add_argument("--held-visits", default="whole", help="comma-separated: whole, on, off (adaptive methods: "
                         "visits held at the width the last one chose, with no switch, "
                         "EngineConfig.adaptive_held_visits; whole: a moved choice ends none, "
-                        "adaptive_held_whole_visits)")
+                        "adaptive_held_whole_visits; on: a moved choice ends the visit)")
     parser.add_argument("--visit-ends", default="auto", help="comma-separated: auto, or N: with requests waiting, "
                         "rows a visit lets end before it stops to admit them (EngineConfig.visit_ends; auto: None)")
     parser.add_argument("--prefill-call-rows", default="inf", help="comma-separated: numbers >= 0 or inf: a prefill "

@@ -495,7 +495,9 @@ def test_held_visits_verify_the_width_chosen_last_and_hand_back_to_the_switch_wh
     be another, and after it (or at a width not worth choosing) the switch's program runs. With
     adaptive_held_whole_visits a held visit runs all its steps at w, its choice moving or not (and some do move).
     Each step's choice is replayed on the host from the request's per-step verified and accepted counts
-    (AdaptiveState's estimate, choose_width). Output: the autoregressive one."""
+    (AdaptiveState's estimate, choose_width). Output: the autoregressive one. The warm-up compiles every program the
+    visits run (the switch's and each held one): serving compiles none."""
+    from support.compiles import compiled_programs
     from support.engine import load_config
 
     from specjax.engine import Engine, Request
@@ -505,15 +507,18 @@ def test_held_visits_verify_the_width_chosen_last_and_hand_back_to_the_switch_wh
     spec = SpecConfig(method="draft_model", num_speculative_tokens=3, enable_adaptive_verification=True)
     engine = Engine(target, load_config(spec, cost_curve=curve, max_num_seqs=1, steps_per_visit=4,
                                         adaptive_held_whole_visits=whole), drafter=drafter_for("draft_model"))
+    engine.warmup(8)
     prompt = [5, 1, 7, 2]
     engine.add_request(Request.make("a", prompt, 56))
     visits, outputs = [], []  # (steps, held) of each visit
-    while engine.has_work():
-        steps, held = engine.steps_run, engine.held_steps
-        outputs += engine.step()
-        ran = engine.steps_run - steps
-        assert engine.held_steps - held in (0, ran)  # a visit is held or not, all its steps
-        visits.append((ran, engine.held_steps - held == ran > 0))
+    with compiled_programs() as compiled:
+        while engine.has_work():
+            steps, held = engine.steps_run, engine.held_steps
+            outputs += engine.step()
+            ran = engine.steps_run - steps
+            assert engine.held_steps - held in (0, ran)  # a visit is held or not, all its steps
+            visits.append((ran, engine.held_steps - held == ran > 0))
+    assert compiled == []
     assert list(outputs[0].tokens) == generate(target, [prompt], max_new_tokens=56, eos_token_ids=(EOS,)).sequences()[0]
     metrics = outputs[0].metrics
     widths, accepted, active = metrics["per_step_drafted"], metrics["per_step_accepted"], np.ones(1, bool)
@@ -739,14 +744,14 @@ def test_sampled_requests_in_the_engine_follow_the_target_distribution():
 
 
 def test_the_server_serves_with_held_visits_unless_its_config_turns_them_off():
-    """ServeConfig.adaptive_held_visits reaches the engine's settings (with the other engine fields it sets), from
-    YAML's `--set` too; a value that is not a boolean, or whole held visits without held visits, is refused, naming
-    the field."""
-    from specjax.engine import EngineConfig
+    """ServeConfig.adaptive_held_visits and adaptive_held_whole_visits reach the engine's settings (with the other
+    engine fields it sets), from YAML's `--set` too; a value that is not a boolean is refused, naming the field.
+    Held visits run whole by default."""
     from specjax.serve import ServeConfig, load_serve_config
 
-    assert ServeConfig().engine_config(()).adaptive_held_visits is True
-    assert ServeConfig(adaptive_held_whole_visits=True).engine_config(()).adaptive_held_whole_visits is True
+    default = ServeConfig().engine_config(())
+    assert (default.adaptive_held_visits, default.adaptive_held_whole_visits) == (True, True)
+    assert ServeConfig(adaptive_held_whole_visits=False).engine_config(()).adaptive_held_whole_visits is False
     config = load_serve_config(None, None, ["adaptive_held_visits=false", "max_num_seqs=4", "async_scheduling=true",
                                             "steps_per_visit=3", "step_slot_counts=[1,4]"])
     engine = config.engine_config((7,))
@@ -754,12 +759,9 @@ def test_the_server_serves_with_held_visits_unless_its_config_turns_them_off():
             tuple(engine.step_slot_counts), engine.eos_token_ids) == (False, 4, True, 3, (1, 4), (7,))
     with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_held_visits = 'no' is invalid"):
         ServeConfig(adaptive_held_visits="no")
-    with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_held_whole_visits = True is invalid: allowed true or "
-                                          r"false \(true only with adaptive_held_visits\)"):
-        ServeConfig(adaptive_held_visits=False, adaptive_held_whole_visits=True)
-    with pytest.raises(ValueError, match=r"EngineConfig.adaptive_held_whole_visits = True is invalid without "
-                                         r"adaptive_held_visits"):
-        EngineConfig(adaptive_held_visits=False, adaptive_held_whole_visits=True)
+    with pytest.raises(ConfigError, match=r"ServeConfig.adaptive_held_whole_visits = 'yes' is invalid: allowed true or "
+                                          r"false"):
+        ServeConfig(adaptive_held_whole_visits="yes")
 
 
 @pytest.mark.loop

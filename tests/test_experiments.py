@@ -298,7 +298,7 @@ def test_bench_serve_points_serve_requests_per_stream_and_refuse_fewer_than_one(
     ("--async-scheduling", "yes", "'yes'", "['off', 'on']"),
     ("--visit-ends", "auto,0", "'0'", "auto and positive integers"),
     ("--prefill-call-rows", "1,-1", "'-1'", "numbers >= 0 and inf"),
-    ("--held-visits", "on,maybe", "'maybe'", "['on', 'off', 'whole']"),
+    ("--held-visits", "on,maybe", "'maybe'", "['whole', 'on', 'off']"),
 ])
 def test_bench_serve_refuses_a_bad_item_of_a_list_flag_naming_the_flag_the_item_and_what_is_allowed(
         capsys, flag, value, bad, allowed):

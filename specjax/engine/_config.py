@@ -65,9 +65,10 @@ class EngineConfig:
     adaptive_held_visits: bool = True
     # Held visits that run whole: a step whose choice moved ends no visit (the visit keeps its width to the end, and
     # the next one is held at its last step's choice). No visit ends early to change width, for a width up to a
-    # visit late: for loads where many rows move the choice every few steps, each move otherwise a visit's end and a
-    # round trip to the host (docs/performance.md, twenty-fourth session). Needs adaptive_held_visits.
-    adaptive_held_whole_visits: bool = False
+    # visit late; False: a moved choice ends the visit, a round trip to the host each move. Whole visits served 1.01x
+    # (1 request), 1.07x (16) and 1.04x (64) what visits ending at a moved choice did on an H100 (docs/performance.md,
+    # twenty-sixth session). Moot without adaptive_held_visits.
+    adaptive_held_whole_visits: bool = True
     # Draft KV offload (vLLM-style name): the drafter's KV cache lives in pinned host memory, one buffer per slot;
     # each visit brings the stepped slots' buffers to the device and sends them back (engine/_offload.py). Frees
     # the draft cache's device memory between visits and for the slots a visit does not step, for a host-device
@@ -135,9 +136,6 @@ class EngineConfig:
                 if getattr(self, name) != off:  # each continues a prefill, which this drafter's state cannot
                     raise ValueError(f"EngineConfig.{name} = {getattr(self, name)} is invalid with method "
                                      f"{self.spec.method!r}, whose drafter defines no extend: allowed {off}")
-        if self.adaptive_held_whole_visits and not self.adaptive_held_visits:
-            raise ValueError("EngineConfig.adaptive_held_whole_visits = True is invalid without adaptive_held_visits: "
-                             "allowed only with adaptive_held_visits = True")
         if self.disable_eagle_block_drop and not self.enable_prefix_caching:
             raise ValueError("EngineConfig.disable_eagle_block_drop = True is invalid without enable_prefix_caching: "
                              "allowed only with enable_prefix_caching = True")

@@ -18,9 +18,9 @@ alone, and one compiled program serves greedy and sampled requests together.
 
 Held visits (EngineConfig.adaptive_held_visits): with adaptive verification a visit's program chooses each step's
 width by a switch over the compiled widths; once a visit's last step chose width w, the next visit runs the same step
-held at w with no switch, and ends at the first step whose choice would have been another, after which the
-switch's program runs again; with EngineConfig.adaptive_held_whole_visits a held visit runs to its end whatever
-its steps choose, and the next is held at its last step's choice. On a GPU a step with the switch in its body gains
+held at w with no switch, to its end whatever its steps choose, and the next is held at its last step's choice
+(EngineConfig.adaptive_held_whole_visits; without it a held visit ends at the first step whose choice would have
+been another, after which the switch's program runs again). On a GPU a step with the switch in its body gains
 less from CUDA graphs (docs/performance.md, twenty-second session). Each count of slots stepped compiles the
 switch's program and one held at each width worth choosing at that count (adaptive.verify_costs); a width not worth
 choosing there runs the switch.
@@ -296,15 +296,21 @@ class Engine:
                    draft, plan, hold: int | None) -> tuple:
         """run_steps over the first `rows` slots of `state` (one program per count of _row_buckets, more with held
         visits); touches no other engine field than the compile count, so that the dispatch thread may make it."""
-        program = self._program(mode, hold)
         compiled = run_steps._cache_size()
-        width = self.config.steps_per_visit * max(self.config.lookahead, 1)
-        out = run_steps(self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends),
-                        costs, plan, np.bool_(self.config.adaptive_held_whole_visits), program=program, rows=rows,
-                        width=width, axes=self._axes, layout=self._draft_layout)
+        args, statics = self._visit_args(mode, max_steps, stop_after_ends, rows, costs, state, draft, plan, hold)
+        out = run_steps(*args, **statics)
         key = (mode, rows)
         self._step_compiles[key] = self._step_compiles.get(key, 0) + run_steps._cache_size() - compiled
         return out
+
+    def _visit_args(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, costs, state, draft,
+                    plan, hold: int | None) -> tuple[tuple, dict]:
+        """run_steps' arguments and static arguments for a visit (one place: step_hlo compiles what visits run)."""
+        width = self.config.steps_per_visit * max(self.config.lookahead, 1)
+        return ((self._weights, state, draft, self._method, np.int32(max_steps), np.int32(stop_after_ends), costs,
+                 plan, np.bool_(self.config.adaptive_held_whole_visits)),
+                dict(program=self._program(mode, hold), rows=rows, width=width, axes=self._axes,
+                     layout=self._draft_layout))
 
     def _dispatch(self, mode: SamplingMode, max_steps: int, stop_after_ends: int, rows: int, plan,
                   planned: list) -> None:
@@ -398,11 +404,9 @@ class Engine:
         mode = self.mode
         self._ensure_state(mode)
         rows = rows or self.config.max_num_seqs
-        program = self._program(mode)
-        width = self.config.steps_per_visit * max(self.config.lookahead, 1)
-        return run_steps.lower(self._weights, self.state, None, self._method, np.int32(0), np.int32(rows + 1),
-                               self._verify_costs(rows, program.proposer), self._plan()[0], program=program, rows=rows,
-                               width=width, axes=self._axes, layout=self._draft_layout).compile().as_text()
+        args, statics = self._visit_args(mode, 0, rows + 1, rows, self._verify_costs(rows, self._program(mode).proposer),
+                                         self.state, None, self._plan()[0], None)
+        return run_steps.lower(*args, **statics).compile().as_text()
 
     def _ensure_state(self, mode: SamplingMode) -> None:
         """The engine's state: every slot free (done), built by the initialiser over zero-budget rows."""

@@ -44,8 +44,9 @@ class ServeConfig:
     # With spec.enable_adaptive_verification: visits held at the width the last one chose, with no switch, while
     # each step chooses it again (EngineConfig.adaptive_held_visits; --set adaptive_held_visits=false turns them off).
     adaptive_held_visits: bool = True
-    # Held visits run whole, a moved choice ending none (EngineConfig.adaptive_held_whole_visits).
-    adaptive_held_whole_visits: bool = False
+    # Held visits run whole, a moved choice ending none (EngineConfig.adaptive_held_whole_visits; --set
+    # adaptive_held_whole_visits=false: a moved choice ends the visit).
+    adaptive_held_whole_visits: bool = True
     # Prompts of up to this many tokens find every program compiled before the server listens (each admission
     # batch and step bucket, greedy and sampled: Engine.warmup); None: only short requests are warmed, and the
     # first requests of other lengths or larger batches compile theirs (seconds each at the 8B shape).
@@ -120,10 +121,8 @@ class ServeConfig:
                 "true or false")
         require(isinstance(self.adaptive_held_visits, bool), "ServeConfig", "adaptive_held_visits",
                 self.adaptive_held_visits, "true or false")
-        require(isinstance(self.adaptive_held_whole_visits, bool) and (
-                self.adaptive_held_visits or not self.adaptive_held_whole_visits), "ServeConfig",
-                "adaptive_held_whole_visits", self.adaptive_held_whole_visits,
-                "true or false (true only with adaptive_held_visits)")
+        require(isinstance(self.adaptive_held_whole_visits, bool), "ServeConfig", "adaptive_held_whole_visits",
+                self.adaptive_held_whole_visits, "true or false")
         require(isinstance(self.warmup_sampled, bool), "ServeConfig", "warmup_sampled", self.warmup_sampled,
                 "true or false")
         require(isinstance(self.admit_wait_ms, (int, float)) and self.admit_wait_ms >= 0, "ServeConfig",
