@@ -66,7 +66,7 @@ class EngineConfig:
     # Held visits that run whole: a step whose choice moved ends no visit (the visit keeps its width to the end, and
     # the next one is held at its last step's choice). No visit ends early to change width, for a width up to a
     # visit late; False: a moved choice ends the visit, a round trip to the host each move. Whole visits served 1.01x
-    # (1 request), 1.07x (16) and 1.04x (64) what visits ending at a moved choice did on an H100 (docs/performance.md,
+    # (1 request), 1.07x (16) and 1.08x (64) what visits ending at a moved choice did on an H100 (docs/performance.md,
     # twenty-sixth session). Moot without adaptive_held_visits.
     adaptive_held_whole_visits: bool = True
     # Draft KV offload (vLLM-style name): the drafter's KV cache lives in pinned host memory, one buffer per slot;
