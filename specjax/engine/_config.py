@@ -58,9 +58,9 @@ class EngineConfig:
     # accelerator, analytic on the CPU).
     cost_curve: adaptive.CostCurve | None = None
     # With adaptive verification: after a visit whose last step chose width w, the next visit runs a program held at
-    # w with no switch, and ends at a step that would have chosen another (the engine's docstring, "held visits"):
-    # on a GPU the switch's program steps slower than a fixed-width one (its branches gain less from CUDA graphs,
-    # docs/performance.md), so a load whose choice stays put pays for no switch. Lossless either way (the program is
+    # w with no switch (to its end, or to a step that would have chosen another: adaptive_held_whole_visits; the
+    # engine's docstring, "held visits"): on a GPU the switch's program steps slower than a fixed-width one (its
+    # branches gain less from CUDA graphs, docs/performance.md), so a load whose choice stays put pays for no switch. Lossless either way (the program is
     # chosen from past steps); one more step program a count of slots stepped and width worth choosing there.
     adaptive_held_visits: bool = True
     # Held visits that run whole: a step whose choice moved ends no visit (the visit keeps its width to the end, and

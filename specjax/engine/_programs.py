@@ -66,8 +66,8 @@ class Program:
     proposer_axes: tuple[int, ...] | None = None
     cache_axes: tuple[int, ...] | None = None
     # With adaptive verification: the index in spec.verify_widths of the width every step verifies, with no switch;
-    # the visit ends at a step whose choice would have been another (decoding.speculative_step's hold; the engine's
-    # "held visits"). None: the switch chooses.
+    # the visit ends at a step whose choice would have been another unless it runs whole (run_steps' whole;
+    # decoding.speculative_step's hold; the engine's "held visits"). None: the switch chooses.
     hold: int | None = None
 
     def init(self, weights: tuple, tokens, lengths, budgets, seeds, sampling, prefix=None):
