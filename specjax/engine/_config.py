@@ -60,8 +60,9 @@ class EngineConfig:
     # With adaptive verification: after a visit whose last step chose width w, the next visit runs a program held at
     # w with no switch (to its end, or to a step that would have chosen another: adaptive_held_whole_visits; the
     # engine's docstring, "held visits"): on a GPU the switch's program steps slower than a fixed-width one (its
-    # branches gain less from CUDA graphs, docs/performance.md), so a load whose choice stays put pays for no switch. Lossless either way (the program is
-    # chosen from past steps); one more step program a count of slots stepped and width worth choosing there.
+    # branches gain less from CUDA graphs, docs/performance.md), so a load whose choice stays put pays for no switch.
+    # Lossless either way (the program is chosen from past steps); one more step program a count of slots stepped and
+    # width worth choosing there.
     adaptive_held_visits: bool = True
     # Held visits that run whole: a step whose choice moved ends no visit (the visit keeps its width to the end, and
     # the next one is held at its last step's choice). No visit ends early to change width, for a width up to a

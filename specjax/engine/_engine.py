@@ -404,8 +404,8 @@ class Engine:
         mode = self.mode
         self._ensure_state(mode)
         rows = rows or self.config.max_num_seqs
-        args, statics = self._visit_args(mode, 0, rows + 1, rows, self._verify_costs(rows, self._program(mode).proposer),
-                                         self.state, None, self._plan()[0], None)
+        costs = self._verify_costs(rows, self._program(mode).proposer)
+        args, statics = self._visit_args(mode, 0, rows + 1, rows, costs, self.state, None, self._plan()[0], None)
         return run_steps.lower(*args, **statics).compile().as_text()
 
     def _ensure_state(self, mode: SamplingMode) -> None:
