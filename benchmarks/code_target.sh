@@ -14,8 +14,8 @@
 # (train_default_models.sh's; the table then takes SPEC_BENCH_FLAGS, e.g. --num-prompts 2 --new-tokens 8).
 # Time on the H200 (the full run of 2026-12-04, benchmarks/results/code_target/2026-12-04/): the target 4.9 minutes
 # (its corpus prepared in about one), the four drafters side by side 9.3 (DFlash's 4,000 steps and its regenerated
-# sequences the longest), the table 12.9: 27 minutes, one session's device time. DSpark and MTP
-# (STAGES="target dflash dspark mtp" SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp") need a session of their own.
+# sequences the longest), the table 12.9: 27 minutes, one session's device time. DSpark and MTP need a session of
+# their own: STAGES="target dflash dspark mtp" WAVES="dflash dspark mtp" SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp,mtp3".
 set -uo pipefail
 mode=run
 case ${1:-} in start|wait|pack) mode=$1; shift ;; esac
@@ -24,6 +24,9 @@ out=${2:-benchmarks/results/code_target}
 python=${PYTHON:-python3}
 corpus=${CORPUS_DIR:-$("$python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")}
 stages=${STAGES:-target medusa eagle1 eagle3 dflash}
+# The drafter stages' waves, separated by ';': a stage starts with its wave. WAVES="dflash dspark mtp" runs DSpark
+# and MTP beside DFlash, each regenerating its own text (the same recipe and seed), which saves DFlash's training time.
+waves=${WAVES:-medusa eagle1 eagle3 dflash;dspark mtp}
 log=$runs/pipeline.log
 stamp() { echo "$(date -u +%FT%TZ) $*" >> "$log"; }
 
@@ -49,7 +52,8 @@ pipeline() {
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   # Four processes can exhaust the GPU's memory between them (EAGLE-3 did on 2026-12-04), so a stage that fails
   # in its wave is run once more alone after it.
-  for wave in "medusa eagle1 eagle3 dflash" "dspark mtp"; do
+  local wave_list; IFS=';' read -ra wave_list <<< "$waves"
+  for wave in "${wave_list[@]}"; do
     local pids=() names=() failed=()
     for stage in $wave; do
       [[ " $stages " == *" $stage "* ]] || continue
@@ -133,7 +137,7 @@ case $mode in
   start)
     mkdir -p "$runs"
     export -f pipeline run_stage stamp
-    export runs corpus stages log python
+    export runs corpus stages waves log python
     setsid bash -c pipeline > "$runs/pipeline.out" 2>&1 < /dev/null &
     echo "pipeline started (pid $!), log $log"
     ;;

@@ -49,13 +49,17 @@ train() {  # train STAGE_DIR SPECJAX_ARGS...: skipped when the stage's eval.json
   local command=$1; config=configs/train/${recipe}_$config.yaml; shift
   "$python" -m specjax.cli "$command" --config "$config" "$@" "${corpus[@]}" "${extra[@]}"
 }
-own_text() {  # own_text STAGE: the DFlash stage's regenerated text copied for a later stage (the same recipe, seed
-  # and shape: DSpark's and MTP's configs regenerate what DFlash's does; a shape that differs is refused by name)
+own_text() {  # own_text STAGE: an earlier stage's regenerated text copied for STAGE (the same recipe, seed and
+  # shape: DSpark's and MTP's configs regenerate what DFlash's does; a shape that differs is refused by name). A stage
+  # started beside DFlash finds none yet and regenerates its own; mtp3 then copies mtp's.
   if [ "$1" = dflash ] || ! wanted "$1"; then return 0; fi
   mkdir -p "$runs/$1"
-  if [ -f "$runs/dflash/regenerated.npy" ] && [ ! -f "$runs/$1/regenerated.npy" ]; then
-    cp "$runs/dflash/regenerated.npy" "$runs/$1/"
-  fi
+  local source
+  for source in dflash dspark mtp; do
+    if [ -f "$runs/$source/regenerated.npy" ] && [ ! -f "$runs/$1/regenerated.npy" ]; then
+      cp "$runs/$source/regenerated.npy" "$runs/$1/"; return 0
+    fi
+  done
 }
 # The drafters' target: the one trained here, or where its stage did not run here, the bundled one.
 target_model=$runs/target/model
