@@ -15,7 +15,10 @@
 # Time on the H200 (the full run of 2026-12-04, benchmarks/results/code_target/2026-12-04/): the target 4.9 minutes
 # (its corpus prepared in about one), the four drafters side by side 9.3 (DFlash's 4,000 steps and its regenerated
 # sequences the longest), the table 12.9: 27 minutes, one session's device time. DSpark and MTP need a session of
-# their own: STAGES="target dflash dspark mtp" WAVES="dflash dspark mtp" SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp,mtp3".
+# their own: STAGES="target dflash dspark mtp" WAVES="dflash dspark mtp"
+# SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp,mtp3" (2026-12-07 on an H100: the target 4.2 minutes, the drafters
+# 9.3 and DSpark's re-run alone 2.9, the table's first three categories 3.7:
+# benchmarks/results/code_target/2026-12-07_dspark_mtp/).
 set -uo pipefail
 mode=run
 case ${1:-} in start|wait|pack) mode=$1; shift ;; esac
