@@ -352,7 +352,8 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
     With adaptive verification (state.adaptive) the forward scores the first W + 1 positions only, W the
     width of spec.verify_widths chosen from the state's estimates and verify_costs (a step's cost at each
     width; default the analytic curve), and every active row verifies its first W drafts (specjax.adaptive); at
-    width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing. Where W is chosen before
+    width 0 a drafter that can skip drafting (Proposer.skips_drafting) drafts nothing and no verifier runs: the
+    row's token is drawn from the target's distribution as decode_step draws it. Where W is chosen before
     drafting (no confidence head read), each width's branch of the switch drafts as well: one conditional a step.
 
     hold (adaptive verification): the index in spec.verify_widths of the width every active row verifies, with no
@@ -433,11 +434,12 @@ def speculative_step(model: Transformer, draft_params: Any, state: SpecState, me
                 hidden_layers=proposer.hidden_layers, attention_mask=attention_mask)
         if gather_logits:  # on a mesh: whole vocabulary rows on every model shard (one all-gather)
             logits = constrain(logits, BATCH)
-        span = max(width, 1)  # a verifier takes a draft at least: at width 0 it is cut to none (num_valid)
-        verified = verify(adaptive.padded(logits, span + 1), draft_tokens[:, :span],
-                          None if draft_probs is None else draft_probs[:, :span], parents=row_parents,
-                          synthetic_rates=None if synthetic_rates is None else synthetic_rates[:span],
-                          num_valid=num_valid)
+        if width == 0:  # adaptive's width 0 verifies nothing: the target's token drawn as decode_step draws it
+            token = sample(logits[:, 0], verify_keys, decode.sampling, proposer.settings.sampling)
+            return None, jnp.zeros_like(token), token, logits, hidden, cache, chunk_hidden
+        rates = None if synthetic_rates is None else synthetic_rates[:width]
+        verified = verify(logits, draft_tokens[:, :width], None if draft_probs is None else draft_probs[:, :width],
+                          parents=row_parents, synthetic_rates=rates, num_valid=num_valid)
         return *verified, logits, hidden, cache, chunk_hidden
 
     num_valid = chosen = None

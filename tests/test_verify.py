@@ -187,12 +187,40 @@ def test_verifiers_reproduce_from_the_same_draws():
 def test_synthetic_acceptance_follows_the_rates():
     rates = (0.9, 0.6, 0.6, 0.1)
     batch = 100_000
-    verify = from_draws(lambda *args: synthetic.verify_with_draws(*args, rates=rates))
     target_probs = jnp.full((batch, 5, 3), 1 / 3)
+    verify = from_draws(lambda *args: synthetic.verify_with_draws(*args, rates=rates))
     n, _ = jax.jit(verify)(target_probs, jnp.zeros((batch, 4), jnp.int32), None,
                            jax.random.split(jax.random.key(0), batch))
     reached = [(np.asarray(n) >= i + 1).mean() for i in range(4)]
     np.testing.assert_allclose(reached, rates, atol=0.005)
+
+
+def test_synthetic_greedy_rows_read_argmaxes_and_sampled_rows_race_with_the_common_draws():
+    """Every row greedy, verify_drafts gives synthetic acceptance the target's argmaxes (no one-hot rows, no
+    exponential drawn a vocabulary entry): the lengths and tokens are the race's over the one-hot rows. Sampled rows
+    race with common.make_draws' draws, as the verifiers do."""
+    from specjax.verify.common import leading_true, make_draws, race_sample
+
+    batch, num_draft, vocab, rates = 512, 4, 50, (0.9, 0.6, 0.6, 0.1)
+    logits = jax.random.normal(jax.random.key(3), (batch, num_draft + 1, vocab))
+    drafts, keys = jnp.zeros((batch, num_draft), jnp.int32), jax.random.split(jax.random.key(4), batch)
+    keyed = from_draws(lambda *args: synthetic.verify_with_draws(*args, rates=rates))
+    verify = jax.jit(lambda target: keyed(target, drafts, None, keys))
+    argmax = jnp.argmax(logits, axis=-1)
+    n, token = verify(argmax)
+    raced = verify(jax.nn.one_hot(argmax, vocab))
+    np.testing.assert_array_equal(np.asarray(n), np.asarray(raced[0]))
+    np.testing.assert_array_equal(np.asarray(token), np.asarray(raced[1]))
+    assert 0 < np.asarray(n).mean() < num_draft  # lengths of every size: tokens read at several positions
+
+    probs = jax.nn.softmax(logits, axis=-1)
+    draws = make_draws(keys, num_draft, vocab)
+    want_n = leading_true(draws.uniforms < jnp.asarray(synthetic.conditional_rates(rates), jnp.float32))
+    want_token = race_sample(probs[jnp.arange(batch), want_n], draws.exponentials)
+    got_n, got_token = verify(probs)
+    np.testing.assert_array_equal(np.asarray(got_n), np.asarray(want_n))
+    np.testing.assert_array_equal(np.asarray(got_token), np.asarray(want_token))
+    assert (np.asarray(got_token) != np.asarray(token)).any()  # the sampled rows' tokens are drawn, not the argmax
 
 
 def test_race_sample_never_picks_a_zero_weight_token_even_when_its_clock_is_zero():

@@ -123,12 +123,12 @@ def verify_drafts(logits: Float[Array, "B T V"], draft_tokens: Int[Array, "B N"]
             return None, *greedy.verify(logits, draft_tokens, **cut)
         return tree.verify_tree_greedy(vocabulary_argmax(logits), draft_tokens, parents)
 
-    if synthetic_rates is not None:
-        probs = processed_probs(logits, sampling, mode)
+    if synthetic_rates is not None:  # every row greedy: the argmaxes, as the greedy rule reads (synthetic's docstring)
+        target = processed_probs(logits, sampling, mode) if mode.sampled else vocabulary_argmax(logits)
         if parents is None:
             verify = from_draws(functools.partial(synthetic.verify_with_draws, rates=synthetic_rates))
-            return None, *verify(probs, draft_tokens, draft_probs, keys, **cut)
-        return tree.verify_tree_synthetic(probs, draft_tokens, parents, draft_probs, keys, rates=synthetic_rates)
+            return None, *verify(target, draft_tokens, draft_probs, keys, **cut)
+        return tree.verify_tree_synthetic(target, draft_tokens, parents, draft_probs, keys, rates=synthetic_rates)
     if not mode.sampled:
         return greedy_rule()
     probs = processed_probs(logits, sampling, mode)

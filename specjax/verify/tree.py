@@ -54,7 +54,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from specjax.trees import structure
 from specjax.verify.common import leading_true, race_sample, token_probs
-from specjax.verify.synthetic import conditional_rates
+from specjax.verify.synthetic import conditional_rates, stopping_token
 
 TINY = jnp.finfo(jnp.float32).tiny
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -260,14 +260,14 @@ def first_ranked_path(parents: Int[Array, "B N"]):
     return path, length
 
 
-def verify_tree_synthetic(target_probs: Float[Array, "B N1 V"], tokens: Int[Array, "B N"], parents: Int[Array, "B N"],
-                          draft_probs, keys: PRNGKeyArray, *, rates: tuple[float, ...]):
+def verify_tree_synthetic(target: Array, tokens: Int[Array, "B N"], parents: Int[Array, "B N"], draft_probs,
+                          keys: PRNGKeyArray, *, rates: tuple[float, ...]):
     """The first-ranked path accepted to a synthetic length (module docstring); the next token is the
-    target's sample at its end."""
+    target's at its end (target: distributions [B, N + 1, V], or argmaxes [B, N + 1]: synthetic's docstring)."""
     path, depth = first_ranked_path(parents)
-    uniforms, exponentials = make_tree_draws(keys, len(rates), target_probs.shape[-1])
+    uniforms, exponentials = make_tree_draws(keys, len(rates), target.shape[-1])
     length = jnp.minimum(leading_true(uniforms < jnp.asarray(conditional_rates(rates), jnp.float32)), depth)
     path = jnp.where(jnp.arange(path.shape[1])[None, :] < length[:, None], path, -1)
     rows = jnp.arange(tokens.shape[0])
     last = jnp.where(length > 0, 1 + path[rows, jnp.maximum(length - 1, 0)], 0)
-    return path, length, race_sample(target_probs[rows, last].astype(jnp.float32), exponentials)
+    return path, length, stopping_token(target[rows, last], exponentials)
