@@ -187,8 +187,8 @@ def test_verifiers_reproduce_from_the_same_draws():
 def test_synthetic_acceptance_follows_the_rates():
     rates = (0.9, 0.6, 0.6, 0.1)
     batch = 100_000
-    target_probs = jnp.full((batch, 5, 3), 1 / 3)
     verify = from_draws(lambda *args: synthetic.verify_with_draws(*args, rates=rates))
+    target_probs = jnp.full((batch, 5, 3), 1 / 3)
     n, _ = jax.jit(verify)(target_probs, jnp.zeros((batch, 4), jnp.int32), None,
                            jax.random.split(jax.random.key(0), batch))
     reached = [(np.asarray(n) >= i + 1).mean() for i in range(4)]

@@ -2,13 +2,16 @@
 at hand: K 15 through verify_drafts (synthetic, and the real greedy rule) and width 0 (the former path, a verifier
 over two padded positions; decode_step's sample), at T 0 and T 1 (docs/performance.md, twenty-seventh session).
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/width0_verify_cost.py   # after; at 2487a32: before
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/width0_verify_cost.py   # before: run it at 2487a32
 """
-import sys, time
-import jax, jax.numpy as jnp, numpy as np
+import time
+
+import jax
+import jax.numpy as jnp
+
 from specjax.verify import verify_drafts, lossless_verifiers
-from specjax.verify.sampling import GREEDY, SamplingParams, sample
-from specjax.config import SpecConfig
+from specjax.verify.sampling import GREEDY, SamplingMode, SamplingParams, sample
+from specjax.config import SamplingConfig, SpecConfig
 from specjax import adaptive
 
 B, V, K = 256, 128256, 15
@@ -38,8 +41,6 @@ timed("width 0, synthetic verifier over 2 padded positions", lambda lg, d: verif
       adaptive.padded(lg, 2), d[:, :1], None, keys, None, sampling=params, mode=GREEDY, verifiers=verifiers,
       method=jnp.int32(0), synthetic_rates=rates[:1], num_valid=zero), logits1, drafts)
 timed("width 0, sample (decode_step's)", lambda lg: sample(lg[:, 0], keys, params, GREEDY), logits1)
-from specjax.config import SamplingConfig
-from specjax.verify.sampling import SamplingMode
 hot = SamplingParams.of([SamplingConfig(temperature=1.0)] * B)
 mode = SamplingMode(sampled=True)
 timed("width 0, T 1: lossless verifiers over 2 padded positions", lambda lg, d: verify_drafts(
