@@ -171,9 +171,9 @@ def choose_width(conditional: Float[Array, "B K"], active: Bool[Array, " B"], wi
 
 
 def padded(tree: Any, length: int) -> Any:
-    """Every leaf's position axis (second from last: logits [B, T, V], hidden [..., B, T, D]) padded with zeros
-    to `length`: a narrow forward's outputs in the shape the loop's state and verifiers keep. Nothing reads
-    past the verified width (zero logits are a uniform distribution, finite everywhere)."""
+    """Every leaf's position axis (second from last: hidden [..., B, T, D]) padded with zeros to `length`: a
+    narrow forward's outputs in the shape the loop's state keeps (Proposer.accept_verified's default). Nothing
+    reads past the verified width."""
     def pad(x):
         if x.shape[-2] == length:
             return x
