@@ -109,9 +109,10 @@ class AcceptanceMetrics:
         if self.per_step_accepted is None:
             raise ValueError("these metrics were made without per-step counts (AcceptanceCounters.per_step_accepted)")
         steps = min(int(self.steps[row]), self.per_step_accepted.shape[1])
+        # tolist: Python ints in one call (an engine ends up to a batch of requests at a visit, each ~100 steps)
         drafted = ([self.num_speculative_tokens] * steps if self.per_step_drafted is None
-                   else [int(n) for n in self.per_step_drafted[row, :steps]])
-        return {"per_step_accepted": [int(n) for n in self.per_step_accepted[row, :steps]],
+                   else np.asarray(self.per_step_drafted[row, :steps]).tolist())
+        return {"per_step_accepted": np.asarray(self.per_step_accepted[row, :steps]).tolist(),
                 "per_step_drafted": drafted}
 
     def format_summary(self) -> str:
@@ -136,8 +137,8 @@ def stats_fields(num_spec_tokens: int, steps, drafted, accepted, emitted, histog
     steps, drafted, accepted, emitted = int(steps), int(drafted), int(accepted), int(emitted)
     rate = accepted / drafted if drafted else float("nan")
     mean_length = 1 + accepted / steps if steps else float("nan")
-    histogram = [int(n) for n in histogram]
-    per_position = [int(n) / steps for n in accepted_at] if steps else []
+    histogram = np.asarray(histogram, np.int64).tolist()
+    per_position = (np.asarray(accepted_at, np.int64) / steps).tolist() if steps else []
     return {
         "steps": steps, "drafted": drafted, "accepted": accepted, "acceptance_rate": rate,
         "mean_acceptance_length": mean_length, "length_histogram": histogram,
