@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not drafters:
         raise SystemExit(f"no trained drafter under {runs} (a stage folder with */eval.json): train some first")
     runner, rows, start = Runner(), [], time.perf_counter()
-    for category in CATEGORIES:
+    for category in args.categories:
         (out / category).mkdir(exist_ok=True)
         (out / category / "prompts.json").write_text(json.dumps(prompts[category]))
         # T 1 on every category but the long one, whose programs are compiled for it alone.
@@ -304,18 +304,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0])
     parser.add_argument("--drafters", type=lambda s: s.split(","), default=None,
                         help=f"stages to draft with (default: every one trained of {[d[0] for d in DRAFTERS]})")
+    parser.add_argument("--categories", type=lambda s: s.split(","), default=list(CATEGORIES),
+                        help=f"the categories to run, comma-separated (default every one of {list(CATEGORIES)}): "
+                             "e.g. those a cut-short run did not reach")
     parser.add_argument("--dtype", default="float32", help="compute dtype (float32: greedy rows equal AR)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked; args.categories in the table's order."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.categories if c not in CATEGORIES]
+    if unknown or not args.categories:
+        parser.error(f"--categories {','.join(args.categories)!r}: allowed a comma-separated subset of "
+                     f"{','.join(CATEGORIES)}")
+    args.categories = [c for c in CATEGORIES if c in args.categories]
+    args.argv = argv
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    return run(args)
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 from specjax import default_models
 from specjax.config import DataConfig
 from specjax.data.dataset import split_files
-from specjax.spec_bench import CATEGORIES, category_prompts, function_cuts, headline, table
+from specjax.spec_bench import CATEGORIES, category_prompts, function_cuts, headline, parse_args, table
 
 SOURCE = '''import os
 
@@ -143,3 +143,12 @@ def test_the_headline_compares_eagle3_with_eagle1_trees_with_their_chain_and_dsp
         "- held_out: EAGLE-3 5.00 against EAGLE-1 4.00 at K 5 (1.25x); eagle1 60-node tree 1.30x its K 6 chain; "
         "DFlash 6.00 at K 15; DSpark 6.60 at K 15 (1.10x DFlash).",
         "- tests: DSpark 3.00 at K 15."]
+
+
+def test_categories_run_in_the_tables_order_and_an_unknown_one_is_refused_with_what_is_allowed(capsys):
+    base = ["--runs", "r", "--out", "o"]
+    assert parse_args(base).categories == list(CATEGORIES)
+    assert parse_args(base + ["--categories", "long_context,tests"]).categories == ["tests", "long_context"]
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--categories", "tests,docstrings"])
+    assert "--categories 'tests,docstrings': allowed a comma-separated subset of held_out," in capsys.readouterr().err
