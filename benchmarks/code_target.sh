@@ -19,7 +19,8 @@
 # SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp,mtp3" (2026-12-07 on an H100: the target 4.2 minutes, the drafters
 # 9.3 and DSpark's re-run alone 2.9, the table's first three categories 3.7:
 # benchmarks/results/code_target/2026-12-07_dspark_mtp/). The two categories it did not reach:
-# WAVES="dflash mtp;dspark" SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp,mtp3 --categories tests,long_context".
+# WAVES="dflash mtp;dspark" SPEC_BENCH_FLAGS="--drafters dflash,dspark,mtp,mtp3 --categories tests,long_context"
+# (2026-12-07 on an H100: 20.6 minutes, the table 4.5 of them; .../2026-12-07b_dspark_mtp_rest/).
 set -uo pipefail
 mode=run
 case ${1:-} in start|wait|pack) mode=$1; shift ;; esac
