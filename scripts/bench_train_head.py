@@ -3,7 +3,7 @@ online and offline, through the project's trainer (training.lm.fit, training.loo
 
     PYTHONPATH=. python scripts/bench_train_head.py --shape 8b [--kind eagle3] [--modes online,offline]
         [--batch-sizes 1,2,4] [--seq-len 2048] [--remat layer] [--steps 20] [--warmup 5] [--pool 4]
-        [--offline-source device] [--out benchmarks/results/train_head_8b]
+        [--offline-source device] [--profile-steps 0] [--out benchmarks/results/train_head_8b]
 
 online: the target's forward runs inside the jitted train step (training.eagle.eagle3_loss: target_hidden under
 stop_gradient, then the head's loss); only the head's parameters are in the optimizer. offline: a first process
@@ -20,7 +20,10 @@ results). FLOPs per trained token (T = seq_len pairs a row, causal attention cou
 2 P_target + 2 L T H E; head 6 P_trained + 2 P_frozen_in_grad_path + 2 P_labels + 3 x 2 T H E a head step
 (EAGLE-3: unroll_steps head steps, each with its LM head over the draft vocabulary; P_labels the target's
 unembedding over the draft ids). MFU: FLOPs x tokens/s over --peak-tflops (989: the H200's dense bf16 figure;
-the bf16 matrix rate measured on these machines is about 790, docs/performance.md). Writes results.json and
+the bf16 matrix rate measured on these machines is about 790, docs/performance.md). --profile-steps N traces N
+steps of each configuration after training.loop.PROFILE_AFTER (HeadTrainConfig.profile_steps): the device's busy
+share and its kernel time by kind go to the row, the whole summary to profile_<mode>_b<B>_<remat>.json, and those
+steps and the one after (the trace's stop and summary) are left out of the timing. Writes results.json and
 results.md under --out.
 """
 
@@ -63,7 +66,7 @@ def run_config(args, batch_size: int, remat: str, output_dir: Path) -> HeadTrain
         data=DataConfig(seq_len=args.seq_len, batch_size=batch_size),
         optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, total_steps=args.steps),
         remat=remat, compute_dtype="bfloat16", mesh=MeshConfig(data=1), output_dir=str(output_dir),
-        checkpoint_every=10 ** 9, log_every=1, seed=args.seed)
+        checkpoint_every=10 ** 9, log_every=1, seed=args.seed, profile_steps=args.profile_steps)
 
 
 def token_pool(args, batch_size: int) -> np.ndarray:
@@ -188,7 +191,7 @@ def measure(args, mode: str, batch_size: int, remat: str, work: Path) -> dict:
     fit(head, loss_fn, batch_fn, config, output_dir, description=f"{mode} {args.kind} b{batch_size} {remat}",
         frozen=frozen, model_config=head.config.layer)
     records = loop.read_metrics(output_dir / "metrics.jsonl")
-    kept = [r for r in records if r["step"] > args.warmup]
+    kept = [r for r in records if r["step"] > first_timed_step(args)]
     step_s = statistics.median((b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(kept, kept[1:]))
     tokens_per_s = batch_size * args.seq_len / step_s
     flops = flops_per_token(args, target_config, head)
@@ -204,7 +207,19 @@ def measure(args, mode: str, batch_size: int, remat: str, work: Path) -> dict:
                else 0.0,
                first_loss=records[0]["loss"], final_loss=records[-1]["loss"],
                head_parameters=int(sum(x.size for x in jax.tree.leaves(nnx.state(head, nnx.Param)))))
+    if args.profile_steps:
+        profile = json.loads((output_dir / "profile.json").read_text())
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"profile_{output_dir.name}.json").write_text(json.dumps(profile, indent=2) + "\n")
+        kinds = profile.get("breakdown", {}).get("kinds", {})
+        row["profile"] = (f"busy {profile['busy_share']:.0%}; " + ", ".join(
+            f"{kind} {v['share']:.0%}" for kind, v in kinds.items()) if kinds else profile.get("device", ""))
     return row
+
+
+def first_timed_step(args) -> int:
+    """The last step left out of the timing: --warmup's, or the profiled window's and the step after it."""
+    return max(args.warmup, loop.PROFILE_AFTER + args.profile_steps + 1 if args.profile_steps else 0)
 
 
 def in_child(args, argv: list[str], work: Path, task: str, out: Path) -> dict:
@@ -240,7 +255,8 @@ COLUMNS = [("mode", "mode"), ("offline_source", "offline pool"), ("kind", "head"
            ("seq_len", "seq"), ("remat", "remat"), ("tokens_per_s", "tokens/s"), ("step_ms", "step ms"),
            ("peak_gib", "peak GiB"), ("head_gflop_per_token", "head GFLOP/token"),
            ("target_gflop_per_token", "target fwd GFLOP/token"), ("mfu", "MFU (all counted)"),
-           ("target_mfu", "MFU (target fwd)"), ("first_loss", "loss step 1"), ("error", "error")]
+           ("target_mfu", "MFU (target fwd)"), ("first_loss", "loss step 1"),
+           ("profile", "device busy; kernel time by kind (profiled steps)"), ("error", "error")]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -258,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (compilation)")
     parser.add_argument("--pool", type=int, default=4, help="distinct batches (offline: stored features of each)")
     parser.add_argument("--offline-source", choices=("device", "host"), default="device")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="steps of each configuration traced with JAX's profiler (module docstring); 0: none")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/train_head")
@@ -270,8 +288,12 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [m for m in modes if m not in MODES]
     if bad:
         parser.error(f"--modes {args.modes!r}: {bad} not allowed; allowed {MODES}")
-    if args.steps <= args.warmup + 1:
-        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup} + 1 (two timed steps at least)")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps {args.profile_steps}: allowed an integer >= 0")
+    if args.steps <= first_timed_step(args) + 1:
+        parser.error(f"--steps {args.steps} must exceed {first_timed_step(args) + 1} (two timed steps at least after "
+                     f"--warmup {args.warmup}, and after the --profile-steps {args.profile_steps} traced from step "
+                     f"{loop.PROFILE_AFTER + 1} and the step that ends the trace)")
     if args.task:  # a child process of main
         Path(args.task_out).write_text(json.dumps(task_main(args, Path(args.work), args.task)))
         return {}

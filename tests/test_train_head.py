@@ -2,6 +2,7 @@
 and gradients for the same batch; and scripts/bench_train_head.py end to end on the tiny shape."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import jax
@@ -56,17 +57,25 @@ def test_offline_head_loss_and_gradients_equal_online(version):
 
 
 @pytest.mark.e2e
-def test_bench_train_head_runs_on_the_tiny_shape(tmp_path):
+def test_bench_train_head_runs_on_the_tiny_shape(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_train_head", ROOT / "scripts" / "bench_train_head.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    out = bench.main(["--shape", "tiny", "--seq-len", "16", "--batch-sizes", "2", "--steps", "4", "--warmup", "1",
-                      "--pool", "2", "--unroll-steps", "2", "--in-process", "--out", str(tmp_path)])
+    argv = ["--shape", "tiny", "--seq-len", "16", "--batch-sizes", "2", "--warmup", "1", "--pool", "2",
+            "--unroll-steps", "2", "--in-process", "--out", str(tmp_path), "--profile-steps", "1"]
+    with pytest.raises(SystemExit):  # the profiled step 6 and the step that ends its trace are not timed
+        bench.main(argv + ["--steps", "8"])
+    assert "--steps 8 must exceed 8" in capsys.readouterr().err
+    out = bench.main(argv + ["--steps", "9"])
     rows = {row["mode"]: row for row in out["rows"]}
     assert set(rows) == {"online", "offline"} and not any("error" in row for row in rows.values()), rows
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["head_gflop_per_token"] > 0
         assert row["peak_gib"] == "n/a"  # the CPU reports no device memory statistics
+        # the CPU has no device kernels: the profile says so, and which trace it read
+        assert "no device kernels" in row["profile"], row["profile"]
+        profile = json.loads((tmp_path / f"profile_{row['mode']}_b2_layer.json").read_text())
+        assert (profile["first_step"], profile["steps"]) == (6, 1) and "perfetto_trace" in profile["trace"]
     assert rows["online"]["target_gflop_per_token"] > 0 == rows["offline"]["target_gflop_per_token"]
     # the same batch, the same initial head: the first step's loss is the same from stored features
     np.testing.assert_allclose(rows["offline"]["first_loss"], rows["online"]["first_loss"], rtol=1e-3)
