@@ -191,7 +191,7 @@ def measure(args, mode: str, batch_size: int, remat: str, work: Path) -> dict:
     fit(head, loss_fn, batch_fn, config, output_dir, description=f"{mode} {args.kind} b{batch_size} {remat}",
         frozen=frozen, model_config=head.config.layer)
     records = loop.read_metrics(output_dir / "metrics.jsonl")
-    kept = [r for r in records if r["step"] > first_timed_step(args)]
+    kept = [r for r in records if r["step"] > last_untimed_step(args)]
     step_s = statistics.median((b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(kept, kept[1:]))
     tokens_per_s = batch_size * args.seq_len / step_s
     flops = flops_per_token(args, target_config, head)
@@ -217,7 +217,7 @@ def measure(args, mode: str, batch_size: int, remat: str, work: Path) -> dict:
     return row
 
 
-def first_timed_step(args) -> int:
+def last_untimed_step(args) -> int:
     """The last step left out of the timing: --warmup's, or the profiled window's and the step after it."""
     return max(args.warmup, loop.PROFILE_AFTER + args.profile_steps + 1 if args.profile_steps else 0)
 
@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--modes {args.modes!r}: {bad} not allowed; allowed {MODES}")
     if args.profile_steps < 0:
         parser.error(f"--profile-steps {args.profile_steps}: allowed an integer >= 0")
-    if args.steps <= first_timed_step(args) + 1:
-        parser.error(f"--steps {args.steps} must exceed {first_timed_step(args) + 1} (two timed steps at least after "
+    if args.steps <= last_untimed_step(args) + 1:
+        parser.error(f"--steps {args.steps} must exceed {last_untimed_step(args) + 1} (two timed steps at least after "
                      f"--warmup {args.warmup}, and after the --profile-steps {args.profile_steps} traced from step "
                      f"{loop.PROFILE_AFTER + 1} and the step that ends the trace)")
     if args.task:  # a child process of main
